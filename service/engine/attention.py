@@ -1,0 +1,67 @@
+"""Paged attention plugged into transformers through its attention interface.
+
+The model code stays transformers' own: every attention layer calls `paged_attention_forward`,
+which writes the step's new K/V into the paged cache, then attends each query token to the K/V
+of its own sequence. This is the plain-torch reference path (CPU and CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from .batch import AttentionMetadata
+
+ATTN_IMPLEMENTATION = "tandem_paged"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    tandem_meta: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    if tandem_meta is None:
+        raise RuntimeError("tandem_paged attention needs the engine's metadata (tandem_meta=...)")
+    meta = tandem_meta
+    cache = meta.kv_cache
+    layer = module.layer_idx
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    new_v = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))
+
+    q = query[0]  # [H, T, D]
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
+    if meta.decode_token_idx is not None:
+        qd = q[:, meta.decode_token_idx].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
+        out[meta.decode_token_idx] = od[:, :, 0]
+    for seg in meta.prefills:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        qp = q[:, rows].unsqueeze(0)  # [1, H, n, D]
+        if seg.slots is None:  # fresh prompt: its own K/V are the whole context
+            kp, vp = key[:, :, rows], value[:, :, rows]
+        else:
+            kp = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+            vp = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
+        )
+        out[rows] = op[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Make `tandem_paged` a valid `attn_implementation` for every transformers model."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

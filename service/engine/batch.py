@@ -1,0 +1,181 @@
+"""Batch builder: turn a scheduler step into flat host tensors, then into device inputs.
+
+All scheduled tokens are packed into one row ([1, T]) so prefill chunks and decodes of many
+sequences run in one forward; the attention metadata tells each token where its K/V live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .scheduler import ScheduledChunk
+
+
+@dataclass
+class PrefillSegment:
+    """A run of query tokens of one sequence (a prompt chunk, or a recompute)."""
+
+    q_start: int  # index of its first token in the packed batch
+    q_len: int
+    ctx_len: int  # keys it attends to: positions [0, ctx_len)
+    slots: torch.Tensor | None = None  # [ctx_len] cache slots; None = fresh prompt, use its own K/V
+    mask: torch.Tensor | None = None  # [1, 1, q_len, ctx_len] bool; None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    decode_token_idx: torch.Tensor | None = None  # [B] packed index of each single-token query
+    decode_slots: torch.Tensor | None = None  # [B, L] cache slots of each decode's context
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True = attend
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    kv_cache: object = None  # the runner's KVCache, set before the forward
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [S] float32
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64, 0 = off
+    seeds: torch.Tensor  # [S] int64
+    steps: torch.Tensor  # [S] int64, index of the token being sampled within the request's output
+    all_greedy: bool
+    needs_filter: bool  # any top-k / top-p in the batch
+    num_logprobs: int  # -1 = none wanted; else top alternatives to return (0 = just the chosen one)
+
+    def to(self, device: torch.device) -> SamplingTensors:
+        move = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if torch.is_tensor(v)}
+        return SamplingTensors(**{**vars(self), **move})
+
+
+@dataclass
+class HostBatch:
+    """CPU tensors for one step (pinned on CUDA), plus what is needed to map results back."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    logits_indices: torch.Tensor  # [S] packed index of each sampling sequence's last token
+    sample_chunks: list[int]  # chunk index (in the scheduler output) of each sampled row
+    decode_token_idx: list[int]
+    decode_block_table: torch.Tensor | None  # [B, max_blocks]
+    decode_ctx_lens: torch.Tensor | None  # [B]
+    prefills: list[tuple[int, int, int, list[int] | None]]  # (q_start, q_len, ctx_len, block ids)
+    sampling: SamplingTensors
+
+
+def _pinned(data: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory() if pin else t
+
+
+def build_host_batch(chunks: list[ScheduledChunk], block_size: int, pin: bool = False) -> HostBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    sample_chunks: list[int] = []
+    decode_idx: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[tuple[int, int, int, list[int] | None]] = []
+    temps, top_ps, top_ks, seeds, steps = [], [], [], [], []
+    num_logprobs = -1
+
+    for ci, chunk in enumerate(chunks):
+        seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+        q_start = len(input_ids)
+        input_ids.extend(seq.token_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        blocks = seq.block_ids
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if n == 1:
+            decode_idx.append(q_start)
+            decode_tables.append(blocks)
+            decode_lens.append(start + 1)
+        else:
+            prefills.append((q_start, n, start + n, None if start == 0 else list(blocks)))
+        if chunk.samples:
+            p = seq.params
+            logits_indices.append(q_start + n - 1)
+            sample_chunks.append(ci)
+            temps.append(p.temperature)
+            top_ps.append(p.top_p)
+            top_ks.append(p.top_k)
+            seeds.append(seq.seed)
+            steps.append(seq.num_output)
+            if p.logprobs:
+                num_logprobs = max(num_logprobs, p.top_logprobs)
+
+    table = lens = None
+    if decode_tables:
+        width = max(len(b) for b in decode_tables)
+        table = _pinned([b + [0] * (width - len(b)) for b in decode_tables], torch.int64, pin)
+        lens = _pinned(decode_lens, torch.int64, pin)
+    sampling = SamplingTensors(
+        temperature=_pinned(temps, torch.float32, pin),
+        top_p=_pinned(top_ps, torch.float32, pin),
+        top_k=_pinned(top_ks, torch.int64, pin),
+        seeds=_pinned(seeds, torch.int64, pin),
+        steps=_pinned(steps, torch.int64, pin),
+        all_greedy=all(t == 0.0 for t in temps),
+        needs_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
+        num_logprobs=num_logprobs,
+    )
+    return HostBatch(
+        input_ids=_pinned(input_ids, torch.int64, pin),
+        positions=_pinned(positions, torch.int64, pin),
+        slot_mapping=_pinned(slots, torch.int64, pin),
+        logits_indices=_pinned(logits_indices, torch.int64, pin),
+        sample_chunks=sample_chunks,
+        decode_token_idx=decode_idx,
+        decode_block_table=table,
+        decode_ctx_lens=lens,
+        prefills=prefills,
+        sampling=sampling,
+    )
+
+
+def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[..., blocks] block ids -> [..., length] cache slots of positions 0..length-1."""
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = block_table.unsqueeze(-1) * block_size + offsets
+    return slots.flatten(-2)[..., :length]
+
+
+def _causal_mask(
+    q_pos: torch.Tensor, ctx_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[..., q, L] True where key position <= query position (and inside the window)."""
+    k_pos = torch.arange(ctx_len, device=device)
+    mask = k_pos <= q_pos.unsqueeze(-1)
+    if sliding_window:
+        mask &= k_pos > q_pos.unsqueeze(-1) - sliding_window
+    return mask
+
+
+def build_attention_metadata(
+    batch: HostBatch, block_size: int, device: torch.device, sliding_window: int | None = None
+) -> AttentionMetadata:
+    meta = AttentionMetadata(slot_mapping=batch.slot_mapping.to(device, non_blocking=True))
+    if batch.decode_block_table is not None:
+        table = batch.decode_block_table.to(device, non_blocking=True)
+        lens = batch.decode_ctx_lens.to(device, non_blocking=True)
+        width = int(batch.decode_ctx_lens.max())
+        meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
+        meta.decode_slots = _slots_of(table, width, block_size)
+        mask = _causal_mask(lens - 1, width, sliding_window, device)  # query sits at position len-1
+        meta.decode_mask = mask[:, None, None, :]
+    for q_start, q_len, ctx_len, blocks in batch.prefills:
+        seg = PrefillSegment(q_start, q_len, ctx_len)
+        fresh = blocks is None
+        if not fresh:
+            table = torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True)
+            seg.slots = _slots_of(table, ctx_len, block_size)
+        if not fresh or (sliding_window and q_len > sliding_window):
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+            seg.mask = _causal_mask(q_pos, ctx_len, sliding_window, device)[None, None]
+        meta.prefills.append(seg)
+    return meta

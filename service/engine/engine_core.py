@@ -1,0 +1,164 @@
+"""The engine core thread: admit, schedule, run a step, hand results back; repeat."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .model_runner import ModelRunner, StepResult
+from .sampling_params import GenerationRequest
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprob:
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SeqUpdate:
+    """What one step did for one request, handed to the front."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        on_updates: Callable[[list[SeqUpdate]], None],
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.on_updates = on_updates
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.steps = 0
+
+    # -- called from any thread ----------------------------------------------------------------
+    def add(self, request: GenerationRequest) -> None:
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.blocks
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_usage=blocks.usage,
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=blocks.num_free,
+        )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                updates = self.step()
+                if updates:
+                    self.on_updates(updates)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self.scheduler.add(self._new_sequence(payload))
+            elif kind == "abort":
+                self.scheduler.abort(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _new_sequence(self, req: GenerationRequest) -> Sequence:
+        p = req.params
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        return Sequence(
+            request_id=req.request_id,
+            token_ids=list(req.prompt_ids),
+            prompt_len=len(req.prompt_ids),
+            params=p,
+            seed=p.seed if p.seed is not None else random.getrandbits(63),
+            max_total_len=self.max_model_len,
+            stop_ids=stop_ids,
+        )
+
+    def step(self) -> list[SeqUpdate]:
+        """One synchronous step. Public so tests can drive the engine without the thread."""
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        try:
+            result = self.runner.run(out.chunks)
+        except Exception as exc:  # a failed step fails its requests, not the server
+            log.exception("engine step failed")
+            return self._fail(out, f"engine step failed: {exc}")
+        self.steps += 1
+        return self._process(out, result)
+
+    def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
+        sampled = dict(zip(result.sample_chunks, result.tokens))
+        self.scheduler.finish_step(out, sampled)
+        updates = []
+        for row, ci in enumerate(result.sample_chunks):
+            seq = out.chunks[ci].seq
+            if seq.finish_reason is FinishReason.CANCELLED:
+                continue
+            lp = None
+            if result.logprobs is not None and seq.params.logprobs:
+                top = result.top[row][: seq.params.top_logprobs] if result.top else []
+                lp = [TokenLogprob(result.logprobs[row], top)]
+            updates.append(SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token))
+        return updates
+
+    def _fail(self, out: SchedulerOutput, message: str) -> list[SeqUpdate]:
+        updates = []
+        for chunk in out.chunks:
+            if self.scheduler.abort(chunk.seq.request_id) is not None:
+                updates.append(SeqUpdate(chunk.seq.request_id, [], error=message))
+        return updates

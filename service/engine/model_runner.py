@@ -1,0 +1,74 @@
+"""Runs one scheduled step on the device: inputs in, forward, sample, tokens out.
+
+The split into prepare (host) / execute (device) / fetch (host) is the seam the asynchronous
+step loop uses to overlap the CPU's next batch with the device's current one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import HostBatch, build_attention_metadata, build_host_batch
+from .kv_cache import KVCache
+from .sampler import SampleOutput, sample
+from .scheduler import ScheduledChunk
+
+
+@dataclass
+class StepResult:
+    """Host-side results of one step, one row per sampling sequence."""
+
+    sample_chunks: list[int]
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.block_size = cache.block_size
+        text_config = model.config.get_text_config()
+        self.sliding_window = getattr(text_config, "sliding_window", None) if getattr(
+            text_config, "use_sliding_window", True
+        ) else None
+        self.vocab_size = text_config.vocab_size
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> HostBatch:
+        return build_host_batch(chunks, self.block_size, pin=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def execute(self, batch: HostBatch) -> SampleOutput:
+        dev = self.device
+        meta = build_attention_metadata(batch, self.block_size, dev, self.sliding_window)
+        meta.kv_cache = self.cache
+        input_ids = batch.input_ids.to(dev, non_blocking=True)[None]
+        positions = batch.positions.to(dev, non_blocking=True)[None]
+        logits_indices = batch.logits_indices.to(dev, non_blocking=True)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            logits_to_keep=logits_indices,
+            use_cache=False,
+            tandem_meta=meta,
+        )
+        return sample(out.logits[0], batch.sampling.to(dev))
+
+    @staticmethod
+    def fetch(batch: HostBatch, out: SampleOutput) -> StepResult:
+        result = StepResult(batch.sample_chunks, out.tokens.tolist())
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.tolist()
+            if out.top_ids is not None:
+                ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+                result.top = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
+        return result
+
+    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        """The synchronous step: prepare -> H2D -> forward + sample -> D2H -> wait."""
+        batch = self.prepare(chunks)
+        return self.fetch(batch, self.execute(batch))

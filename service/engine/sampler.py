@@ -1,0 +1,88 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Randomness is a counter-based hash of (request seed, output index, vocabulary id), turned into
+Gumbel noise: argmax(logits / T + Gumbel) samples from softmax(logits / T). A seeded request
+therefore draws the same numbers whatever else is in the batch, and no generator state is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import SamplingTensors
+
+_M64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijective avalanche of 64-bit integers (wrapping arithmetic)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] uniforms in (0, 1), a pure function of (seed, step, vocab id)."""
+    row = _mix64(_mix64(seeds * _GOLDEN + 1) + steps)  # [S]
+    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN
+    bits = _shr(_mix64(row[:, None] + cols), 40)  # top 24 bits
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before > top_p[:, None]  # keeps at least the first token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor | None = None  # [S] log-probability of the chosen token
+    top_ids: torch.Tensor | None = None  # [S, K]
+    top_logprobs: torch.Tensor | None = None  # [S, K]
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+    logits = logits.float()
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temperature = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+        scaled = logits / temperature[:, None]
+        if st.needs_filter:
+            scaled = _filter_top_k_top_p(scaled, st.top_k, st.top_p)
+        gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, st.steps, logits.shape[-1])))
+        sampled = (scaled + gumbel).argmax(dim=-1)
+        tokens = torch.where(st.temperature > 0, sampled, greedy_tokens)
+    out = SampleOutput(tokens)
+    if st.num_logprobs >= 0:
+        # logprobs of the model's own distribution (before temperature and filtering), as vLLM reports
+        logp = logits.log_softmax(dim=-1)
+        out.logprobs = logp.gather(-1, tokens[:, None])[:, 0]
+        if st.num_logprobs > 0:
+            out.top_logprobs, out.top_ids = logp.topk(st.num_logprobs, dim=-1)
+    return out

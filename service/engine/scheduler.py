@@ -1,0 +1,135 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Policy per step, under a token budget and a cap on running sequences:
+1. decode first: every running sequence with one token to compute gets it;
+2. then running sequences still in (chunked) prefill get what is left of the budget;
+3. then waiting sequences are admitted in FIFO order while budget and blocks last.
+When a running sequence needs a block and none is free, the most recently admitted sequence
+not yet scheduled this step is preempted (its blocks freed, recomputed later from its tokens).
+A sequence that cannot be scheduled even then preempts itself; the others finish and free blocks,
+so the engine never deadlocks (a request never needs more blocks than the cache has: validated).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed in this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this step end at the sequence's last known token (and so produce a new one)?"""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is and free its blocks; call between steps."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.blocks.free(seq)
+                    seq.finish_reason = FinishReason.CANCELLED
+                    return seq
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        scheduled: set[int] = set()
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            self.blocks.allocate(seq, n)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        def make_room(seq: Sequence, n: int) -> bool:
+            """Preempt from the tail until `seq` has its blocks; False if `seq` itself had to go."""
+            while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    return False
+            return True
+
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if make_room(seq, n):
+                take(seq, n)
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            take(seq, n)
+        return SchedulerOutput(chunks, preempted)
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        preempted.append(seq)
+
+    def finish_step(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the scheduled chunks; `sampled` maps chunk index -> new token. Returns finished."""
+        finished = []
+        for i, chunk in enumerate(out.chunks):
+            seq = chunk.seq
+            if seq.finished:  # aborted while the step ran
+                continue
+            seq.num_computed += chunk.num_tokens
+            if i in sampled:
+                seq.append(sampled[i])
+                if seq.finished:
+                    self.running.remove(seq)
+                    self.blocks.free(seq)
+                    finished.append(seq)
+        return finished

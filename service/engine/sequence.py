@@ -1,0 +1,50 @@
+"""Engine-side state of one request: its tokens, its KV blocks, how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by every generated token
+    prompt_len: int
+    params: SamplingParams
+    seed: int  # resolved seed: a request without one gets a random one at admission
+    max_total_len: int  # prompt + generated tokens may not exceed this (context length)
+    stop_ids: frozenset[int] = frozenset()
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: FinishReason | None = None
+    stop_token: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int) -> None:
+        """Add a sampled token and decide whether the sequence is done (stop strings are the front's)."""
+        self.token_ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason, self.stop_token = FinishReason.STOP, token
+        elif self.num_output >= self.params.max_tokens or len(self.token_ids) >= self.max_total_len:
+            self.finish_reason = FinishReason.LENGTH
