@@ -1,0 +1,60 @@
+"""Incremental detokenization and stop strings, on the host, per request."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+_PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading spaces come out right
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas; never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, ids: list[int]) -> str:
+        self.tokens.extend(ids)
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return full[len(prefix) :]
+        return ""
+
+
+class StopStringMatcher:
+    """Finds the first stop string in streamed text; holds back text that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Add text; return (text safe to emit now, the stop string if one matched)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hit, cut = None, len(self.text)
+        for stop in self.stops:
+            i = self.text.find(stop, start)
+            if i != -1 and i < cut:
+                hit, cut = stop, i
+        if hit is None:
+            cut = max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted : cut]
+        self.emitted = cut
+        return out, hit
+
+    def flush(self) -> str:
+        """At the end of generation: whatever was held back."""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out

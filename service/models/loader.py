@@ -1,0 +1,108 @@
+"""Load a causal LM and its tokenizer: a transformers directory, a GGUF file, or the default.
+
+GGUF files are de-quantized by transformers on load, which is slow; the result is saved once
+as safetensors under the cache directory, so the next start loads in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # served model name
+    source: str  # where it came from, for model info
+    eos_token_ids: frozenset[int]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    st = gguf.stat()
+    return hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """De-quantize a GGUF file into a safetensors directory, once; return that directory."""
+    target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors under %s (first start only)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The de-quantized weights are plain tensors now; forget the GGUF quantizer so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a crash never leaves a half-written model behind
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids that end generation, as `generate()` would use them (generation config first)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def load_model(
+    source: str | None,
+    name: str | None,
+    device: torch.device,
+    dtype: str = "auto",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """`source`: None (the embedded default), a transformers directory, or a .gguf file."""
+    cache_dir = cache_dir or default_cache_dir()
+    if source is None:
+        path, served = convert_gguf(default_gguf_path(), cache_dir), name or DEFAULT_MODEL_NAME
+        origin = f"embedded default ({default_gguf_path().name})"
+    else:
+        given = Path(source).expanduser()
+        if given.is_file() and given.suffix == ".gguf":
+            path = convert_gguf(given, cache_dir)
+        elif (given / "config.json").is_file():
+            path = given
+        else:
+            raise FileNotFoundError(f"{source}: not a transformers model directory or a .gguf file")
+        served, origin = name or given.stem.lower(), str(given)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    model = model.to(device).eval()
+    return LoadedModel(model, tokenizer, served, origin, _eos_ids(model, tokenizer))

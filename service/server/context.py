@@ -1,0 +1,51 @@
+"""What the gRPC servicers share: the engine, the tokenizer and the served model's identity."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.errors import ErrorKind, RequestError
+
+
+@dataclass
+class ModelContext:
+    engine: AsyncEngine
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    source: str
+    architecture: str
+    dtype: str
+    device: str
+    eos_token_ids: list[int]
+    is_ready: Callable[[], bool] = lambda: True  # health: loaded, warmed up and not draining
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def check_model(self, requested: str) -> None:
+        """An empty name means the served model; any other name must be it."""
+        if requested and requested != self.name:
+            raise RequestError(ErrorKind.NOT_FOUND, f"model {requested!r} is not served here; this server serves {self.name!r}")
+
+    def check_ready(self) -> None:
+        if not self.is_ready():
+            raise RequestError(ErrorKind.UNAVAILABLE, "the server is not ready (warming up or draining)")
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.has_chat_template:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"model {self.name!r} has no chat template")
+        if not messages:
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, "chat has no messages")
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # template errors (e.g. roles out of order) are the caller's
+            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

@@ -1,0 +1,57 @@
+"""Every server setting: environment variables `TANDEM_<NAME>`, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", protected_namespaces=())
+
+    model: str | None = Field(
+        None, description="Local transformers model directory or .gguf file; unset = embedded SmolLM2-135M."
+    )
+    model_name: str | None = Field(
+        None, description="Name the model is served under (default: smollm2-135m-instruct / the path's stem)."
+    )
+    cache_dir: Path | None = Field(
+        None, description="Where converted GGUF models are cached (default: $XDG_CACHE_HOME/tandem)."
+    )
+    host: str = Field("0.0.0.0", description="Address the gRPC server binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV-cache dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Fixed number of KV blocks; overrides the memory-based sizing below."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.85, gt=0, lt=1, description="CUDA: share of free device memory (after loading) given to the KV cache."
+    )
+    kv_cache_cpu_gib: float = Field(2.0, gt=0, description="CPU: KV-cache size in GiB.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step (decodes + prefill chunks)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context length per request (prompt + output); default: the model's."
+    )
+    default_max_tokens: int = Field(256, ge=1, description="New tokens when a request does not say.")
+    max_waiting_requests: int = Field(
+        4096, ge=1, description="Queue bound; past it requests get RESOURCE_EXHAUSTED."
+    )
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
+    max_stop_string_chars: int = Field(256, ge=1, description="Longest stop string accepted.")
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
+    )
+    warmup: bool = Field(True, description="Run a short generation before health turns SERVING.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="On SIGTERM: how long running streams may finish before the server stops."
+    )
