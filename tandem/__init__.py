@@ -1,0 +1,3 @@
+"""Tandem: a Kubernetes-operated LLM inference microservice."""
+
+__version__ = "0.1.0"

@@ -6,9 +6,11 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..telemetry.idle import IdleTracker
 from .model_runner import ModelRunner, StepResult
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
@@ -42,6 +44,7 @@ class EngineStats:
     kv_usage: float
     kv_blocks_total: int
     kv_blocks_free: int
+    idle_fraction: float
 
 
 class EngineCore:
@@ -62,6 +65,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+        self.idle = IdleTracker()
 
     # -- called from any thread ----------------------------------------------------------------
     def add(self, request: GenerationRequest) -> None:
@@ -78,6 +82,7 @@ class EngineCore:
             kv_usage=blocks.usage,
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=blocks.num_free,
+            idle_fraction=self.idle.idle_fraction(),
         )
 
     def start(self) -> None:
@@ -133,11 +138,13 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        started = time.monotonic()
         try:
             result = self.runner.run(out.chunks)
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
             return self._fail(out, f"engine step failed: {exc}")
+        self.idle.record(started, time.monotonic())
         self.steps += 1
         return self._process(out, result)
 

@@ -49,3 +49,15 @@ class ModelContext:
         except Exception as exc:  # template errors (e.g. roles out of order) are the caller's
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+class ContextHolder:
+    """The servicers start before the model has loaded; until then calls get UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.ctx: ModelContext | None = None
+
+    def get(self) -> ModelContext:
+        if self.ctx is None:
+            raise RequestError(ErrorKind.UNAVAILABLE, "the model is still loading")
+        return self.ctx

@@ -1,0 +1,48 @@
+"""`tandem generate`: a small streaming client for humans."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    if args.raw:
+        req.text = args.prompt
+    else:
+        if args.system:
+            req.chat.messages.add(role="system", content=args.system)
+        req.chat.messages.add(role="user", content=args.prompt)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(req.sampling, name, value)
+    if args.max_tokens is not None:
+        req.stopping.max_tokens = args.max_tokens
+    req.stopping.stop.extend(args.stop)
+    return req
+
+
+async def generate_to_terminal(args: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(args.server) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        try:
+            async for msg in stub.GenerateStream(build_request(args), timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finish_reason:
+                    reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    sys.stdout.write("\n")
+                    u = msg.usage
+                    print(f"[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]",
+                          file=sys.stderr)
+        except grpc.aio.AioRpcError as err:
+            print(f"\ntandem: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0

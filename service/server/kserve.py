@@ -1,0 +1,255 @@
+"""KServe v2 / Open Inference Protocol (`inference.GRPCInferenceService`) with Triton's LLM tensors.
+
+Inputs: text_input (BYTES, a raw prompt, no chat template), max_tokens (INT32), stream (BOOL),
+sampling_parameters (BYTES, JSON: temperature, top_p, top_k, seed, stop, max_tokens),
+exclude_input_in_output (BOOL). Output: text_output (BYTES). ModelStreamInfer is decoupled: one
+response per chunk, the last one with the parameter triton_final_response=true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from tandem import __version__
+from tandem.kserve import grpc_service_pb2 as pb
+from tandem.kserve import grpc_service_pb2_grpc as pb_grpc
+from tandem.kserve import model_config_pb2 as mc
+
+from ..engine.errors import RequestError, invalid
+from ..engine.sampling_params import SamplingParams
+from ..engine.validation import resolve_params
+from .context import ContextHolder, ModelContext
+from .errors import abort
+from .kserve_tensors import bytes_output, read_inputs
+
+INPUTS = (  # name, KServe datatype, model-config type, optional
+    ("text_input", "BYTES", mc.TYPE_STRING, False),
+    ("max_tokens", "INT32", mc.TYPE_INT32, True),
+    ("stream", "BOOL", mc.TYPE_BOOL, True),
+    ("sampling_parameters", "BYTES", mc.TYPE_STRING, True),
+    ("exclude_input_in_output", "BOOL", mc.TYPE_BOOL, True),
+)
+OUTPUT = "text_output"
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "seed", "stop", "max_tokens"}
+
+
+@dataclass
+class LlmRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    exclude_input: bool
+
+
+def _scalar(values: dict[str, list], name: str, default: object) -> object:
+    v = values.get(name)
+    if v is None:
+        return default
+    if len(v) != 1:
+        raise invalid(f"input {name!r} must hold exactly one element, got {len(v)}")
+    return v[0]
+
+
+def _number(d: dict, key: str, kind: type) -> object:
+    if key not in d or d[key] is None:
+        return None
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise invalid(f"sampling_parameters.{key} must be {'an integer' if kind is int else 'a number'}")
+    if kind is float and not math.isfinite(v):
+        raise invalid(f"sampling_parameters.{key} must be finite")
+    return kind(v)
+
+
+class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, holder: ContextHolder) -> None:
+        self.holder = holder
+
+    @property
+    def ctx(self) -> ModelContext:
+        return self.holder.get()
+
+    def _ready(self) -> bool:
+        return self.holder.ctx is not None and self.holder.ctx.is_ready()
+
+    # -- liveness, readiness, metadata ----------------------------------------------------------
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
+        ctx = self.holder.ctx
+        return pb.ModelReadyResponse(ready=self._ready() and ctx is not None and request.name == ctx.name)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="tandem", version=__version__, extensions=["model_configuration"])
+
+    def _model(self, name: str) -> ModelContext:
+        ctx = self.ctx
+        if name != ctx.name:
+            ctx.check_model(name or "<empty>")
+        return ctx
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        try:
+            ctx = self._model(request.name)
+        except RequestError as err:
+            await abort(context, err)
+        T = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=ctx.name,
+            versions=["1"],
+            platform="tandem",
+            inputs=[T(name=n, datatype=dt, shape=[1]) for n, dt, _, _ in INPUTS],
+            outputs=[T(name=OUTPUT, datatype="BYTES", shape=[-1])],
+        )
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
+        try:
+            ctx = self._model(request.name)
+        except RequestError as err:
+            await abort(context, err)
+        config = mc.ModelConfig(
+            name=ctx.name,
+            platform="tandem",
+            backend="tandem",
+            max_batch_size=0,
+            input=[mc.ModelInput(name=n, data_type=t, dims=[1], optional=opt) for n, _, t, opt in INPUTS],
+            output=[mc.ModelOutput(name=OUTPUT, data_type=mc.TYPE_STRING, dims=[-1])],
+            model_transaction_policy=mc.ModelTransactionPolicy(decoupled=True),
+        )
+        return pb.ModelConfigResponse(config=config)
+
+    # -- inference ------------------------------------------------------------------------------
+    def _parse(self, ctx: ModelContext, request: pb.ModelInferRequest) -> tuple[LlmRequest, list[int]]:
+        ctx.check_ready()
+        values = read_inputs(request)
+        unknown = set(values) - {n for n, *_ in INPUTS}
+        if unknown:
+            raise invalid(f"unknown inputs {sorted(unknown)}; accepted: {[n for n, *_ in INPUTS]}")
+        raw_prompt = _scalar(values, "text_input", None)
+        if raw_prompt is None:
+            raise invalid("input 'text_input' is required")
+        try:
+            prompt = raw_prompt.decode() if isinstance(raw_prompt, bytes) else str(raw_prompt)
+        except UnicodeDecodeError as exc:
+            raise invalid("text_input is not valid UTF-8") from exc
+        if not prompt:
+            raise invalid("prompt is empty")
+        sp_raw = _scalar(values, "sampling_parameters", b"{}")
+        try:
+            sp = json.loads(sp_raw or b"{}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise invalid(f"sampling_parameters is not valid JSON: {exc}") from exc
+        if not isinstance(sp, dict):
+            raise invalid("sampling_parameters must be a JSON object")
+        unknown = set(sp) - _SAMPLING_KEYS
+        if unknown:
+            raise invalid(f"unknown sampling_parameters {sorted(unknown)}; accepted: {sorted(_SAMPLING_KEYS)}")
+        stop = sp.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise invalid("sampling_parameters.stop must be a string or a list of strings")
+        max_tokens = _scalar(values, "max_tokens", None)
+        if max_tokens is None:
+            max_tokens = _number(sp, "max_tokens", int)
+        prompt_ids = ctx.encode_text(prompt)
+        params = resolve_params(
+            ctx.engine.limits,
+            len(prompt_ids),
+            temperature=_number(sp, "temperature", float),
+            top_p=_number(sp, "top_p", float),
+            top_k=_number(sp, "top_k", int),
+            seed=_number(sp, "seed", int),
+            max_tokens=max_tokens,
+            stop=stop,
+        )
+        req = LlmRequest(
+            prompt=prompt,
+            params=params,
+            stream=bool(_scalar(values, "stream", False)),
+            exclude_input=bool(_scalar(values, "exclude_input_in_output", False)),
+        )
+        return req, prompt_ids
+
+    def _response(
+        self, ctx: ModelContext, request: pb.ModelInferRequest, text: str, final: bool | None
+    ) -> pb.ModelInferResponse:
+        tensor, raw = bytes_output(OUTPUT, [text.encode()])
+        resp = pb.ModelInferResponse(
+            model_name=ctx.name, model_version="1", id=request.id, outputs=[tensor], raw_output_contents=[raw]
+        )
+        if final is not None:
+            resp.parameters["triton_final_response"].bool_param = final
+        return resp
+
+    async def _texts(self, request: pb.ModelInferRequest) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
+        """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
+        ctx = self.ctx
+        req, prompt_ids = self._parse(ctx, request)
+        stream = await ctx.engine.generate(prompt_ids, req.params, request.id or None)
+        prefix = "" if req.exclude_input else req.prompt
+        if req.stream:
+            async for chunk in stream:
+                yield ctx, req, prefix + chunk.text, chunk.finish_reason is not None
+                prefix = ""
+        else:
+            text = prefix
+            async for chunk in stream:
+                text += chunk.text
+            yield ctx, req, text, True
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        try:
+            ctx = self._model(request.model_name)
+            req, prompt_ids = self._parse(ctx, request)
+            done = await ctx.engine.generate_all(prompt_ids, req.params)
+        except RequestError as err:
+            await abort(context, err)
+        text = done.text if req.exclude_input else req.prompt + done.text
+        return self._response(ctx, request, text, None)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on one stream run concurrently; a bad request gets an error_message, not a dead stream."""
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                self._model(request.model_name)
+                async for ctx, _req, text, last in self._texts(request):
+                    await out.put(pb.ModelStreamInferResponse(infer_response=self._response(ctx, request, text, last)))
+            except RequestError as err:
+                await out.put(pb.ModelStreamInferResponse(error_message=err.message))
+
+        async def reader() -> None:
+            async for request in request_iterator:
+                tasks.append(asyncio.create_task(one(request)))
+            await asyncio.gather(*tasks)
+            await out.put(None)
+
+        feeder = asyncio.create_task(reader())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:  # the client went away or the stream ended: stop whatever still runs
+            feeder.cancel()
+            for task in tasks:
+                task.cancel()

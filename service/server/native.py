@@ -1,0 +1,171 @@
+"""The native `tandem.v1.Tandem` API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+from ..engine.async_engine import GenerationChunk
+from ..engine.errors import RequestError, invalid
+from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import FinishReason
+from ..engine.validation import resolve_params
+from .context import ContextHolder, ModelContext
+from .errors import abort
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+def _messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class TandemServicer(pb_grpc.TandemServicer):
+    def __init__(self, holder: ContextHolder) -> None:
+        self.holder = holder
+
+    @property
+    def ctx(self) -> ModelContext:
+        return self.holder.get()
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "text":
+            if not request.text:
+                raise invalid("prompt is empty")
+            return self.ctx.encode_text(request.text)
+        if which == "chat":
+            return self.ctx.encode_chat(_messages(request.chat))
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        raise invalid("no input: set one of text, chat or token_ids")
+
+    def _params(self, request: pb.GenerateRequest, prompt_len: int) -> SamplingParams:
+        s, st, lp = request.sampling, request.stopping, request.logprobs
+        return resolve_params(
+            self.ctx.engine.limits,
+            prompt_len,
+            temperature=s.temperature if s.HasField("temperature") else None,
+            top_p=s.top_p if s.HasField("top_p") else None,
+            top_k=s.top_k if s.HasField("top_k") else None,
+            seed=s.seed if s.HasField("seed") else None,
+            max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+            stop=list(st.stop),
+            stop_token_ids=list(st.stop_token_ids),
+            ignore_eos=st.ignore_eos,
+            logprobs=lp.enabled,
+            top_logprobs=lp.top_logprobs,
+        )
+
+    async def _start(self, request: pb.GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        self.ctx.check_ready()
+        self.ctx.check_model(request.model)
+        prompt = self._prompt(request)
+        params = self._params(request, len(prompt))
+        return await self.ctx.engine.generate(prompt, params, request.request_id or None)
+
+    def _token(self, token_id: int) -> str:
+        return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
+
+    def _response(self, request_id: str, chunk: GenerationChunk) -> pb.GenerateResponse:
+        out = pb.GenerateResponse(
+            request_id=request_id,
+            model=self.ctx.name,
+            text=chunk.text,
+            token_ids=chunk.token_ids,
+            finish_reason=_FINISH[chunk.finish_reason],
+        )
+        for tid, lp in zip(chunk.token_ids, chunk.logprobs or []):
+            out.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=tid,
+                    token=self._token(tid),
+                    logprob=lp.logprob,
+                    top_logprobs=[pb.TopLogprob(token_id=i, token=self._token(i), logprob=v) for i, v in lp.top],
+                )
+            )
+        if chunk.finish_reason is not None:
+            out.usage.prompt_tokens = chunk.prompt_tokens
+            out.usage.completion_tokens = chunk.completion_tokens
+            if chunk.stop_reason is not None:
+                reason = chunk.stop_reason
+                out.stop_reason = reason if isinstance(reason, str) else self._token(reason)
+        return out
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        try:
+            stream = await self._start(request)
+            merged = GenerationChunk(text="", token_ids=[], logprobs=[])
+            async for chunk in stream:
+                merged.text += chunk.text
+                merged.token_ids += chunk.token_ids
+                merged.logprobs += chunk.logprobs or []
+                merged.finish_reason, merged.stop_reason = chunk.finish_reason, chunk.stop_reason
+                merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+        except RequestError as err:
+            await abort(context, err)
+        return self._response(request.request_id, merged)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            stream = await self._start(request)
+            async for chunk in stream:
+                yield self._response(request.request_id, chunk)
+        except RequestError as err:
+            await abort(context, err)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            self.ctx.check_model(request.model)
+            which = request.WhichOneof("input")
+            if which == "chat":
+                ids = self.ctx.encode_chat(_messages(request.chat))
+            elif which == "text":
+                ids = self.ctx.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+            else:
+                raise invalid("no input: set text or chat")
+        except RequestError as err:
+            await abort(context, err)
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.ctx.tokenizer.convert_ids_to_tokens(ids))
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        try:
+            limits = self.ctx.engine.limits
+        except RequestError as err:
+            await abort(context, err)
+        return pb.ModelInfo(
+            model=self.ctx.name,
+            source=self.ctx.source,
+            architecture=self.ctx.architecture,
+            vocab_size=limits.vocab_size,
+            max_context_length=limits.max_model_len,
+            dtype=self.ctx.dtype,
+            device=self.ctx.device,
+            eos_token_ids=sorted(self.ctx.eos_token_ids),
+            has_chat_template=self.ctx.has_chat_template,
+        )
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
+        try:
+            s = self.ctx.engine.core.stats()
+        except RequestError as err:
+            await abort(context, err)
+        return pb.Load(
+            requests_running=s.running,
+            requests_waiting=s.waiting,
+            kv_cache_usage=s.kv_usage,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free,
+            gpu_idle_fraction=s.idle_fraction,
+        )

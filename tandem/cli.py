@@ -1,0 +1,87 @@
+"""`tandem`: one command line for the server and its tools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import typing
+
+from pydantic import ValidationError
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type) -> None:
+    """One flag per setting; a flag given on the command line beats the TANDEM_ environment."""
+    for name, field in settings_cls.model_fields.items():
+        help_text = f"{field.description} [env TANDEM_{name.upper()}]"
+        if field.annotation is bool:
+            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+            continue
+        choices = None
+        if typing.get_origin(field.annotation) is typing.Literal:
+            choices = typing.get_args(field.annotation)
+        parser.add_argument(_flag(name), dest=name, default=None, choices=choices, help=help_text)
+
+
+def _settings_from(args: argparse.Namespace, settings_cls: type) -> object:
+    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
+    try:
+        return settings_cls(**given)
+    except ValidationError as exc:
+        sys.exit(f"tandem: invalid settings:\n{exc}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tandem.service.server.app import serve
+    from tandem.service.settings import ServerSettings
+
+    settings = _settings_from(args, ServerSettings)
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tandem.service.client import generate_to_terminal
+
+    return asyncio.run(generate_to_terminal(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM model server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from tandem.service.settings import ServerSettings
+
+    serve = sub.add_parser("serve", help="run the gRPC model server")
+    _add_settings_flags(serve, ServerSettings)
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="stream an answer from a running server to the terminal")
+    gen.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
+    gen.add_argument("--server", default="localhost:50051")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
+    gen.add_argument("--system", default=None, help="a system message before the prompt")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    gen.add_argument("--log-level", default="WARNING")
+    gen.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
