@@ -40,8 +40,10 @@ async def generate_to_terminal(args: argparse.Namespace) -> int:
                     reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
                     sys.stdout.write("\n")
                     u = msg.usage
-                    print(f"[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]",
-                          file=sys.stderr)
+                    print(
+                        f"[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]",
+                        file=sys.stderr,
+                    )
         except grpc.aio.AioRpcError as err:
             print(f"\ntandem: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

@@ -32,7 +32,10 @@ class ServerSettings(BaseSettings):
         None, ge=1, description="Fixed number of KV blocks; overrides the memory-based sizing below."
     )
     kv_cache_memory_fraction: float = Field(
-        0.85, gt=0, lt=1, description="CUDA: share of free device memory (after loading) given to the KV cache."
+        0.85,
+        gt=0,
+        lt=1,
+        description="CUDA: share of free device memory (after loading) given to the KV cache.",
     )
     kv_cache_cpu_gib: float = Field(2.0, gt=0, description="CPU: KV-cache size in GiB.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")

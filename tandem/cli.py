@@ -20,8 +20,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type) -> 
     for name, field in settings_cls.model_fields.items():
         help_text = f"{field.description} [env TANDEM_{name.upper()}]"
         if field.annotation is bool:
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
             continue
         choices = None
         if typing.get_origin(field.annotation) is typing.Literal:
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.func(args)
 
 

@@ -11,8 +11,14 @@ import torch
 from tandem.service.models.default_model import default_gguf_path
 from tandem.service.models.loader import convert_gguf, default_cache_dir
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,10 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0) -
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -38,11 +41,24 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0) -
 
 
 @contextlib.contextmanager
-def running_server(model: Path | None, *extra: str, log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def running_server(
+    model: Path | None, *extra: str, log: Path | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (address, process). `model` None = the embedded default model."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        *extra,
+    ]
     if model is not None:
         cmd += ["--model", str(model)]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115

@@ -44,7 +44,9 @@ def paged_attention_forward(
         qd = q[:, meta.decode_token_idx].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
         kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
+        )
         out[meta.decode_token_idx] = od[:, :, 0]
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)

@@ -149,7 +149,7 @@ class EngineCore:
         return self._process(out, result)
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
-        sampled = dict(zip(result.sample_chunks, result.tokens))
+        sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
         self.scheduler.finish_step(out, sampled)
         updates = []
         for row, ci in enumerate(result.sample_chunks):

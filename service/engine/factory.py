@@ -50,14 +50,24 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
     max_model_len = min(model_len, capacity)
     if max_model_len < 2:
         raise ValueError(f"the KV cache holds {capacity} tokens: too small to serve anything")
-    log.info("KV cache: %d blocks x %d tokens (%.2f GiB), context length %d", num_blocks,
-             settings.block_size, capacity * shape.bytes_per_token(dtype) / 2**30, max_model_len)
+    log.info(
+        "KV cache: %d blocks x %d tokens (%.2f GiB), context length %d",
+        num_blocks,
+        settings.block_size,
+        capacity * shape.bytes_per_token(dtype) / 2**30,
+        max_model_len,
+    )
     cache = KVCache(shape, num_blocks, settings.block_size, dtype, device)
     scheduler = Scheduler(
         BlockManager(num_blocks, settings.block_size), settings.max_num_seqs, settings.max_num_batched_tokens
     )
-    core = EngineCore(ModelRunner(model, cache, device), scheduler, max_model_len, loaded.eos_token_ids,
-                      on_updates=lambda updates: None)
+    core = EngineCore(
+        ModelRunner(model, cache, device),
+        scheduler,
+        max_model_len,
+        loaded.eos_token_ids,
+        on_updates=lambda updates: None,
+    )
     limits = Limits(
         vocab_size=text_config.vocab_size,
         max_model_len=max_model_len,

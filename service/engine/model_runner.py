@@ -33,9 +33,11 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         text_config = model.config.get_text_config()
-        self.sliding_window = getattr(text_config, "sliding_window", None) if getattr(
-            text_config, "use_sliding_window", True
-        ) else None
+        self.sliding_window = (
+            getattr(text_config, "sliding_window", None)
+            if getattr(text_config, "use_sliding_window", True)
+            else None
+        )
         self.vocab_size = text_config.vocab_size
 
     def prepare(self, chunks: list[ScheduledChunk]) -> HostBatch:
@@ -65,7 +67,7 @@ class ModelRunner:
             result.logprobs = out.logprobs.tolist()
             if out.top_ids is not None:
                 ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-                result.top = [list(zip(i, lp)) for i, lp in zip(ids, lps)]
+                result.top = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
         return result
 
     def run(self, chunks: list[ScheduledChunk]) -> StepResult:

@@ -69,13 +69,17 @@ class ModelServer:
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.holder), self.server)
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(self.holder), self.server)
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            KServeServicer(self.holder), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(SERVICE_NAMES, self.server)
         self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
-        log.info("gRPC listening on %s:%d (NOT_SERVING until the model is warm)", self.settings.host, self.port)
+        log.info(
+            "gRPC listening on %s:%d (NOT_SERVING until the model is warm)", self.settings.host, self.port
+        )
 
     async def load(self) -> None:
         s = self.settings

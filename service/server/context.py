@@ -30,7 +30,10 @@ class ModelContext:
     def check_model(self, requested: str) -> None:
         """An empty name means the served model; any other name must be it."""
         if requested and requested != self.name:
-            raise RequestError(ErrorKind.NOT_FOUND, f"model {requested!r} is not served here; this server serves {self.name!r}")
+            raise RequestError(
+                ErrorKind.NOT_FOUND,
+                f"model {requested!r} is not served here; this server serves {self.name!r}",
+            )
 
     def check_ready(self) -> None:
         if not self.is_ready():

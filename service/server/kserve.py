@@ -79,7 +79,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return self.holder.ctx is not None and self.holder.ctx.is_ready()
 
     # -- liveness, readiness, metadata ----------------------------------------------------------
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(
@@ -87,14 +89,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self._ready())
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
         ctx = self.holder.ctx
         return pb.ModelReadyResponse(ready=self._ready() and ctx is not None and request.name == ctx.name)
 
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="tandem", version=__version__, extensions=["model_configuration"])
+        return pb.ServerMetadataResponse(
+            name="tandem", version=__version__, extensions=["model_configuration"]
+        )
 
     def _model(self, name: str) -> ModelContext:
         ctx = self.ctx
@@ -118,7 +124,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[T(name=OUTPUT, datatype="BYTES", shape=[-1])],
         )
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
         try:
             ctx = self._model(request.name)
         except RequestError as err:
@@ -159,7 +167,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise invalid("sampling_parameters must be a JSON object")
         unknown = set(sp) - _SAMPLING_KEYS
         if unknown:
-            raise invalid(f"unknown sampling_parameters {sorted(unknown)}; accepted: {sorted(_SAMPLING_KEYS)}")
+            raise invalid(
+                f"unknown sampling_parameters {sorted(unknown)}; accepted: {sorted(_SAMPLING_KEYS)}"
+            )
         stop = sp.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
@@ -198,7 +208,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             resp.parameters["triton_final_response"].bool_param = final
         return resp
 
-    async def _texts(self, request: pb.ModelInferRequest) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
+    async def _texts(
+        self, request: pb.ModelInferRequest
+    ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
         req, prompt_ids = self._parse(ctx, request)
@@ -214,7 +226,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 text += chunk.text
             yield ctx, req, text, True
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
         try:
             ctx = self._model(request.model_name)
             req, prompt_ids = self._parse(ctx, request)
@@ -235,7 +249,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 self._model(request.model_name)
                 async for ctx, _req, text, last in self._texts(request):
-                    await out.put(pb.ModelStreamInferResponse(infer_response=self._response(ctx, request, text, last)))
+                    await out.put(
+                        pb.ModelStreamInferResponse(infer_response=self._response(ctx, request, text, last))
+                    )
             except RequestError as err:
                 await out.put(pb.ModelStreamInferResponse(error_message=err.message))
 

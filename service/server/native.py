@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -66,12 +67,12 @@ class TandemServicer(pb_grpc.TandemServicer):
             top_logprobs=lp.top_logprobs,
         )
 
-    async def _start(self, request: pb.GenerateRequest) -> AsyncIterator[GenerationChunk]:
+    async def _start(self, request: pb.GenerateRequest, request_id: str) -> AsyncIterator[GenerationChunk]:
         self.ctx.check_ready()
         self.ctx.check_model(request.model)
         prompt = self._prompt(request)
         params = self._params(request, len(prompt))
-        return await self.ctx.engine.generate(prompt, params, request.request_id or None)
+        return await self.ctx.engine.generate(prompt, params, request_id)
 
     def _token(self, token_id: int) -> str:
         return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -84,13 +85,15 @@ class TandemServicer(pb_grpc.TandemServicer):
             token_ids=chunk.token_ids,
             finish_reason=_FINISH[chunk.finish_reason],
         )
-        for tid, lp in zip(chunk.token_ids, chunk.logprobs or []):
+        for tid, lp in zip(chunk.token_ids, chunk.logprobs or [], strict=False):
             out.logprobs.append(
                 pb.TokenLogprob(
                     token_id=tid,
                     token=self._token(tid),
                     logprob=lp.logprob,
-                    top_logprobs=[pb.TopLogprob(token_id=i, token=self._token(i), logprob=v) for i, v in lp.top],
+                    top_logprobs=[
+                        pb.TopLogprob(token_id=i, token=self._token(i), logprob=v) for i, v in lp.top
+                    ],
                 )
             )
         if chunk.finish_reason is not None:
@@ -101,9 +104,12 @@ class TandemServicer(pb_grpc.TandemServicer):
                 out.stop_reason = reason if isinstance(reason, str) else self._token(reason)
         return out
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResponse:
+        request_id = request.request_id or uuid.uuid4().hex  # the proto: "echoed; generated when empty"
         try:
-            stream = await self._start(request)
+            stream = await self._start(request, request_id)
             merged = GenerationChunk(text="", token_ids=[], logprobs=[])
             async for chunk in stream:
                 merged.text += chunk.text
@@ -113,19 +119,22 @@ class TandemServicer(pb_grpc.TandemServicer):
                 merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
         except RequestError as err:
             await abort(context, err)
-        return self._response(request.request_id, merged)
+        return self._response(request_id, merged)
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
         try:
-            stream = await self._start(request)
+            stream = await self._start(request, request_id)
             async for chunk in stream:
-                yield self._response(request.request_id, chunk)
+                yield self._response(request_id, chunk)
         except RequestError as err:
             await abort(context, err)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
         try:
             self.ctx.check_model(request.model)
             which = request.WhichOneof("input")
@@ -139,7 +148,9 @@ class TandemServicer(pb_grpc.TandemServicer):
             await abort(context, err)
         return pb.TokenizeResponse(token_ids=ids, tokens=self.ctx.tokenizer.convert_ids_to_tokens(ids))
 
-    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
         try:
             limits = self.ctx.engine.limits
         except RequestError as err:

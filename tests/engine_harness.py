@@ -1,0 +1,93 @@
+"""Drive a real engine step by step (no thread, no gRPC), with requests arriving over time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.service.engine.attention import register
+from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.engine_core import EngineCore
+from tandem.service.engine.kv_cache import CacheShape, KVCache
+from tandem.service.engine.model_runner import ModelRunner
+from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+from tandem.service.engine.scheduler import Scheduler
+
+
+@dataclass
+class Arrival:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    at_step: int = 0
+
+
+@dataclass
+class RunResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str] = field(default_factory=dict)
+    preemptions: int = 0
+    steps: int = 0
+    max_batch: int = 0
+
+
+def make_core(
+    model: torch.nn.Module,
+    num_blocks: int = 256,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 1024,
+    eos: frozenset[int] = frozenset(),
+) -> EngineCore:
+    model.set_attn_implementation(register())
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(CacheShape.of(model.config), num_blocks, block_size, dtype, device)
+    scheduler = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+    return EngineCore(ModelRunner(model, cache, device), scheduler, max_model_len, eos, lambda u: None)
+
+
+def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> RunResult:
+    result = RunResult()
+    pending = sorted(arrivals, key=lambda a: a.at_step)
+    seqs = {}
+    step = 0
+    while (pending or core.scheduler.has_work) and step < max_steps:
+        while pending and pending[0].at_step <= step:
+            a = pending.pop(0)
+            core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params))
+            result.tokens[a.request_id] = []
+        core._drain(block=False)
+        for s in core.scheduler.waiting:
+            seqs[s.request_id] = s
+        result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))
+        for u in core.step():
+            result.tokens[u.request_id] += u.new_token_ids
+            if u.finish_reason is not None:
+                result.finish[u.request_id] = u.finish_reason.value
+        step += 1
+    result.steps = step
+    result.preemptions = sum(s.num_preemptions for s in seqs.values())
+    assert not core.scheduler.has_work, "engine did not finish"
+    assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_blocks, "KV blocks leaked"
+    return result
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int, eos: list[int] | None) -> list[int]:
+    """transformers' own generate(), one prompt at a time (no padding), greedy."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        out = model.generate(
+            torch.tensor([prompt], device=next(model.parameters()).device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    finally:
+        model.set_attn_implementation(previous)
+    return out[0, len(prompt) :].tolist()

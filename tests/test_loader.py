@@ -1,0 +1,47 @@
+"""Model loading: the embedded default, GGUF files converted once and cached, transformers dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.service.models.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from tandem.service.models.loader import convert_gguf, default_cache_dir, load_model
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("TANDEM_TEST_CACHE", default_cache_dir()))
+
+
+def test_gguf_conversion_is_cached(smol_dir):
+    config = smol_dir / "config.json"
+    before = config.stat().st_mtime_ns
+    assert convert_gguf(default_gguf_path(), _cache()) == smol_dir
+    assert config.stat().st_mtime_ns == before  # reused, not rewritten
+    assert (smol_dir / "model.safetensors").is_file()
+
+
+def test_default_model_loads_with_chat_template_and_eos(smol_dir):
+    loaded = load_model(None, None, torch.device("cpu"), cache_dir=_cache())
+    assert loaded.name == DEFAULT_MODEL_NAME
+    assert loaded.tokenizer.chat_template
+    assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in loaded.eos_token_ids
+    assert loaded.model.config.model_type == "llama"
+
+
+def test_a_gguf_path_is_served_under_its_stem(smol_dir):
+    loaded = load_model(str(default_gguf_path()), None, torch.device("cpu"), cache_dir=_cache())
+    assert loaded.name == default_gguf_path().stem.lower()
+
+
+def test_a_transformers_directory_and_a_name_override(tiny_model_dir):
+    loaded = load_model(str(tiny_model_dir("qwen3")), "my-model", torch.device("cpu"))
+    assert loaded.name == "my-model" and loaded.model.config.model_type == "qwen3"
+
+
+def test_a_bad_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a transformers model directory"):
+        load_model(str(tmp_path / "nowhere"), None, torch.device("cpu"))
