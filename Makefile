@@ -1,5 +1,7 @@
 # One entry point for newcomers and CI.  `make serve` and `make test` set up .venv on first use.
 VENV ?= .venv
+# The repo root holds a folder named operator/: never let it shadow the stdlib module.
+export PYTHONSAFEPATH := 1
 PY := $(VENV)/bin/python
 # The CPU build of torch lies on this kind of machine's disk; a bare `torch` would pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
@@ -23,6 +25,7 @@ serve: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python scripts/gen_protos.py --check
+	$(VENV)/bin/python scripts/gen_config_docs.py --check
 	$(VENV)/bin/pytest -m "not gpu"
 
 lint: setup

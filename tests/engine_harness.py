@@ -79,10 +79,11 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int, eos: list
     """transformers' own generate(), one prompt at a time (no padding), greedy."""
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
+    device = next(model.parameters()).device
     try:
         out = model.generate(
-            torch.tensor([prompt], device=next(model.parameters()).device),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=max_new,
             do_sample=False,
             eos_token_id=eos,

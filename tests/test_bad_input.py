@@ -384,7 +384,9 @@ def test_kserve_oversized_message(server: Server) -> None:
 def test_kserve_stream_bad_requests_keep_the_stream(server: Server) -> None:
     """Each bad request on a stream gets its error in the callback; the stream serves on."""
     got: queue.Queue = queue.Queue()
-    server.kserve.start_stream(callback=lambda result, error: got.put((result, error)), stream_timeout=TIMEOUT)
+    server.kserve.start_stream(
+        callback=lambda result, error: got.put((result, error)), stream_timeout=TIMEOUT
+    )
     try:
         for name, make, _code, words in KSERVE_CASES:
             server.kserve.async_stream_infer(MODEL_NAME, make(), request_id=name)

@@ -1,0 +1,254 @@
+"""grpc.health.v1, server reflection and the SIGTERM drain, against real `tandem serve` processes.
+
+What app.py promises: the gRPC server is up (health NOT_SERVING) before the model loads, SERVING
+once it is warm; SIGTERM turns health NOT_SERVING at once, new generations get UNAVAILABLE, running
+streams may finish for --drain-timeout-s, then the server stops and the process exits with 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from serverproc import free_port, running_server
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+TIMEOUT = 30.0
+SERVICES = {
+    "tandem.v1.Tandem",
+    "inference.GRPCInferenceService",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+}
+PROMPT = "Tell me a long story about"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("health-server") / "server.log"
+    with running_server(tiny_model_dir("llama"), "--model-name", "tiny-health", log=log) as (address, _proc):
+        yield address
+
+
+@pytest.fixture(scope="module")
+def channel(server: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server) as ch:
+        yield ch
+
+
+def check(channel: grpc.Channel, service: str = "", timeout: float = TIMEOUT) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def kserve_server_ready(channel: grpc.Channel) -> bool:
+    """inference.GRPCInferenceService/ServerReady without KServe stubs (tritonclient's would clash with
+    ours in one process): the request is empty, the response is `bool ready = 1`."""
+    call = channel.unary_unary(
+        "/inference.GRPCInferenceService/ServerReady",
+        request_serializer=lambda _: b"",
+        response_deserializer=lambda raw: raw,
+    )
+    raw = call(None, timeout=TIMEOUT)
+    assert raw in (b"", b"\x08\x01"), raw
+    return raw == b"\x08\x01"
+
+
+def long_request(max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=PROMPT, stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+# -- health -------------------------------------------------------------------------------------
+
+
+def test_health_serving_when_ready(channel: grpc.Channel) -> None:
+    for service in ("", "tandem.v1.Tandem", "inference.GRPCInferenceService"):
+        assert check(channel, service) == SERVING, service
+    assert kserve_server_ready(channel)
+
+
+def test_health_unknown_service(channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        check(channel, "no.such.Service")
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_watch(channel: grpc.Channel) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service="tandem.v1.Tandem"), timeout=TIMEOUT)
+    try:
+        assert next(watch).status == SERVING
+    finally:
+        watch.cancel()
+
+
+# -- reflection ---------------------------------------------------------------------------------
+
+
+def test_reflection_lists_services(channel: grpc.Channel) -> None:
+    db = ProtoReflectionDescriptorDatabase(channel)
+    assert SERVICES <= set(db.get_services())
+
+
+def test_reflection_describes_the_apis(channel: grpc.Channel) -> None:
+    pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+    tandem = pool.FindServiceByName("tandem.v1.Tandem")
+    assert {m.name for m in tandem.methods} == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "GetLoad"}
+    assert tandem.methods_by_name["GenerateStream"].server_streaming
+    request = pool.FindMessageTypeByName("tandem.v1.GenerateRequest")
+    assert {"text", "chat", "token_ids"} == {f.name for f in request.oneofs_by_name["input"].fields}
+
+    kserve = pool.FindServiceByName("inference.GRPCInferenceService")
+    assert {"ServerLive", "ServerReady", "ModelReady", "ModelMetadata", "ModelInfer", "ModelStreamInfer",
+            "ModelConfig", "ServerMetadata"} <= {m.name for m in kserve.methods}
+    stream = kserve.methods_by_name["ModelStreamInfer"]
+    assert stream.client_streaming and stream.server_streaming
+
+
+def test_reflection_is_enough_to_call_the_server(channel: grpc.Channel) -> None:
+    """A grpcurl-style generic client: message classes built only from reflected descriptors."""
+    pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+    method = pool.FindServiceByName("tandem.v1.Tandem").methods_by_name["GetModelInfo"]
+    request_cls = message_factory.GetMessageClass(method.input_type)
+    response_cls = message_factory.GetMessageClass(method.output_type)
+    call = channel.unary_unary(
+        "/tandem.v1.Tandem/GetModelInfo",
+        request_serializer=request_cls.SerializeToString,
+        response_deserializer=response_cls.FromString,
+    )
+    info = call(request_cls(), timeout=TIMEOUT)
+    assert info.model == "tiny-health"
+    assert info.architecture == "LlamaForCausalLM"
+
+
+# -- start-up and drain -------------------------------------------------------------------------
+
+
+def spawn(model: Path, log: Path, *extra: str) -> tuple[str, subprocess.Popen]:
+    """Start `tandem serve` without waiting for it (serverproc.running_server waits for SERVING)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", "--model", str(model), *extra]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd="/",
+                                env={**os.environ, "PYTHONSAFEPATH": "1"})
+    return f"127.0.0.1:{port}", proc
+
+
+def first_health(channel: grpc.Channel, proc: subprocess.Popen, timeout: float = 120.0) -> int:
+    """Poll until the gRPC server answers a health check at all; return that first status."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            return check(channel, timeout=0.5)
+        except grpc.RpcError:
+            time.sleep(0.01)
+    pytest.fail("the server never answered a health check")
+
+
+def wait_for_status(channel: grpc.Channel, status: int, timeout: float) -> float:
+    """Poll health until it reports `status`; returns the seconds it took."""
+    t0 = time.monotonic()
+    while True:
+        if check(channel) == status:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"health did not turn {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def stop_leftover() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_not_serving_until_ready_then_graceful_drain(
+    tiny_model_dir, tmp_path: Path, stop_leftover: list[subprocess.Popen]
+) -> None:
+    address, proc = spawn(tiny_model_dir("llama"), tmp_path / "server.log", "--drain-timeout-s", "60")
+    stop_leftover.append(proc)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        # the gRPC server is up before the model is loaded and warm: NOT_SERVING, no generation
+        assert first_health(channel, proc) == NOT_SERVING
+        assert check(channel, "tandem.v1.Tandem") in (NOT_SERVING, SERVING)
+        try:
+            stub.Generate(long_request(2), timeout=TIMEOUT)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+        wait_for_status(channel, SERVING, timeout=120)
+        assert kserve_server_ready(channel)
+
+        # a stream is running when SIGTERM arrives
+        n_tokens = 300
+        stream = stub.GenerateStream(long_request(n_tokens), timeout=TIMEOUT)
+        got = len(next(stream).token_ids)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for_status(channel, NOT_SERVING, timeout=2.0) < 2.0
+        for service in ("tandem.v1.Tandem", "inference.GRPCInferenceService"):
+            assert check(channel, service) == NOT_SERVING
+        assert not kserve_server_ready(channel)
+        # new generations are turned away while draining
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Generate(long_request(2), timeout=TIMEOUT)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in exc.value.details()
+        # ... but the running stream is allowed to finish
+        last = None
+        for last in stream:
+            got += len(last.token_ids)
+        assert got == n_tokens
+        assert last is not None and last.finish_reason == pb.FINISH_REASON_LENGTH
+        t_done = time.monotonic()
+
+    # no stream left: the server stops well before the 60 s drain timeout, and exits cleanly
+    assert proc.wait(timeout=15) == 0
+    assert time.monotonic() - t_done < 15
+
+
+def test_drain_timeout_cuts_long_streams(
+    tiny_model_dir, tmp_path: Path, stop_leftover: list[subprocess.Popen]
+) -> None:
+    drain_s = 1.0
+    address, proc = spawn(tiny_model_dir("llama"), tmp_path / "server.log", "--drain-timeout-s", str(drain_s))
+    stop_leftover.append(proc)
+    with grpc.insecure_channel(address) as channel:
+        first_health(channel, proc)
+        wait_for_status(channel, SERVING, timeout=120)
+        stub = pb_grpc.TandemStub(channel)
+        n_tokens = 1000  # several seconds on CPU, far past the drain timeout
+        stream = stub.GenerateStream(long_request(n_tokens), timeout=TIMEOUT)
+        got = len(next(stream).token_ids)
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as exc:
+            for message in stream:
+                got += len(message.token_ids)
+        t_cut = time.monotonic() - t_term
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
+        assert got < n_tokens
+        # cut after the drain timeout plus the 1 s stop grace, not long after
+        assert drain_s - 0.2 <= t_cut <= drain_s + 1.0 + 3.0
+
+    assert proc.wait(timeout=15) == 0
+    assert time.monotonic() - t_term < drain_s + 15
