@@ -396,7 +396,7 @@ def test_kserve_stream_bad_requests_keep_the_stream(server: Server) -> None:
                 assert word in error.message(), f"{name}: {word!r} not in {error.message()!r}"
         server.kserve.async_stream_infer(MODEL_NAME, kinputs(), request_id="good")
         result, error = got.get(timeout=TIMEOUT)
-        assert error is None, error
+        assert error is None, error.message()
         assert result.get_response().id == "good"
         assert result.as_numpy("text_output")[0].decode().startswith(PROMPT)
     finally:

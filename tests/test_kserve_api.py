@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import queue
 import sys
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -218,7 +219,7 @@ class StreamCollector:
         out = []
         while True:
             result, error = self.get()
-            assert error is None, error
+            assert error is None, error.message()
             out.append(result)
             if is_final(result):
                 return out
@@ -303,7 +304,7 @@ def test_stream_concurrent_requests(
     finished: set[str] = set()
     while finished != set(prompts):
         result, error = stream.get()
-        assert error is None, error
+        assert error is None, error.message()
         rid = result.get_response().id
         assert rid not in finished
         texts[rid] += text_output(result)
@@ -311,3 +312,58 @@ def test_stream_concurrent_requests(
             finished.add(rid)
     for rid, prompt in prompts.items():
         assert texts[rid] == native_text(native, prompt, 16)
+
+
+def wait_idle(native: pb_grpc.TandemStub, timeout: float = 5.0) -> pb.Load:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = native.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
+        idle = load.requests_running == load.requests_waiting == 0
+        if idle and load.kv_blocks_free == load.kv_blocks_total:
+            return load
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not idle {timeout} s after the last request: {load}")
+        time.sleep(0.05)
+
+
+def test_stream_cancel_frees_kv_blocks(client: tc.InferenceServerClient, native: pb_grpc.TandemStub) -> None:
+    """Closing the stream with cancel_requests=True stops its generations and frees their KV blocks."""
+    wait_idle(native)
+    collector = StreamCollector()
+    client.start_stream(callback=collector, stream_timeout=TIMEOUT)
+    try:
+        for i in range(2):
+            inputs = llm_inputs(max_tokens=900, stream=True, sampling={"temperature": 1.0, "seed": i})
+            client.async_stream_infer(MODEL_NAME, inputs, request_id=f"long-{i}")
+        for _ in range(4):
+            result, error = collector.get()
+            assert error is None, error.message()
+        load = native.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
+        assert load.requests_running == 2
+        assert load.kv_blocks_free < load.kv_blocks_total
+    finally:
+        client.stop_stream(cancel_requests=True)
+    wait_idle(native)
+
+
+def test_same_request_id_on_two_streams(server: str, native: pb_grpc.TandemStub) -> None:
+    """A KServe request id only correlates responses on its own stream: two clients that both number
+    their requests from "1" must not collide."""
+    clients = [tc.InferenceServerClient(url=server) for _ in range(2)]
+    collectors = [StreamCollector() for _ in clients]
+    try:
+        for c, collector in zip(clients, collectors, strict=True):
+            c.start_stream(callback=collector, stream_timeout=TIMEOUT)
+        for c in clients:
+            c.async_stream_infer(MODEL_NAME, llm_inputs(max_tokens=200, stream=True, exclude_input=True),
+                                 request_id="1")
+        texts = []
+        for collector in collectors:
+            responses = collector.until_final()
+            assert all(r.get_response().id == "1" for r in responses)
+            texts.append("".join(text_output(r) for r in responses))
+        assert texts[0] == texts[1] == native_text(native, PROMPT, 200)
+    finally:
+        for c in clients:
+            c.stop_stream(cancel_requests=True)
+            c.close()

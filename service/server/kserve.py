@@ -214,7 +214,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
         req, prompt_ids = self._parse(ctx, request)
-        stream = await ctx.engine.generate(prompt_ids, req.params, request.id or None)
+        # request.id only correlates responses on the client's stream (echoed in _response); it is not
+        # unique across clients, so the engine gets its own id
+        stream = await ctx.engine.generate(prompt_ids, req.params)
         prefix = "" if req.exclude_input else req.prompt
         if req.stream:
             async for chunk in stream:
