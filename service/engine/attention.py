@@ -16,6 +16,24 @@ from .batch import AttentionMetadata
 ATTN_IMPLEMENTATION = "tandem_paged"
 
 
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """One query per sequence: q [B, H, D], k/v [B, L, Hkv, D], mask [B, L] -> [B, H, D].
+
+    Grouped-query heads share their K/V through a reshape (no copy of K/V per query head), and
+    two batched matmuls replace a fused kernel whose per-call planning would dominate small steps.
+    """
+    b, h, d = q.shape
+    kv_heads = k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, kv_heads, h // kv_heads, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
@@ -41,13 +59,9 @@ def paged_attention_forward(
     q = query[0]  # [H, T, D]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
     if meta.decode_token_idx is not None:
-        qd = q[:, meta.decode_token_idx].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
-        )
-        out[meta.decode_token_idx] = od[:, :, 0]
+        qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)  # [B, H, D]
+        kd, vd = k_cache[meta.decode_slots], v_cache[meta.decode_slots]  # [B, L, Hkv, D]
+        out.index_copy_(0, meta.decode_token_idx, decode_attention(qd, kd, vd, meta.decode_mask, scaling))
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         qp = q[:, rows].unsqueeze(0)  # [1, H, n, D]

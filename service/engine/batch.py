@@ -29,7 +29,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     decode_token_idx: torch.Tensor | None = None  # [B] packed index of each single-token query
     decode_slots: torch.Tensor | None = None  # [B, L] cache slots of each decode's context
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True = attend
+    decode_mask: torch.Tensor | None = None  # [B, L] True = attend
     prefills: list[PrefillSegment] = field(default_factory=list)
     kv_cache: object = None  # the runner's KVCache, set before the forward
 
@@ -167,7 +167,7 @@ def build_attention_metadata(
         meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
         meta.decode_slots = _slots_of(table, width, block_size)
         mask = _causal_mask(lens - 1, width, sliding_window, device)  # query sits at position len-1
-        meta.decode_mask = mask[:, None, None, :]
+        meta.decode_mask = mask
     for q_start, q_len, ctx_len, blocks in batch.prefills:
         seg = PrefillSegment(q_start, q_len, ctx_len)
         fresh = blocks is None

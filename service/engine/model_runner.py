@@ -39,6 +39,10 @@ class ModelRunner:
             else None
         )
         self.vocab_size = text_config.vocab_size
+        if device.type == "cuda":
+            # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
+            # planning (milliseconds of CPU) would cost more than the attention itself
+            torch.backends.cuda.enable_cudnn_sdp(False)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> HostBatch:
         return build_host_batch(chunks, self.block_size, pin=self.device.type == "cuda")
