@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import _repo  # noqa: F401  (must come before any tandem import)
 import torch
@@ -29,8 +28,6 @@ from tandem.service.engine.kv_cache import CacheShape, KVCache
 from tandem.service.engine.model_runner import ModelRunner
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.engine.scheduler import Scheduler
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,6 +48,12 @@ class RunStats:
     seconds: float
     tokens: int
     steps: int | None = None
+    warmup_seconds: float | None = None
+    step_ms: dict[str, float] = field(default_factory=dict)  # Tandem: median / p90 / max step time
+    all_runs: list[dict] = field(default_factory=list)  # every timed run, in order, with the machine's load
+    foreign_cpu: float | None = None  # share of the machine's CPU other processes used meanwhile
+    cpu_steal: float | None = None  # share of it the hypervisor gave to other machines
+    gpu_busy: float | None = None  # mean NVML utilization (share of time a kernel ran), when sampled
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -109,20 +112,26 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     device = core.runner.device
     sync(device)
     start, first_step = time.perf_counter(), core.steps
-    for rid, prompt in zip(ids, prompts):
+    for rid, prompt in zip(ids, prompts, strict=True):
         core.add(GenerationRequest(rid, list(prompt), params))
     core._drain(block=False)  # EngineCore has no public synchronous admit; its thread loop does this
+    step_times = []
     while core.scheduler.has_work:
-        before = core.steps
+        before, step_start = core.steps, time.perf_counter()
         for update in core.step():
             if update.error:
                 raise RuntimeError(f"{update.request_id}: {update.error}")
             outputs[update.request_id] += update.new_token_ids
         if core.steps == before:
             raise RuntimeError("the scheduler scheduled nothing while work was pending")
+        step_times.append(1e3 * (time.perf_counter() - step_start))
     sync(device)
     seconds = time.perf_counter() - start
-    return _checked("tandem", seconds, [outputs[r] for r in ids], new_tokens, core.steps - first_step)
+    stats = _checked("tandem", seconds, [outputs[r] for r in ids], new_tokens, core.steps - first_step)
+    step_times.sort()
+    stats.step_ms = {k: round(step_times[int(q * (len(step_times) - 1))], 2)
+                     for k, q in (("median", 0.5), ("p90", 0.9), ("max", 1.0))}
+    return stats
 
 
 # -- transformers ----------------------------------------------------------------------------------
@@ -134,11 +143,16 @@ def run_hf(
     new_tokens: int,
     cb_config: dict | None = None,
     attn: str = "sdpa",
+    persistent: bool = False,
 ) -> RunStats:
     """transformers' continuous batching, `generate_batch`, greedy, fixed length.
 
     eos_token_id=-1 disables the stop token (transformers drops negative ids), so every request runs
     `new_tokens`. generate_batch switches `attn` to `paged|attn` for the call and restores it after.
+    Each call builds its manager (cache, static tensors, CUDA graphs) inside the timed call, as
+    hf_cb_anchor.py measured; `persistent=True` keeps the manager of the first call for the next ones
+    (so only the warm-up pays for it, as Tandem's engine is built outside its timed runs); then call
+    `release_hf(model)` afterwards. The cached manager ignores a changed `cb_config`.
     """
     from transformers import GenerationConfig
     from transformers.generation import configuration_utils as cu
@@ -153,7 +167,7 @@ def run_hf(
     sync(device)
     start = time.perf_counter()
     out = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=gen, progress_bar=False,
-                               **kwargs)
+                               persistent_manager=persistent, **kwargs)
     sync(device)
     seconds = time.perf_counter() - start
     results = list(out.values())
@@ -166,29 +180,84 @@ def run_hf(
     return _checked("transformers", seconds, [r.generated_tokens for r in results], new_tokens)
 
 
+def release_hf(model: torch.nn.Module) -> None:
+    """Free a manager kept by `run_hf(..., persistent=True)` (its KV cache, graphs)."""
+    destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
+    if destroy is not None:
+        destroy()
+
+
 def _checked(name: str, seconds: float, outputs: list[list[int]], new_tokens: int, steps: int | None = None
              ) -> RunStats:
     short = [len(o) for o in outputs if len(o) != new_tokens]
     if short:
         raise RuntimeError(f"{name}: {len(short)} requests did not produce {new_tokens} tokens ({short[:4]})")
-    return RunStats(name, seconds, sum(len(o) for o in outputs), steps, outputs)
+    return RunStats(name, seconds, sum(len(o) for o in outputs), steps, outputs=outputs)
 
 
 def same_outputs(a: RunStats, b: RunStats) -> int:
     """How many requests got identical tokens from both runs (greedy: a correctness cross-check)."""
-    return sum(x == y for x, y in zip(a.outputs, b.outputs))
+    return sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
 
 
 # -- timing, environment, output -------------------------------------------------------------------
 
 
-def warm_then_time(run: Callable[[], T]) -> tuple[T, float]:
-    """Run once to warm up (allocations, kernels, graph capture), then again; return the second run
-    and the warm-up's wall time."""
-    start = time.perf_counter()
-    run()
-    warm = time.perf_counter() - start
-    return run(), warm
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds of this machine, all cores, since boot, from /proc/stat. Steal is time the
+    hypervisor gave our virtual CPUs to someone else."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = f[0] + f[1] + f[2] + f[5] + f[6]  # user nice system irq softirq
+    return busy / tick, f[7] / tick
+
+
+class ForeignLoad:
+    """While the block runs: share of the machine's CPU time used by OTHER processes (`share`), and share
+    stolen by the hypervisor (`steal`). 0 and 0 = a quiet machine; CPU numbers are unreliable otherwise."""
+
+    def __enter__(self) -> ForeignLoad:
+        self.share: float | None = None
+        self.steal: float | None = None
+        self._cpu, self._own, self._wall = _cpu_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cpu = _cpu_seconds()
+        if cpu is None or self._cpu is None:
+            return
+        capacity = (time.perf_counter() - self._wall) * (os.cpu_count() or 1)
+        foreign = (cpu[0] - self._cpu[0]) - (time.process_time() - self._own)
+        self.share = round(max(0.0, foreign / capacity), 3)
+        self.steal = round((cpu[1] - self._cpu[1]) / capacity, 3)
+
+
+def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[str, RunStats]:
+    """Warm each run up once (allocations, kernels, graph capture), then time `repeat` rounds of all runs,
+    interleaved so that a drifting machine (clock, neighbours) treats them alike; the fastest of each wins."""
+    best: dict[str, RunStats] = {}
+    warmup: dict[str, float] = {}
+    runs_of: dict[str, list[dict]] = {}
+    for name, run in runs.items():
+        start = time.perf_counter()
+        run()
+        warmup[name] = round(time.perf_counter() - start, 2)
+    for _ in range(repeat):
+        for name, run in runs.items():
+            with ForeignLoad() as load:
+                stats = run()
+            stats.foreign_cpu, stats.cpu_steal = load.share, load.steal
+            runs_of.setdefault(name, []).append(
+                {"seconds": round(stats.seconds, 3), "foreign_cpu": load.share, "cpu_steal": load.steal,
+                 **({"step_ms_max": stats.step_ms["max"]} if stats.step_ms else {})})
+            if name not in best or stats.seconds < best[name].seconds:
+                best[name] = stats
+    for name, stats in best.items():
+        stats.warmup_seconds, stats.all_runs = warmup[name], runs_of[name]
+    return best
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 * 1024**3, reps: int = 20) -> float:
@@ -242,7 +311,9 @@ def write_json(path: str | Path, data: dict) -> Path:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     def cell(v: object) -> str:
-        return f"{v:,.1f}" if isinstance(v, float) else str(v)
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

@@ -2,9 +2,10 @@
 
 16 concurrent requests (16 different chat prompts, 30-90 tokens after the chat template) x 128 new
 tokens each, greedy, fixed length (eos ignored / disabled), float32, torch.set_num_threads(2). Both
-engines run the same model object in the same process; each gets a warm-up run, then a timed run.
+engines run the same model object in the same process; each gets a warm-up run, then `--repeat` timed
+runs, interleaved; the fastest of each counts. Also reports how much CPU other processes took meanwhile.
 
-    python bench/cpu_throughput.py [--new 128] [--threads 2] [--out bench/results/cpu_throughput.json]
+    python bench/cpu_throughput.py [--new 128] [--threads 2] [--repeat 2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import _repo  # noqa: F401
+import _repo
 import torch
 from common import (
     EngineSpec,
@@ -20,10 +21,10 @@ from common import (
     build_core,
     environment,
     markdown_table,
+    measure,
     run_hf,
     run_tandem,
     same_outputs,
-    warm_then_time,
     write_json,
 )
 
@@ -55,12 +56,19 @@ TANDEM_SPEC = dict(block_size=16, max_num_seqs=256, max_num_batched_tokens=2048)
 HF_CONFIG = dict(block_size=256, max_batch_tokens=2048)
 
 
+def _pct(share: float | None) -> str:
+    return "?" if share is None else f"{share:.0%}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new", type=int, default=128, help="new tokens per request")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hf-config", default=json.dumps(HF_CONFIG), help="ContinuousBatchingConfig kwargs (JSON)")
-    ap.add_argument("--out", default="bench/results/cpu_throughput.json")
+    ap.add_argument("--hf-config", default=json.dumps(HF_CONFIG),
+                    help="ContinuousBatchingConfig kwargs (JSON)")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="timed rounds (each engine once, interleaved) after the warm-ups; best kept")
+    ap.add_argument("--out", default=str(_repo.REPO / "bench/results/cpu_throughput.json"))
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -78,30 +86,42 @@ def main() -> None:
     hf_config.setdefault("num_blocks", blocks_for(len(prompts), longest, hf_config.get("block_size", 256)))
 
     core = build_core(loaded.model, spec)
-    tandem, tandem_warm = warm_then_time(lambda: run_tandem(core, prompts, a.new))
-    hf, hf_warm = warm_then_time(lambda: run_hf(loaded.model, prompts, a.new, hf_config))
+    results = measure({
+        "tandem": lambda: run_tandem(core, prompts, a.new),
+        "transformers": lambda: run_hf(loaded.model, prompts, a.new, hf_config),
+    }, a.repeat)
+    tandem, hf = results["tandem"], results["transformers"]
 
     ratio = tandem.tok_s / hf.tok_s
     result = {
         "benchmark": "cpu_throughput",
         "model": loaded.name,
         "dtype": str(next(loaded.model.parameters()).dtype),
-        "workload": {"requests": len(prompts), "prompt_tokens": [len(p) for p in prompts], "new_tokens": a.new,
-                     "prompts": "16 different chat prompts through the chat template", "sampling": "greedy"},
+        "workload": {
+            "requests": len(prompts),
+            "prompts": "16 different chat prompts through the chat template",
+            "prompt_tokens": [len(p) for p in prompts],
+            "new_tokens": a.new,
+            "sampling": "greedy, fixed length",
+        },
         "environment": environment(device),
-        "tandem": {**tandem.summary(), "warmup_seconds": round(tandem_warm, 2), "engine": spec.__dict__},
-        "transformers": {**hf.summary(), "warmup_seconds": round(hf_warm, 2), "continuous_batching_config": hf_config,
+        "tandem": {**tandem.summary(), "engine": spec.__dict__},
+        "transformers": {**hf.summary(), "continuous_batching_config": hf_config,
                          "attn_implementation": "paged|sdpa"},
         "ratio_tandem_over_transformers": round(ratio, 2),
         "target_ratio": 2.0,
         "identical_outputs": f"{same_outputs(tandem, hf)}/{len(prompts)}",
     }
     write_json(a.out, result)
-    print(markdown_table(
-        ["engine", "tokens", "seconds", "tokens/s", "steps", "ms/step"],
-        [[r.name, r.tokens, round(r.seconds, 2), round(r.tok_s, 1), r.steps or "-",
-          round(1e3 * r.seconds / r.steps, 1) if r.steps else "-"] for r in (tandem, hf)],
-    ))
+    rows = [[r.name, r.tokens, round(r.seconds, 2), round(r.tok_s, 1), r.steps or "-",
+             round(1e3 * r.seconds / r.steps, 1) if r.steps else "-",
+             " / ".join(f"{run['seconds']:.1f}" for run in r.all_runs), r.warmup_seconds, _pct(r.foreign_cpu),
+             _pct(r.cpu_steal)] for r in (tandem, hf)]
+    print(markdown_table(["engine", "tokens", "best s", "tokens/s", "steps", "ms/step", "all runs s",
+                          "warm-up s", "other processes' CPU", "steal"], rows))
+    busy = [r.name for r in (tandem, hf) if (r.foreign_cpu or 0) + (r.cpu_steal or 0) > 0.05]
+    if busy:
+        print(f"WARNING: other processes or the hypervisor took CPU during: {', '.join(busy)}; unreliable")
     print(f"\nTandem / transformers = {ratio:.2f}x (target >= 2x); identical greedy outputs: "
           f"{result['identical_outputs']}; prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
     print(f"wrote {a.out}")

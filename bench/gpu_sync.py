@@ -1,0 +1,250 @@
+"""GPU throughput of Tandem's synchronous step loop vs transformers' `generate_batch`, with the roofline.
+
+Random-initialised Llama-3.1-8B shape (or 1B) in bf16 on one CUDA device, as ../shared/bench/hf_cb_anchor.py:
+32 requests x 128-token random prompts x 256 new tokens, greedy, fixed length (Tandem: ignore_eos;
+transformers: eos disabled). Both run in the same process on the same model, each warmed up once first.
+Device copy bandwidth is measured in the same run; the decode roofline is, per step,
+(all weight bytes + K/V bytes of every sequence's context) / bandwidth, summed over the decode steps.
+
+    python bench/gpu_sync.py [--shape 8b|1b] [--requests 32] [--prompt 128] [--new 256] [--skip-hf]
+                             [--hf-config '{"use_cuda_graph": true}'] [--out bench/results/gpu_sync.json]
+    python bench/gpu_sync.py --smoke    # tiny shape on CPU: checks the script logic, numbers meaningless
+
+Imports only tandem.service.engine.* (no settings, no gRPC): runs on a host with just torch + transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import _repo
+import torch
+from common import (
+    EngineSpec,
+    RunStats,
+    blocks_for,
+    build_core,
+    copy_bandwidth,
+    environment,
+    markdown_table,
+    measure,
+    release_hf,
+    run_hf,
+    run_tandem,
+    same_outputs,
+    write_json,
+)
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tandem.service.engine.kv_cache import CacheShape
+
+SHAPES = {  # as hf_cb_anchor.py
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+MUST_NOT_IMPORT = ("pydantic_settings", "grpc", "tandem.service.settings", "tandem.service.engine.factory")
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=32768)
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.eval()
+
+
+class GpuBusy:
+    """Mean NVML 'utilization.gpu' while the block runs (None without pynvml or a GPU)."""
+
+    def __init__(self, device: torch.device, period: float = 0.05) -> None:
+        self.mean: float | None = None
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            except Exception:  # no pynvml / no NVML: just don't sample
+                self._handle = None
+        self._period = period
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            time.sleep(self._period)
+
+    def __enter__(self) -> GpuBusy:
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._stop.set()
+            self._thread.join()
+            self.mean = round(sum(self._samples) / max(1, len(self._samples)) / 100, 3)
+
+
+def with_gpu_busy(run: Callable[[], RunStats], device: torch.device) -> Callable[[], RunStats]:
+    def wrapped() -> RunStats:
+        with GpuBusy(device) as busy:
+            stats = run()
+        stats.gpu_busy = busy.mean
+        return stats
+
+    return wrapped
+
+
+def roofline(weight_bytes: int, kv_per_token: int, bandwidth: float, requests: int, prompt: int, new: int
+             ) -> dict:
+    """Decode-only roofline: step j (j = 1..new-1) reads every weight once and, per sequence, the K/V of
+    its prompt + j tokens. Prefill (compute-bound, one or two steps) is left out, so measured time, which
+    includes it, gives a slightly conservative fraction."""
+    steps = [(weight_bytes + requests * (prompt + j) * kv_per_token) / bandwidth for j in range(1, new)]
+    seconds = sum(steps)
+    return {
+        "weight_GB": round(weight_bytes / 1e9, 3),
+        "kv_KiB_per_token": kv_per_token / 1024,
+        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+        "decode_steps": len(steps),
+        "step_ms_first": round(1e3 * steps[0], 3) if steps else None,
+        "step_ms_last": round(1e3 * steps[-1], 3) if steps else None,
+        "seconds": round(seconds, 4),
+        "tok_s": round(requests * max(1, new - 1) / seconds, 1) if seconds else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["8b", "1b"], default="8b")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (random ids)")
+    ap.add_argument("--new", type=int, default=256, help="new tokens per request")
+    ap.add_argument("--skip-hf", action="store_true", help="Tandem only")
+    ap.add_argument("--hf-config", default='{"use_cuda_graph": true}',
+                    help="ContinuousBatchingConfig kwargs (JSON); on failure, retried with defaults")
+    ap.add_argument("--hf-persistent", action="store_true",
+                    help="keep transformers' manager (cache, CUDA graphs) from the warm-up: setup not timed")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=1, help="timed rounds after the warm-ups; best kept")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/gpu_sync.json)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, few tokens, CPU: checks the logic")
+    a = ap.parse_args()
+
+    shape, device, dtype = a.shape, torch.device("cuda"), torch.bfloat16
+    hf_base: dict = {}  # what a failing --hf-config falls back to
+    copy_bytes = 2 * 1024**3
+    if a.smoke:
+        shape, device, dtype = "tiny", torch.device("cpu"), torch.float32
+        a.requests, a.prompt, a.new = min(a.requests, 4), min(a.prompt, 16), min(a.new, 8)
+        copy_bytes = 64 * 1024**2
+        # on CPU, transformers must be given a small cache: sized from RAM it zero-fills for seconds
+        hf_base = {"num_blocks": 16, "block_size": 32, "max_batch_tokens": 256}
+    hf_config = {**hf_base, **json.loads(a.hf_config)}
+    out_path = a.out or (f"{tempfile.gettempdir()}/gpu_sync_smoke.json" if a.smoke
+                         else _repo.REPO / "bench/results/gpu_sync.json")
+
+    env = environment(device)
+    where = env.get("gpu", env["cpu"])
+    print(f"torch {env['torch']}, transformers {env['transformers']}, {where}", flush=True)
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    start = time.perf_counter()
+    model = build_model(shape, device, dtype)
+    build_s = time.perf_counter() - start
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = CacheShape.of(model.config).bytes_per_token(dtype)
+    print(f"model {shape} built in {build_s:.1f} s: {weight_bytes / 1e9:.2f} GB of weights; copy bandwidth "
+          f"{bandwidth / 1e12:.3f} TB/s", flush=True)
+
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab - 2, (a.requests, a.prompt), generator=g).tolist()
+    spec = EngineSpec(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
+                      a.max_num_batched_tokens)
+    core = build_core(model, spec)
+    runs = {"tandem": with_gpu_busy(lambda: run_tandem(core, prompts, a.new), device)}
+
+    def hf_run() -> RunStats:
+        nonlocal hf_config
+        try:
+            return run_hf(model, prompts, a.new, hf_config, persistent=a.hf_persistent)
+        except Exception as exc:  # e.g. CUDA graphs unsupported here: fall back
+            if hf_config == hf_base:
+                raise
+            print(f"generate_batch with {hf_config} failed ({type(exc).__name__}: {exc}); retrying with "
+                  f"{hf_base or 'the defaults'}", flush=True)
+            hf_config = hf_base
+            release_hf(model)
+            return run_hf(model, prompts, a.new, hf_config, persistent=a.hf_persistent)
+
+    if not a.skip_hf:
+        runs["transformers"] = with_gpu_busy(hf_run, device)
+    results = measure(runs, a.repeat)
+    release_hf(model)
+
+    roof = roofline(weight_bytes, kv_per_token, bandwidth, a.requests, a.prompt, a.new)
+    rows, report = [], {}
+    for name, r in results.items():
+        fraction = roof["seconds"] / r.seconds
+        report[name] = {**r.summary(), "fraction_of_roofline": round(fraction, 4)}
+        rows.append([name, r.tokens, round(r.seconds, 2), round(r.tok_s, 1),
+                     round(1e3 * r.seconds / r.steps, 2) if r.steps else "-", f"{fraction:.1%}",
+                     f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-", r.warmup_seconds])
+    rows.append(["roofline (decode)", a.requests * max(1, a.new - 1), roof["seconds"], roof["tok_s"],
+                 f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "-", "-"])
+    report["tandem"]["engine"] = spec.__dict__
+    if "transformers" in results:
+        report["transformers"]["continuous_batching_config"] = hf_config
+        report["transformers"]["attn_implementation"] = "paged|sdpa"
+        report["transformers"]["persistent_manager"] = a.hf_persistent
+        ratio = results["tandem"].tok_s / results["transformers"].tok_s
+        report["ratio_tandem_over_transformers"] = round(ratio, 3)
+        same = same_outputs(results["tandem"], results["transformers"])
+        report["identical_outputs"] = f"{same}/{a.requests}"
+    leaked = [m for m in MUST_NOT_IMPORT if m in sys.modules]
+    result = {
+        "benchmark": "gpu_sync",
+        "smoke": a.smoke,
+        "model": f"random-init Llama {shape} shape, {dtype}",
+        "workload": {"requests": a.requests, "prompt_tokens": a.prompt, "new_tokens": a.new,
+                     "prompts": "random token ids", "sampling": "greedy, fixed length"},
+        "environment": env,
+        "model_build_seconds": round(build_s, 1),
+        "roofline": roof,
+        **report,
+        "imported_server_only_modules": leaked,
+    }
+    write_json(out_path, result)
+    print(markdown_table(["engine", "tokens", "seconds", "tokens/s", "ms/step", "of roofline", "GPU busy",
+                          "warm-up s"], rows))
+    if "ratio_tandem_over_transformers" in report:
+        print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
+              f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")
+    if leaked:
+        print(f"WARNING: imported {leaked}: this would fail on a host without the server's dependencies")
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()

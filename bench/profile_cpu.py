@@ -1,0 +1,119 @@
+"""Where does a Tandem step go on CPU? Same workload as cpu_throughput.py (SmolLM2-135M, 16 chat
+prompts x 128 new tokens, 2 threads), Tandem only.
+
+Wall time per engine stage (the engine's functions wrapped with timers; CPU ops are synchronous, so
+wall time is the stage's cost), then the top torch operators over the decode steps (torch.profiler).
+
+    python bench/profile_cpu.py [--new 128] [--threads 2] [--ops 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import _repo  # noqa: F401
+import torch
+from common import EngineSpec, blocks_for, build_core, markdown_table, run_tandem
+from cpu_throughput import QUESTIONS, TANDEM_SPEC
+
+from tandem.service.engine import attention, engine_core, model_runner, scheduler
+from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+from tandem.service.models.loader import load_model
+
+TOTALS: dict[str, float] = defaultdict(float)
+STEP_TIMES: list[float] = []
+
+
+def timed(name: str, fn: Callable) -> Callable:
+    def wrapper(*args: object, **kwargs: object) -> object:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument(model: torch.nn.Module) -> None:
+    """Wrap the engine's stages (module globals and class attributes; service/ is not edited)."""
+    Core, Runner, Sched = engine_core.EngineCore, model_runner.ModelRunner, scheduler.Scheduler
+    step = Core.step
+
+    def timed_step(self: engine_core.EngineCore) -> list:
+        start = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            STEP_TIMES.append(time.perf_counter() - start)
+
+    Core.step = timed("EngineCore.step (total)", timed_step)
+    Sched.schedule = timed("scheduler.py:Scheduler.schedule", Sched.schedule)
+    Runner.prepare = timed("batch.py:build_host_batch (ModelRunner.prepare)", Runner.prepare)
+    model_runner.build_attention_metadata = timed(
+        "batch.py:build_attention_metadata", model_runner.build_attention_metadata
+    )
+    model.forward = timed("model forward (transformers, incl. attention)", model.forward)
+    model.model.forward = timed("  decoder layers (model.model)", model.model.forward)
+    model.lm_head.forward = timed("  lm_head (16 rows x vocab 49152)", model.lm_head.forward)
+    attention.paged_attention_forward = timed(
+        "attention.py:paged_attention_forward (30 layers)", attention.paged_attention_forward
+    )
+    model_runner.sample = timed("sampler.py:sample", model_runner.sample)
+    Runner.fetch = staticmethod(timed("model_runner.py:ModelRunner.fetch (.tolist)", Runner.fetch))
+    Core._process = timed("engine_core.py:EngineCore._process (finish_step, updates)", Core._process)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ops", type=int, default=15, help="torch operators to list")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    loaded = load_model(None, None, torch.device("cpu"))
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q in QUESTIONS]
+    spec = EngineSpec(blocks_for(len(prompts), max(map(len, prompts)) + a.new, 16), **TANDEM_SPEC)
+    core = build_core(loaded.model, spec)
+    instrument(loaded.model)
+    run_tandem(core, prompts, a.new, tag="warm")
+    TOTALS.clear()
+    STEP_TIMES.clear()
+    stats = run_tandem(core, prompts, a.new)
+    steps = stats.steps or 1
+    total = TOTALS["EngineCore.step (total)"]
+    rows = [[name, round(1e3 * t / steps, 2), f"{t / total:.0%}"] for name, t in
+            sorted(TOTALS.items(), key=lambda kv: -kv[1])]
+    prefill, decode = STEP_TIMES[0], STEP_TIMES[1:]
+    print(f"{stats.tokens} tokens in {stats.seconds:.2f} s ({stats.tok_s:.1f} tokens/s), {steps} steps, "
+          f"{1e3 * stats.seconds / steps:.1f} ms/step: prefill step {1e3 * prefill:.0f} ms, "
+          f"{len(decode)} decode steps {1e3 * sum(decode) / len(decode):.1f} ms mean "
+          f"({1e3 * decode[0]:.0f} ms first, {1e3 * decode[-1]:.0f} ms last)\n")
+    print(markdown_table(["stage (nested: forward includes attention)", "ms/step", "share of step"], rows))
+
+    # operator view: 20 decode steps at mid-length context
+    params = SamplingParams(max_tokens=a.new, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add(GenerationRequest(f"p{i}", p, params))
+    core._drain(block=False)
+    for _ in range(a.new // 2):  # the prefill step, then decodes
+        core.step()
+    n = 20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            core.step()
+    while core.scheduler.has_work:
+        core.step()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: a.ops]
+    print(f"\ntop torch operators, {n} decode steps at mid context (self CPU time):\n")
+    print(markdown_table(["operator", "ms/step", "calls/step"],
+                         [[e.key, round(e.self_cpu_time_total / 1e3 / n, 2), e.count // n] for e in ops]))
+
+
+if __name__ == "__main__":
+    main()
