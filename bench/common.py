@@ -38,6 +38,7 @@ class EngineSpec:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
 
 
 @dataclass
@@ -98,9 +99,10 @@ def build_core(model: torch.nn.Module, spec: EngineSpec) -> EngineCore:
     )
     capacity = spec.num_blocks * spec.block_size
     model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None) or capacity
-    return EngineCore(
-        ModelRunner(model, cache, device), scheduler, min(model_len, capacity), frozenset(), lambda u: None
-    )
+    max_model_len = min(model_len, capacity)
+    runner = ModelRunner(model, cache, device, spec.cuda_graphs, spec.max_num_seqs, max_model_len)
+    runner.capture_graphs()
+    return EngineCore(runner, scheduler, max_model_len, frozenset(), lambda u: None)
 
 
 def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, tag: str = "") -> RunStats:

@@ -16,6 +16,7 @@ Imports only tandem.service.engine.* (no settings, no gRPC): runs on a host with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -184,6 +185,9 @@ def main() -> None:
                       a.max_num_batched_tokens)
     core = build_core(model, spec)
     runs = {"tandem": with_gpu_busy(lambda: run_tandem(core, prompts, a.new), device)}
+    if device.type == "cuda":  # the same sync loop without CUDA graphs: what the graphs are worth
+        eager = build_core(model, dataclasses.replace(spec, cuda_graphs=False))
+        runs["tandem_eager"] = with_gpu_busy(lambda: run_tandem(eager, prompts, a.new, tag="e"), device)
 
     def hf_run() -> RunStats:
         nonlocal hf_config

@@ -29,7 +29,8 @@ def render() -> str:
     rows = []
     for name, field in ServerSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        rows.append(f"| `{flag}` | `TANDEM_{name.upper()}` | {_default(field.default)} | {field.description} |")
+        env = f"TANDEM_{name.upper()}"
+        rows.append(f"| `{flag}` | `{env}` | {_default(field.default)} | {field.description} |")
     return HEADER + "\n".join(rows) + "\n"
 
 

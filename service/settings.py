@@ -38,6 +38,9 @@ class ServerSettings(BaseSettings):
         description="CUDA: share of free device memory (after loading) given to the KV cache.",
     )
     kv_cache_cpu_gib: float = Field(2.0, gt=0, description="CPU: KV-cache size in GiB.")
+    cuda_graphs: bool = Field(
+        True, description="CUDA: decode steps replay CUDA graphs captured at start (per batch-size bucket)."
+    )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step (decodes + prefill chunks)."

@@ -40,13 +40,16 @@ def make_core(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 1024,
     eos: frozenset[int] = frozenset(),
+    cuda_graphs: bool = False,
 ) -> EngineCore:
     model.set_attn_implementation(register())
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     cache = KVCache(CacheShape.of(model.config), num_blocks, block_size, dtype, device)
     scheduler = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
-    return EngineCore(ModelRunner(model, cache, device), scheduler, max_model_len, eos, lambda u: None)
+    runner = ModelRunner(model, cache, device, cuda_graphs, max_num_seqs, max_model_len)
+    runner.capture_graphs()
+    return EngineCore(runner, scheduler, max_model_len, eos, lambda u: None)
 
 
 def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> RunResult:

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("num_blocks", [512, 40])  # 40 blocks x 4 tokens forces preemption
-def test_cuda_engine_matches_generate(family, num_blocks):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_engine_matches_generate(family, num_blocks, graphs):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_tiny_config(family, 1000)).to("cuda").eval()
     rng = random.Random(1)
@@ -25,10 +26,21 @@ def test_cuda_engine_matches_generate(family, num_blocks):
         Arrival(f"r{i}", [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=24), at)
         for i, (n, at) in enumerate(zip([7, 60, 2, 33, 15, 90], [0, 0, 1, 3, 8, 12], strict=True))
     ]
-    core = make_core(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, max_model_len=160)
+    # graphs need the in-place kernel, which needs 16-token blocks: same capacity in fewer blocks
+    core = make_core(
+        model,
+        num_blocks=num_blocks // 4 if graphs else num_blocks,
+        block_size=16 if graphs else 4,
+        max_num_batched_tokens=64,
+        max_model_len=160,
+        max_num_seqs=8,
+        cuda_graphs=graphs,
+    )
     result = run(core, arrivals)
     if num_blocks == 40:
         assert result.preemptions > 0
+    if graphs:
+        assert core.runner.graphs is not None and len(core.runner.graphs.graphs) == 4  # buckets 1, 2, 4, 8
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 24, None), a.request_id
 

@@ -60,8 +60,15 @@ def paged_attention_forward(
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
     if meta.decode_token_idx is not None:
         qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)  # [B, H, D]
-        kd, vd = k_cache[meta.decode_slots], v_cache[meta.decode_slots]  # [B, L, Hkv, D]
-        out.index_copy_(0, meta.decode_token_idx, decode_attention(qd, kd, vd, meta.decode_mask, scaling))
+        if meta.decode_kernel is not None:  # CUDA: read K/V in place
+            scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+            od = meta.decode_kernel(
+                qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
+            )
+        else:
+            kd, vd = k_cache[meta.decode_slots], v_cache[meta.decode_slots]  # [B, L, Hkv, D]
+            od = decode_attention(qd, kd, vd, meta.decode_mask, scaling)
+        out.index_copy_(0, meta.decode_token_idx, od)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         qp = q[:, rows].unsqueeze(0)  # [1, H, n, D]

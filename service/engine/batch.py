@@ -6,6 +6,7 @@ sequences run in one forward; the attention metadata tells each token where its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, L] True = attend
     prefills: list[PrefillSegment] = field(default_factory=list)
     kv_cache: object = None  # the runner's KVCache, set before the forward
+    # CUDA: decodes read K/V in place through their block tables (no decode_slots / decode_mask)
+    decode_kernel: Callable[..., torch.Tensor] | None = None
+    decode_block_table: torch.Tensor | None = None  # [B, max_blocks] int32
+    decode_ctx_lens: torch.Tensor | None = None  # [B] int32
 
 
 @dataclass
@@ -157,10 +162,19 @@ def _causal_mask(
 
 
 def build_attention_metadata(
-    batch: HostBatch, block_size: int, device: torch.device, sliding_window: int | None = None
+    batch: HostBatch,
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     meta = AttentionMetadata(slot_mapping=batch.slot_mapping.to(device, non_blocking=True))
-    if batch.decode_block_table is not None:
+    if batch.decode_block_table is not None and decode_kernel is not None:
+        meta.decode_kernel = decode_kernel
+        meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
+        meta.decode_block_table = batch.decode_block_table.to(device, non_blocking=True).int()
+        meta.decode_ctx_lens = batch.decode_ctx_lens.to(device, non_blocking=True).int()
+    elif batch.decode_block_table is not None:
         table = batch.decode_block_table.to(device, non_blocking=True)
         lens = batch.decode_ctx_lens.to(device, non_blocking=True)
         width = int(batch.decode_ctx_lens.max())

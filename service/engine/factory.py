@@ -61,8 +61,10 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
     scheduler = Scheduler(
         BlockManager(num_blocks, settings.block_size), settings.max_num_seqs, settings.max_num_batched_tokens
     )
+    runner = ModelRunner(model, cache, device, settings.cuda_graphs, settings.max_num_seqs, max_model_len)
+    runner.capture_graphs()  # before the server reports SERVING
     core = EngineCore(
-        ModelRunner(model, cache, device),
+        runner,
         scheduler,
         max_model_len,
         loaded.eos_token_ids,

@@ -29,7 +29,9 @@ class KVCache:
         self, shape: CacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
-        slots = num_blocks * block_size
+        # one extra block no sequence owns: padding rows of a CUDA graph write and read it
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * block_size
         dims = (shape.num_layers, slots, shape.num_kv_heads, shape.head_dim)
         self.k = torch.zeros(dims, dtype=dtype, device=device)
         self.v = torch.zeros(dims, dtype=dtype, device=device)

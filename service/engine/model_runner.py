@@ -27,7 +27,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        device: torch.device,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = device
@@ -43,6 +51,26 @@ class ModelRunner:
             # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
             # planning (milliseconds of CPU) would cost more than the attention itself
             torch.backends.cuda.enable_cudnn_sdp(False)
+        # CUDA decodes read K/V in place with the Triton kernel: no sliding window, and cache
+        # blocks of at least 16 tokens (a power of two) for its matrix tiles
+        bs = cache.block_size
+        self.in_place_decode = (
+            device.type == "cuda" and not self.sliding_window and bs >= 16 and bs & (bs - 1) == 0
+        )
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        )
+        self.graphs = None
+        if cuda_graphs and self.in_place_decode:
+            from .cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-max_model_len // cache.block_size)
+            self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_blocks)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (warm-up time, before the server reports SERVING)."""
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def prepare(self, chunks: list[ScheduledChunk]) -> HostBatch:
         return build_host_batch(chunks, self.block_size, pin=self.device.type == "cuda")
@@ -50,7 +78,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: HostBatch) -> SampleOutput:
         dev = self.device
-        meta = build_attention_metadata(batch, self.block_size, dev, self.sliding_window)
+        if self.graphs is not None and self.graphs.fits(batch):
+            return sample(self.graphs.run(batch), batch.sampling.to(dev))
+        kernel = None
+        if self.in_place_decode and batch.decode_token_idx:
+            from .triton_decode import DecodeKernel
+
+            kernel = DecodeKernel.for_batch(self.cache, len(batch.decode_token_idx), self.num_sms)
+        meta = build_attention_metadata(batch, self.block_size, dev, self.sliding_window, kernel)
         meta.kv_cache = self.cache
         input_ids = batch.input_ids.to(dev, non_blocking=True)[None]
         positions = batch.positions.to(dev, non_blocking=True)[None]

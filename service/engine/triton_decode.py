@@ -9,6 +9,8 @@ launch depends only on the batch size, so it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -189,3 +191,28 @@ def paged_decode_attention(
         HEAD_DIM=d,
     )
     return out
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """The kernel bound to a cache's block size and a batch size's split count."""
+
+    block_size: int
+    num_splits: int
+
+    @classmethod
+    def for_batch(cls, cache: object, batch: int, num_sms: int) -> DecodeKernel:
+        return cls(cache.block_size, num_splits_for(batch, cache.shape.num_kv_heads, num_sms))
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            q, k_cache, v_cache, block_table, ctx_lens, self.block_size, scale, self.num_splits
+        )
