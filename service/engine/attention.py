@@ -66,7 +66,10 @@ def paged_attention_forward(
                 qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
             )
         else:
-            kd, vd = k_cache[meta.decode_slots], v_cache[meta.decode_slots]  # [B, L, Hkv, D]
+            blocks = (-1, meta.block_size, *k_cache.shape[1:])
+            ctx = (qd.shape[0], -1, *k_cache.shape[1:])
+            kd = k_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)  # [B, W * bs, Hkv, D]
+            vd = v_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)
             od = decode_attention(qd, kd, vd, meta.decode_mask, scaling)
         out.index_copy_(0, meta.decode_token_idx, od)
     for seg in meta.prefills:

@@ -29,11 +29,12 @@ class PrefillSegment:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     decode_token_idx: torch.Tensor | None = None  # [B] packed index of each single-token query
-    decode_slots: torch.Tensor | None = None  # [B, L] cache slots of each decode's context
-    decode_mask: torch.Tensor | None = None  # [B, L] True = attend
+    decode_blocks: torch.Tensor | None = None  # [B * W] cache blocks of each decode's context
+    decode_mask: torch.Tensor | None = None  # [B, W * block_size] True = attend
+    block_size: int = 0
     prefills: list[PrefillSegment] = field(default_factory=list)
     kv_cache: object = None  # the runner's KVCache, set before the forward
-    # CUDA: decodes read K/V in place through their block tables (no decode_slots / decode_mask)
+    # CUDA: decodes read K/V in place through their block tables (no decode_blocks / decode_mask)
     decode_kernel: Callable[..., torch.Tensor] | None = None
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] int32
     decode_ctx_lens: torch.Tensor | None = None  # [B] int32
@@ -168,20 +169,22 @@ def build_attention_metadata(
     sliding_window: int | None = None,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionMetadata:
-    meta = AttentionMetadata(slot_mapping=batch.slot_mapping.to(device, non_blocking=True))
+    meta = AttentionMetadata(
+        slot_mapping=batch.slot_mapping.to(device, non_blocking=True), block_size=block_size
+    )
     if batch.decode_block_table is not None and decode_kernel is not None:
         meta.decode_kernel = decode_kernel
         meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
         meta.decode_block_table = batch.decode_block_table.to(device, non_blocking=True).int()
         meta.decode_ctx_lens = batch.decode_ctx_lens.to(device, non_blocking=True).int()
     elif batch.decode_block_table is not None:
+        # whole blocks are gathered (one copy per block, not per token); the mask hides the tail
         table = batch.decode_block_table.to(device, non_blocking=True)
         lens = batch.decode_ctx_lens.to(device, non_blocking=True)
-        width = int(batch.decode_ctx_lens.max())
         meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
-        meta.decode_slots = _slots_of(table, width, block_size)
-        mask = _causal_mask(lens - 1, width, sliding_window, device)  # query sits at position len-1
-        meta.decode_mask = mask
+        meta.decode_blocks = table.flatten()
+        width = table.shape[1] * block_size
+        meta.decode_mask = _causal_mask(lens - 1, width, sliding_window, device)  # query at position len-1
     for q_start, q_len, ctx_len, blocks in batch.prefills:
         seg = PrefillSegment(q_start, q_len, ctx_len)
         fresh = blocks is None
