@@ -12,12 +12,13 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import _repo  # noqa: F401  (must come before any tandem import)
+import _repo  # must come before any tandem import
 import torch
 import transformers
 
@@ -251,6 +252,7 @@ def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[st
         for name, run in runs.items():
             with ForeignLoad() as load:
                 stats = run()
+            stats.name = name
             stats.foreign_cpu, stats.cpu_steal = load.share, load.steal
             runs_of.setdefault(name, []).append(
                 {"seconds": round(stats.seconds, 3), "foreign_cpu": load.share, "cpu_steal": load.steal,
@@ -288,8 +290,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def source_version() -> str | None:
+    """The checkout's commit, '+dirty' when service/ has uncommitted changes (None without git)."""
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(_repo.REPO), *args], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+
+        dirty = git("status", "--porcelain", "service")
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(device: torch.device) -> dict:
     env = {
+        "commit": source_version(),
         "date": datetime.date.today().isoformat(),
         "cpu": cpu_model(),
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

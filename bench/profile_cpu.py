@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import _repo  # noqa: F401
 import torch
-from common import EngineSpec, blocks_for, build_core, markdown_table, run_tandem
+from common import EngineSpec, ForeignLoad, blocks_for, build_core, markdown_table, run_tandem
 from cpu_throughput import QUESTIONS, TANDEM_SPEC
 
 from tandem.service.engine import attention, engine_core, model_runner, scheduler
@@ -27,7 +27,12 @@ TOTALS: dict[str, float] = defaultdict(float)
 STEP_TIMES: list[float] = []
 
 
+ORDER: list[str] = []  # stage names in pipeline order, for the table
+
+
 def timed(name: str, fn: Callable) -> Callable:
+    ORDER.append(name)
+
     def wrapper(*args: object, **kwargs: object) -> object:
         start = time.perf_counter()
         try:
@@ -56,12 +61,12 @@ def instrument(model: torch.nn.Module) -> None:
     model_runner.build_attention_metadata = timed(
         "batch.py:build_attention_metadata", model_runner.build_attention_metadata
     )
-    model.forward = timed("model forward (transformers, incl. attention)", model.forward)
-    model.model.forward = timed("  decoder layers (model.model)", model.model.forward)
-    model.lm_head.forward = timed("  lm_head (16 rows x vocab 49152)", model.lm_head.forward)
+    model.forward = timed("model forward (transformers' LlamaForCausalLM)", model.forward)
+    model.model.forward = timed("- decoder layers (LlamaModel)", model.model.forward)
     attention.paged_attention_forward = timed(
-        "attention.py:paged_attention_forward (30 layers)", attention.paged_attention_forward
+        "-- attention.py:paged_attention_forward (all layers)", attention.paged_attention_forward
     )
+    model.lm_head.forward = timed("- lm_head (one row per sequence x vocab)", model.lm_head.forward)
     model_runner.sample = timed("sampler.py:sample", model_runner.sample)
     Runner.fetch = staticmethod(timed("model_runner.py:ModelRunner.fetch (.tolist)", Runner.fetch))
     Core._process = timed("engine_core.py:EngineCore._process (finish_step, updates)", Core._process)
@@ -84,17 +89,19 @@ def main() -> None:
     run_tandem(core, prompts, a.new, tag="warm")
     TOTALS.clear()
     STEP_TIMES.clear()
-    stats = run_tandem(core, prompts, a.new)
+    with ForeignLoad() as load:
+        stats = run_tandem(core, prompts, a.new)
     steps = stats.steps or 1
     total = TOTALS["EngineCore.step (total)"]
-    rows = [[name, round(1e3 * t / steps, 2), f"{t / total:.0%}"] for name, t in
-            sorted(TOTALS.items(), key=lambda kv: -kv[1])]
+    rows = [[name, round(1e3 * TOTALS[name] / steps, 2), f"{TOTALS[name] / total:.0%}"] for name in ORDER]
     prefill, decode = STEP_TIMES[0], STEP_TIMES[1:]
     print(f"{stats.tokens} tokens in {stats.seconds:.2f} s ({stats.tok_s:.1f} tokens/s), {steps} steps, "
           f"{1e3 * stats.seconds / steps:.1f} ms/step: prefill step {1e3 * prefill:.0f} ms, "
           f"{len(decode)} decode steps {1e3 * sum(decode) / len(decode):.1f} ms mean "
           f"({1e3 * decode[0]:.0f} ms first, {1e3 * decode[-1]:.0f} ms last)\n")
-    print(markdown_table(["stage (nested: forward includes attention)", "ms/step", "share of step"], rows))
+    if (load.share or 0) + (load.steal or 0) > 0.05:
+        print(f"WARNING: other processes took {load.share:.0%} of the CPU, steal {load.steal:.0%}\n")
+    print(markdown_table(["stage (- nested in the row above)", "ms/step", "share of step"], rows))
 
     # operator view: 20 decode steps at mid-length context
     params = SamplingParams(max_tokens=a.new, ignore_eos=True)
