@@ -23,12 +23,10 @@ import torch
 import transformers
 
 from tandem.service.engine.attention import register
-from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.core_builder import EngineConfig
+from tandem.service.engine.core_builder import build_core as build_engine_core
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.kv_cache import CacheShape, KVCache
-from tandem.service.engine.model_runner import ModelRunner
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-from tandem.service.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -90,20 +88,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def build_core(model: torch.nn.Module, spec: EngineSpec) -> EngineCore:
-    """Wire EngineCore around `model` by hand, as service/engine/factory.py does minus the settings."""
-    model.set_attn_implementation(register())
-    device = model_device(model)
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(CacheShape.of(model.config), spec.num_blocks, spec.block_size, dtype, device)
-    scheduler = Scheduler(
-        BlockManager(spec.num_blocks, spec.block_size), spec.max_num_seqs, spec.max_num_batched_tokens
-    )
-    capacity = spec.num_blocks * spec.block_size
-    model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None) or capacity
-    max_model_len = min(model_len, capacity)
-    runner = ModelRunner(model, cache, device, spec.cuda_graphs, spec.max_num_seqs, max_model_len)
-    runner.capture_graphs()
-    return EngineCore(runner, scheduler, max_model_len, frozenset(), lambda u: None)
+    """The engine core the server would build for `model` with these settings (no thread)."""
+    return build_engine_core(model, EngineConfig(**asdict(spec)))
 
 
 def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, tag: str = "") -> RunStats:
@@ -117,7 +103,7 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     start, first_step = time.perf_counter(), core.steps
     for rid, prompt in zip(ids, prompts, strict=True):
         core.add(GenerationRequest(rid, list(prompt), params))
-    core._drain(block=False)  # EngineCore has no public synchronous admit; its thread loop does this
+    core.drain_inbox(block=False)
     step_times = []
     while core.scheduler.has_work:
         before, step_start = core.steps, time.perf_counter()

@@ -6,13 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.service.engine.attention import register
-from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.kv_cache import CacheShape, KVCache
-from tandem.service.engine.model_runner import ModelRunner
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-from tandem.service.engine.scheduler import Scheduler
 
 
 @dataclass
@@ -42,14 +38,10 @@ def make_core(
     eos: frozenset[int] = frozenset(),
     cuda_graphs: bool = False,
 ) -> EngineCore:
-    model.set_attn_implementation(register())
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(CacheShape.of(model.config), num_blocks, block_size, dtype, device)
-    scheduler = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
-    runner = ModelRunner(model, cache, device, cuda_graphs, max_num_seqs, max_model_len)
-    runner.capture_graphs()
-    return EngineCore(runner, scheduler, max_model_len, eos, lambda u: None)
+    config = EngineConfig(
+        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs
+    )
+    return build_core(model, config, eos)
 
 
 def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> RunResult:
@@ -62,7 +54,7 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
             a = pending.pop(0)
             core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params))
             result.tokens[a.request_id] = []
-        core._drain(block=False)
+        core.drain_inbox(block=False)
         for s in core.scheduler.waiting:
             seqs[s.request_id] = s
         result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))

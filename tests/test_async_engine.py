@@ -128,7 +128,7 @@ def test_queue_bound_gives_resource_exhausted(loaded):
         first = await engine.generate([1, 2, 3], p)
         task = asyncio.ensure_future(first.__anext__())
         await asyncio.sleep(0.01)
-        engine.core._drain(block=False)
+        engine.core.drain_inbox(block=False)
         with pytest.raises(RequestError) as exc:
             await engine.generate([1, 2, 3], p)
         task.cancel()

@@ -98,13 +98,14 @@ class EngineCore:
     # -- the engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self._drain(block=not self.scheduler.has_work)
+            self.drain_inbox(block=not self.scheduler.has_work)
             if self.scheduler.has_work:
                 updates = self.step()
                 if updates:
                     self.on_updates(updates)
 
-    def _drain(self, block: bool) -> None:
+    def drain_inbox(self, block: bool) -> None:
+        """Admit queued requests and apply aborts (the thread does this before every step)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:

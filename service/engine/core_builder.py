@@ -1,0 +1,60 @@
+"""Wire an engine core around a model: cache, blocks, scheduler, runner (no settings, no server).
+
+The server's factory, the benchmarks and the tests all build their cores here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .attention import register
+from .block_manager import BlockManager
+from .engine_core import EngineCore
+from .kv_cache import CacheShape, KVCache
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's, capped by what the cache holds
+    cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
+
+
+def build_core(
+    model: torch.nn.Module, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()
+) -> EngineCore:
+    model.set_attn_implementation(register())
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    shape = CacheShape.of(model.config)
+    capacity = config.num_blocks * config.block_size
+    model_len = config.max_model_len or getattr(
+        model.config.get_text_config(), "max_position_embeddings", None
+    )
+    max_model_len = min(model_len or capacity, capacity)
+    if max_model_len < 2:
+        raise ValueError(f"the KV cache holds {capacity} tokens: too small to serve anything")
+    log.info(
+        "KV cache: %d blocks x %d tokens (%.2f GiB), context length %d",
+        config.num_blocks,
+        config.block_size,
+        capacity * shape.bytes_per_token(dtype) / 2**30,
+        max_model_len,
+    )
+    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device)
+    scheduler = Scheduler(
+        BlockManager(config.num_blocks, config.block_size), config.max_num_seqs, config.max_num_batched_tokens
+    )
+    runner = ModelRunner(model, cache, device, config.cuda_graphs, config.max_num_seqs, max_model_len)
+    runner.capture_graphs()  # at start-up, before the server reports SERVING
+    return EngineCore(runner, scheduler, max_model_len, eos_token_ids, on_updates=lambda updates: None)
