@@ -28,7 +28,7 @@ def _default(value: object) -> str:
 def render() -> str:
     rows = []
     for name, field in ServerSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag = ("--[no-]" if field.annotation is bool else "--") + name.replace("_", "-")
         env = f"TANDEM_{name.upper()}"
         rows.append(f"| `{flag}` | `{env}` | {_default(field.default)} | {field.description} |")
     return HEADER + "\n".join(rows) + "\n"
