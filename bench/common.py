@@ -23,21 +23,8 @@ import torch
 import transformers
 
 from tandem.service.engine.attention import register
-from tandem.service.engine.core_builder import EngineConfig
-from tandem.service.engine.core_builder import build_core as build_engine_core
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """The engine settings a benchmark picks (the server reads the same from ServerSettings)."""
-
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
 
 
 @dataclass
@@ -85,11 +72,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 # -- Tandem ----------------------------------------------------------------------------------------
-
-
-def build_core(model: torch.nn.Module, spec: EngineSpec) -> EngineCore:
-    """The engine core the server would build for `model` with these settings (no thread)."""
-    return build_engine_core(model, EngineConfig(**asdict(spec)))
 
 
 def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, tag: str = "") -> RunStats:

@@ -16,9 +16,7 @@ import json
 import _repo
 import torch
 from common import (
-    EngineSpec,
     blocks_for,
-    build_core,
     environment,
     markdown_table,
     measure,
@@ -28,6 +26,7 @@ from common import (
     write_json,
 )
 
+from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.models.loader import load_model
 
 QUESTIONS = [
@@ -81,7 +80,8 @@ def main() -> None:
         for q in QUESTIONS
     ]
     longest = max(map(len, prompts)) + a.new
-    spec = EngineSpec(num_blocks=blocks_for(len(prompts), longest, TANDEM_SPEC["block_size"]), **TANDEM_SPEC)
+    blocks = blocks_for(len(prompts), longest, TANDEM_SPEC["block_size"])
+    spec = EngineConfig(num_blocks=blocks, **TANDEM_SPEC)
     hf_config = json.loads(a.hf_config)
     hf_config.setdefault("num_blocks", blocks_for(len(prompts), longest, hf_config.get("block_size", 256)))
 

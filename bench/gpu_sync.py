@@ -27,10 +27,8 @@ from collections.abc import Callable
 import _repo
 import torch
 from common import (
-    EngineSpec,
     RunStats,
     blocks_for,
-    build_core,
     copy_bandwidth,
     environment,
     markdown_table,
@@ -43,6 +41,7 @@ from common import (
 )
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.kv_cache import CacheShape
 
 SHAPES = {  # as hf_cb_anchor.py
@@ -181,7 +180,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab - 2, (a.requests, a.prompt), generator=g).tolist()
-    spec = EngineSpec(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
+    spec = EngineConfig(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
                       a.max_num_batched_tokens)
     core = build_core(model, spec)
     runs = {"tandem": with_gpu_busy(lambda: run_tandem(core, prompts, a.new), device)}

@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import _repo  # noqa: F401
 import torch
-from common import EngineSpec, ForeignLoad, blocks_for, build_core, markdown_table, run_tandem
+from common import ForeignLoad, blocks_for, markdown_table, run_tandem
 from cpu_throughput import QUESTIONS, TANDEM_SPEC
 
 from tandem.service.engine import attention, engine_core, model_runner, scheduler
+from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.models.loader import load_model
 
@@ -83,7 +84,7 @@ def main() -> None:
     tok = loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for q in QUESTIONS]
-    spec = EngineSpec(blocks_for(len(prompts), max(map(len, prompts)) + a.new, 16), **TANDEM_SPEC)
+    spec = EngineConfig(blocks_for(len(prompts), max(map(len, prompts)) + a.new, 16), **TANDEM_SPEC)
     core = build_core(loaded.model, spec)
     instrument(loaded.model)
     run_tandem(core, prompts, a.new, tag="warm")
