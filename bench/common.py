@@ -75,7 +75,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, tag: str = "") -> RunStats:
-    """Add every request, then call `core.step()` until all are done; greedy, exactly `new_tokens` each."""
+    """Add every request, then run the core's loop (sync or async) until all are done; greedy,
+    exactly `new_tokens` each."""
     core.runner.model.set_attn_implementation(register())  # generate_batch may have switched it
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [f"{tag}{i}" for i in range(len(prompts))]
@@ -87,13 +88,18 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
         core.add(GenerationRequest(rid, list(prompt), params))
     core.drain_inbox(block=False)
     step_times = []
-    while core.scheduler.has_work:
+    launched = None  # the asynchronous loop's step in flight
+    while core.scheduler.has_work or launched is not None:
         before, step_start = core.steps, time.perf_counter()
-        for update in core.step():
+        if core.async_loop:
+            updates, launched = core.step_ahead(launched)
+        else:
+            updates = core.step()
+        for update in updates:
             if update.error:
                 raise RuntimeError(f"{update.request_id}: {update.error}")
             outputs[update.request_id] += update.new_token_ids
-        if core.steps == before:
+        if core.steps == before and launched is None:
             raise RuntimeError("the scheduler scheduled nothing while work was pending")
         step_times.append(1e3 * (time.perf_counter() - step_start))
     sync(device)

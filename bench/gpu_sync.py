@@ -181,10 +181,12 @@ def main() -> None:
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab - 2, (a.requests, a.prompt), generator=g).tolist()
     spec = EngineConfig(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
-                      a.max_num_batched_tokens)
+                        a.max_num_batched_tokens, step_loop="sync")
     core = build_core(model, spec)
     runs = {"tandem": with_gpu_busy(lambda: run_tandem(core, prompts, a.new), device)}
-    if device.type == "cuda":  # the same sync loop without CUDA graphs: what the graphs are worth
+    if device.type == "cuda":  # the asynchronous loop, and the sync loop without CUDA graphs
+        overlapped = build_core(model, dataclasses.replace(spec, step_loop="async"))
+        runs["tandem_async"] = with_gpu_busy(lambda: run_tandem(overlapped, prompts, a.new, tag="a"), device)
         eager = build_core(model, dataclasses.replace(spec, cuda_graphs=False))
         runs["tandem_eager"] = with_gpu_busy(lambda: run_tandem(eager, prompts, a.new, tag="e"), device)
 

@@ -41,6 +41,9 @@ class ServerSettings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="CUDA: decode steps replay CUDA graphs captured at start (per batch-size bucket)."
     )
+    step_loop: Literal["auto", "sync", "async"] = Field(
+        "auto", description="async: prepare step N+1 while the device runs step N; auto = async on CUDA."
+    )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step (decodes + prefill chunks)."

@@ -37,9 +37,10 @@ def make_core(
     max_model_len: int = 1024,
     eos: frozenset[int] = frozenset(),
     cuda_graphs: bool = False,
+    step_loop: str = "sync",
 ) -> EngineCore:
     config = EngineConfig(
-        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs
+        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop
     )
     return build_core(model, config, eos)
 
@@ -49,7 +50,8 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
     pending = sorted(arrivals, key=lambda a: a.at_step)
     seqs = {}
     step = 0
-    while (pending or core.scheduler.has_work) and step < max_steps:
+    launched = None
+    while (pending or core.scheduler.has_work or launched) and step < max_steps:
         while pending and pending[0].at_step <= step:
             a = pending.pop(0)
             core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params))
@@ -58,7 +60,11 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
         for s in core.scheduler.waiting:
             seqs[s.request_id] = s
         result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))
-        for u in core.step():
+        if core.async_loop:
+            updates, launched = core.step_ahead(launched)
+        else:
+            updates = core.step()
+        for u in updates:
             result.tokens[u.request_id] += u.new_token_ids
             if u.finish_reason is not None:
                 result.finish[u.request_id] = u.finish_reason.value

@@ -33,32 +33,37 @@ def tiny_models(tiny_model_dir):
     return {f: AutoModelForCausalLM.from_pretrained(tiny_model_dir(f)).eval() for f in FAMILIES}
 
 
+@pytest.mark.parametrize("loop", ["sync", "async"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_lengths_staggered_arrivals_match_generate(tiny_models, family):
+def test_mixed_lengths_staggered_arrivals_match_generate(tiny_models, family, loop):
     model = tiny_models[family]
     vocab = model.config.vocab_size
     # long prompts get chunked (budget 48 tokens/step); later arrivals join a batch mid-decode
     arrivals = _arrivals(vocab, [5, 70, 1, 33, 12, 101], [0, 0, 2, 3, 9, 15], max_new=20)
-    core = make_core(model, num_blocks=256, block_size=4, max_num_batched_tokens=48)
+    core = make_core(model, num_blocks=256, block_size=4, max_num_batched_tokens=48, step_loop=loop)
     result = run(core, arrivals)
     assert result.max_batch >= 4
     _check(model, arrivals, result, eos=None)
 
 
+@pytest.mark.parametrize("loop", ["sync", "async"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_preemption_with_tiny_cache_keeps_tokens(tiny_models, family):
+def test_preemption_with_tiny_cache_keeps_tokens(tiny_models, family, loop):
     model = tiny_models[family]
     arrivals = _arrivals(
         model.config.vocab_size, [30, 22, 41, 9, 17, 26], [0, 0, 1, 1, 2, 4], max_new=24, seed=3
     )
     # 24 blocks x 4 = 96 cache slots for six requests of up to 65 tokens each: preemption is forced
-    core = make_core(model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96)
+    core = make_core(
+        model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96, step_loop=loop
+    )
     result = run(core, arrivals)
     assert result.preemptions > 0, "the cache was meant to be too small for all requests at once"
     _check(model, arrivals, result, eos=None)
 
 
-def test_real_smollm2_matches_generate(smol_dir):
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_real_smollm2_matches_generate(smol_dir, loop):
     model = AutoModelForCausalLM.from_pretrained(smol_dir).eval()
     from transformers import AutoTokenizer
 
@@ -78,7 +83,9 @@ def test_real_smollm2_matches_generate(smol_dir):
         Arrival(f"q{i}", p, SamplingParams(max_tokens=24), at)
         for i, (p, at) in enumerate(zip(prompts, [0, 0, 3, 6], strict=True))
     ]
-    core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, eos=frozenset(eos))
+    core = make_core(
+        model, num_blocks=64, block_size=16, max_num_batched_tokens=64, eos=frozenset(eos), step_loop=loop
+    )
     result = run(core, arrivals)
     _check(model, arrivals, result, eos=eos)
     assert "Paris" in tok.decode(result.tokens["q0"])

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("num_blocks", [512, 40])  # 40 blocks x 4 tokens forces preemption
 @pytest.mark.parametrize("graphs", [False, True])
-def test_cuda_engine_matches_generate(family, num_blocks, graphs):
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_cuda_engine_matches_generate(family, num_blocks, graphs, loop):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_tiny_config(family, 1000)).to("cuda").eval()
     rng = random.Random(1)
@@ -35,7 +36,9 @@ def test_cuda_engine_matches_generate(family, num_blocks, graphs):
         max_model_len=160,
         max_num_seqs=8,
         cuda_graphs=graphs,
+        step_loop=loop,
     )
+    assert core.async_loop == (loop == "async")
     result = run(core, arrivals)
     if num_blocks == 40:
         assert result.preemptions > 0

@@ -70,6 +70,9 @@ class HostBatch:
     decode_ctx_lens: torch.Tensor | None  # [B]
     prefills: list[tuple[int, int, int, list[int] | None]]  # (q_start, q_len, ctx_len, block ids)
     sampling: SamplingTensors
+    # async loop: per token, the row of the previous step's sampled tokens that is its input
+    # (the host holds a placeholder there), or -1; None when nothing is carried
+    carry: torch.Tensor | None = None
 
 
 def _pinned(data: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -77,7 +80,13 @@ def _pinned(data: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return t.pin_memory() if pin else t
 
 
-def build_host_batch(chunks: list[ScheduledChunk], block_size: int, pin: bool = False) -> HostBatch:
+def build_host_batch(
+    chunks: list[ScheduledChunk],
+    block_size: int,
+    pin: bool = False,
+    prev_rows: dict[int, int] | None = None,
+) -> HostBatch:
+    """`prev_rows`: id(sequence) -> its row in the previous step's samples, for carried chunks."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -89,11 +98,16 @@ def build_host_batch(chunks: list[ScheduledChunk], block_size: int, pin: bool = 
     prefills: list[tuple[int, int, int, list[int] | None]] = []
     temps, top_ps, top_ks, seeds, steps = [], [], [], [], []
     num_logprobs = -1
+    carry: list[int] = []
 
     for ci, chunk in enumerate(chunks):
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
         q_start = len(input_ids)
         input_ids.extend(seq.token_ids[start : start + n])
+        carry.extend([-1] * n)
+        if chunk.carried:  # its input is still on the device: placeholder + where to take it from
+            input_ids.append(0)
+            carry[-1] = prev_rows[id(seq)]
         positions.extend(range(start, start + n))
         blocks = seq.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n))
@@ -111,7 +125,7 @@ def build_host_batch(chunks: list[ScheduledChunk], block_size: int, pin: bool = 
             top_ps.append(p.top_p)
             top_ks.append(p.top_k)
             seeds.append(seq.seed)
-            steps.append(seq.num_output)
+            steps.append(seq.num_output + seq.num_inflight - 1)  # this token's index in the output
             if p.logprobs:
                 num_logprobs = max(num_logprobs, p.top_logprobs)
 
@@ -141,6 +155,7 @@ def build_host_batch(chunks: list[ScheduledChunk], block_size: int, pin: bool = 
         decode_ctx_lens=lens,
         prefills=prefills,
         sampling=sampling,
+        carry=_pinned(carry, torch.int64, pin) if any(c >= 0 for c in carry) else None,
     )
 
 
@@ -196,3 +211,12 @@ def build_attention_metadata(
             seg.mask = _causal_mask(q_pos, ctx_len, sliding_window, device)[None, None]
         meta.prefills.append(seg)
     return meta
+
+
+def carry_over(input_ids: torch.Tensor, batch: HostBatch, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """Replace the placeholders of carried inputs by the previous step's tokens, on the device."""
+    if batch.carry is None:
+        return input_ids
+    carry = batch.carry.to(input_ids.device, non_blocking=True)
+    taken = prev_tokens[carry.clamp(min=0)]
+    return torch.where(carry >= 0, taken, input_ids)

@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, capped by what the cache holds
     cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
+    step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
 
 
 def build_core(
@@ -57,4 +58,5 @@ def build_core(
     )
     runner = ModelRunner(model, cache, device, config.cuda_graphs, config.max_num_seqs, max_model_len)
     runner.capture_graphs()  # at start-up, before the server reports SERVING
-    return EngineCore(runner, scheduler, max_model_len, eos_token_ids, on_updates=lambda updates: None)
+    async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
+    return EngineCore(runner, scheduler, max_model_len, eos_token_ids, lambda updates: None, async_loop)

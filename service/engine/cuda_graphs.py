@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import AttentionMetadata, HostBatch
+from .batch import AttentionMetadata, HostBatch, carry_over
 from .kv_cache import KVCache
 from .triton_decode import DecodeKernel
 
@@ -80,11 +80,13 @@ class DecodeGraphs:
         """Decode-only steps up to the largest bucket replay a graph; others run eagerly."""
         return not batch.prefills and len(batch.decode_token_idx) <= self.buckets[-1]
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
+    def run(self, batch: HostBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         n = len(batch.decode_token_idx)
         b = next(x for x in self.buckets if x >= n)
         width = batch.decode_block_table.shape[1]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        if batch.carry is not None:
+            self.input_ids[:n].copy_(carry_over(self.input_ids[:n], batch, prev_tokens))
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         self.block_table[:n, :width].copy_(batch.decode_block_table, non_blocking=True)

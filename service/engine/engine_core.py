@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..telemetry.idle import IdleTracker
-from .model_runner import ModelRunner, StepResult
+from .model_runner import LaunchedStep, ModelRunner, StepResult
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Sequence
@@ -37,6 +37,15 @@ class SeqUpdate:
     error: str | None = None
 
 
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not seen yet."""
+
+    out: SchedulerOutput
+    step: LaunchedStep
+    started: float
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int
@@ -55,6 +64,7 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         on_updates: Callable[[list[SeqUpdate]], None],
+        async_loop: bool = False,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -65,6 +75,8 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+        self.async_loop = async_loop  # prepare step N+1 while the device runs step N
+        self._last_end = 0.0
         self.idle = IdleTracker()
 
     # -- called from any thread ----------------------------------------------------------------
@@ -97,12 +109,17 @@ class EngineCore:
 
     # -- the engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        launched: InFlight | None = None
         while not self._stopping.is_set():
-            self.drain_inbox(block=not self.scheduler.has_work)
-            if self.scheduler.has_work:
+            self.drain_inbox(block=not self.scheduler.has_work and launched is None)
+            if self.async_loop:
+                updates, launched = self.step_ahead(launched)
+            elif self.scheduler.has_work:
                 updates = self.step()
-                if updates:
-                    self.on_updates(updates)
+            else:
+                continue
+            if updates:
+                self.on_updates(updates)
 
     def drain_inbox(self, block: bool) -> None:
         """Admit queued requests and apply aborts (the thread does this before every step)."""
@@ -149,13 +166,45 @@ class EngineCore:
         self.steps += 1
         return self._process(out, result)
 
+    def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
+        """One turn of the asynchronous loop: schedule and launch step N+1, then finish step N.
+
+        The scheduler treats tokens still in flight as known (carried over on the device), so the
+        CPU prepares the next batch while the device computes; the host waits once per step, for
+        the previous step's tokens. Public so tests can drive it without the thread.
+        """
+        nxt = None
+        out = self.scheduler.schedule() if self.scheduler.has_work else None
+        if out is not None and out.chunks:
+            try:
+                nxt = InFlight(
+                    out, self.runner.launch(out.chunks, launched.step if launched else None), time.monotonic()
+                )
+            except Exception as exc:
+                log.exception("engine step launch failed")
+                return self._fail(out, f"engine step failed: {exc}"), launched
+        updates: list[SeqUpdate] = []
+        if launched is not None:
+            try:
+                result = self.runner.wait(launched.step)
+            except Exception as exc:
+                log.exception("engine step failed")
+                return self._fail(launched.out, f"engine step failed: {exc}"), nxt
+            end = time.monotonic()
+            self.idle.record(max(launched.started, self._last_end), end)
+            self._last_end = end
+            self.steps += 1
+            updates = self._process(launched.out, result)
+        return updates, nxt
+
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
-        self.scheduler.finish_step(out, sampled)
         updates = []
+        finished_before = {id(c.seq) for c in out.chunks if c.seq.finished}
+        self.scheduler.finish_step(out, sampled)
         for row, ci in enumerate(result.sample_chunks):
             seq = out.chunks[ci].seq
-            if seq.finish_reason is FinishReason.CANCELLED:
+            if id(seq) in finished_before:  # cancelled, or done in the step before: extra token dropped
                 continue
             lp = None
             if result.logprobs is not None and seq.params.logprobs:

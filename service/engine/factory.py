@@ -44,6 +44,7 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
         cuda_graphs=settings.cuda_graphs,
+        step_loop=settings.step_loop,
     )
     core = build_core(model, config, loaded.eos_token_ids)
     limits = Limits(

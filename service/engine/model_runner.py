@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import HostBatch, build_attention_metadata, build_host_batch
+from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
 from .kv_cache import KVCache
 from .sampler import SampleOutput, sample
 from .scheduler import ScheduledChunk
@@ -60,6 +60,7 @@ class ModelRunner:
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         )
+        self.stream: torch.cuda.Stream | None = None  # the asynchronous loop's stream, made on first use
         self.graphs = None
         if cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
@@ -72,14 +73,15 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture()
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> HostBatch:
-        return build_host_batch(chunks, self.block_size, pin=self.device.type == "cuda")
+    def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> HostBatch:
+        return build_host_batch(chunks, self.block_size, pin=self.device.type == "cuda", prev_rows=prev_rows)
 
     @torch.inference_mode()
-    def execute(self, batch: HostBatch) -> SampleOutput:
+    def execute(self, batch: HostBatch, prev_tokens: torch.Tensor | None = None) -> SampleOutput:
+        """Forward + sample. `prev_tokens`: the previous step's sampled tokens, for carried inputs."""
         dev = self.device
         if self.graphs is not None and self.graphs.fits(batch):
-            return sample(self.graphs.run(batch), batch.sampling.to(dev))
+            return sample(self.graphs.run(batch, prev_tokens), batch.sampling.to(dev))
         kernel = None
         if self.in_place_decode and batch.decode_token_idx:
             from .triton_decode import DecodeKernel
@@ -87,7 +89,7 @@ class ModelRunner:
             kernel = DecodeKernel.for_batch(self.cache, len(batch.decode_token_idx), self.num_sms)
         meta = build_attention_metadata(batch, self.block_size, dev, self.sliding_window, kernel)
         meta.kv_cache = self.cache
-        input_ids = batch.input_ids.to(dev, non_blocking=True)[None]
+        input_ids = carry_over(batch.input_ids.to(dev, non_blocking=True), batch, prev_tokens)[None]
         positions = batch.positions.to(dev, non_blocking=True)[None]
         logits_indices = batch.logits_indices.to(dev, non_blocking=True)
         out = self.model(
@@ -113,3 +115,53 @@ class ModelRunner:
         """The synchronous step: prepare -> H2D -> forward + sample -> D2H -> wait."""
         batch = self.prepare(chunks)
         return self.fetch(batch, self.execute(batch))
+
+    def launch(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> LaunchedStep:
+        """The asynchronous step: queue this step's work and return without waiting for it.
+
+        Inputs the previous (still running) step samples are carried over on the device. On CUDA
+        all work goes to one non-default stream, results are copied to pinned memory and an event
+        marks their arrival; on CPU the step simply runs.
+        """
+        prev_rows = prev.rows if prev is not None else None
+        batch = self.prepare(chunks, prev_rows)
+        prev_tokens = prev.sampled.tokens if prev is not None else None
+        if self.device.type != "cuda":
+            out = self.execute(batch, prev_tokens)
+            return LaunchedStep(batch, out, out, _rows(chunks, batch), None)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = self.execute(batch, prev_tokens)
+            parts = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+            host = SampleOutput(*(_to_host(t) for t in parts))
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return LaunchedStep(batch, out, host, _rows(chunks, batch), done)
+
+    @staticmethod
+    def wait(step: LaunchedStep) -> StepResult:
+        """Block until the step's tokens are on the host: the one wait per step."""
+        if step.done is not None:
+            step.done.synchronize()
+        return ModelRunner.fetch(step.batch, step.host)
+
+
+@dataclass
+class LaunchedStep:
+    batch: HostBatch
+    sampled: SampleOutput  # on the device: the next step carries tokens from here
+    host: SampleOutput  # pinned host copies (the same tensors on CPU)
+    rows: dict[int, int]  # id(sequence) -> its row in `sampled`
+    done: torch.cuda.Event | None
+
+
+def _rows(chunks: list[ScheduledChunk], batch: HostBatch) -> dict[int, int]:
+    return {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -25,10 +25,8 @@ class ScheduledChunk:
     start: int  # first position computed in this step
     num_tokens: int
 
-    @property
-    def samples(self) -> bool:
-        """Does this step end at the sequence's last known token (and so produce a new one)?"""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+    samples: bool = False  # does this chunk end at the sequence's last token (and so produce one)?
+    carried: bool = False  # is its input the token the previous, still running step samples?
 
 
 @dataclass
@@ -76,7 +74,10 @@ class Scheduler:
         def take(seq: Sequence, n: int) -> None:
             nonlocal budget
             self.blocks.allocate(seq, n)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            samples = seq.num_computed + n == seq.length
+            chunks.append(ScheduledChunk(seq, seq.num_computed, n, samples, carried=seq.num_inflight > 0))
+            seq.num_computed += n  # claimed now, so a step scheduled before this one ends sees it
+            seq.num_inflight += samples
             scheduled.add(id(seq))
             budget -= n
 
@@ -89,8 +90,9 @@ class Scheduler:
                     return False
             return True
 
-        decoding = [s for s in self.running if s.num_uncomputed == 1]
-        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        active = [s for s in self.running if not s.will_finish_by_length]
+        decoding = [s for s in active if s.num_uncomputed == 1]
+        prefilling = [s for s in active if s.num_uncomputed > 1]
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -102,6 +104,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_inflight:  # preempted while its last token is in flight: wait for it
+                break
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
                 break  # FIFO: nobody overtakes the head of the queue
@@ -112,24 +116,28 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self.blocks.free(seq)  # a step still running may write these blocks: later steps come after it
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         preempted.append(seq)
 
     def finish_step(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance the scheduled chunks; `sampled` maps chunk index -> new token. Returns finished."""
+        """Hand the step's new tokens (chunk index -> token) to their sequences. Returns finished.
+
+        A sequence that finished in an earlier step but was already scheduled in this one (the
+        asynchronous loop schedules ahead) gets nothing: its extra token is dropped.
+        """
         finished = []
         for i, chunk in enumerate(out.chunks):
             seq = chunk.seq
-            if seq.finished:  # aborted while the step ran
+            if i not in sampled or seq.finished:  # no token, or aborted / done meanwhile
                 continue
-            seq.num_computed += chunk.num_tokens
-            if i in sampled:
-                seq.append(sampled[i])
-                if seq.finished:
-                    self.running.remove(seq)
-                    self.blocks.free(seq)
-                    finished.append(seq)
+            seq.num_inflight -= 1
+            seq.append(sampled[i])
+            if seq.finished:
+                queue = self.running if seq in self.running else self.waiting
+                queue.remove(seq)
+                self.blocks.free(seq)
+                finished.append(seq)
         return finished

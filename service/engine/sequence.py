@@ -24,7 +24,8 @@ class Sequence:
     max_total_len: int  # prompt + generated tokens may not exceed this (context length)
     stop_ids: frozenset[int] = frozenset()
     block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
+    num_inflight: int = 0  # sampled by a launched step, not yet seen by the host (async loop)
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
     num_preemptions: int = 0
@@ -34,8 +35,20 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def length(self) -> int:
+        """Tokens including the one still in flight."""
+        return len(self.token_ids) + self.num_inflight
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.length - self.num_computed
+
+    @property
+    def will_finish_by_length(self) -> bool:
+        """Its in-flight token already reaches max_tokens or the context: nothing more to schedule."""
+        return self.num_inflight > 0 and (
+            self.num_output + self.num_inflight >= self.params.max_tokens or self.length >= self.max_total_len
+        )
 
     @property
     def finished(self) -> bool:
