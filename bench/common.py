@@ -41,6 +41,7 @@ class RunStats:
     foreign_cpu: float | None = None  # share of the machine's CPU other processes used meanwhile
     cpu_steal: float | None = None  # share of it the hypervisor gave to other machines
     gpu_busy: float | None = None  # mean NVML utilization (share of time a kernel ran), when sampled
+    engine_idle: float | None = None  # Tandem: 1 - its steps' device time / wall time (CUDA: event-timed)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -83,7 +84,7 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     device = core.runner.device
     sync(device)
-    start, first_step = time.perf_counter(), core.steps
+    start, first_step, busy_before = time.perf_counter(), core.steps, core.busy_seconds
     for rid, prompt in zip(ids, prompts, strict=True):
         core.add(GenerationRequest(rid, list(prompt), params))
     core.drain_inbox(block=False)
@@ -105,6 +106,8 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     sync(device)
     seconds = time.perf_counter() - start
     stats = _checked("tandem", seconds, [outputs[r] for r in ids], new_tokens, core.steps - first_step)
+    # the engine's own idle fraction over the run: 1 - device time of its steps / wall time
+    stats.engine_idle = round(max(0.0, 1 - (core.busy_seconds - busy_before) / seconds), 4)
     step_times.sort()
     stats.step_ms = {k: round(step_times[int(q * (len(step_times) - 1))], 2)
                      for k, q in (("median", 0.5), ("p90", 0.9), ("max", 1.0))}

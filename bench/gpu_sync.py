@@ -215,9 +215,10 @@ def main() -> None:
         report[name] = {**r.summary(), "fraction_of_roofline": round(fraction, 4)}
         rows.append([name, r.tokens, round(r.seconds, 2), round(r.tok_s, 1),
                      round(1e3 * r.seconds / r.steps, 2) if r.steps else "-", f"{fraction:.1%}",
-                     f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-", r.warmup_seconds])
+                     f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-",
+                     f"{r.engine_idle:.1%}" if r.engine_idle is not None else "-", r.warmup_seconds])
     rows.append(["roofline (decode)", a.requests * max(1, a.new - 1), roof["seconds"], roof["tok_s"],
-                 f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "-", "-"])
+                 f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "-", "-", "-"])
     report["tandem"]["engine"] = spec.__dict__
     if "transformers" in results:
         report["transformers"]["continuous_batching_config"] = hf_config
@@ -242,7 +243,7 @@ def main() -> None:
     }
     write_json(out_path, result)
     print(markdown_table(["engine", "tokens", "seconds", "tokens/s", "ms/step", "of roofline", "GPU busy",
-                          "warm-up s"], rows))
+                          "engine idle", "warm-up s"], rows))
     if "ratio_tandem_over_transformers" in report:
         print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
               f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")

@@ -77,6 +77,7 @@ class EngineCore:
         self.steps = 0
         self.async_loop = async_loop  # prepare step N+1 while the device runs step N
         self._last_end = 0.0
+        self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
         self.idle = IdleTracker()
 
     # -- called from any thread ----------------------------------------------------------------
@@ -162,7 +163,9 @@ class EngineCore:
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
             return self._fail(out, f"engine step failed: {exc}")
-        self.idle.record(started, time.monotonic())
+        ended = time.monotonic()
+        self.idle.record(started, ended)
+        self.busy_seconds += ended - started
         self.steps += 1
         return self._process(out, result)
 
@@ -191,7 +194,11 @@ class EngineCore:
                 log.exception("engine step failed")
                 return self._fail(launched.out, f"engine step failed: {exc}"), nxt
             end = time.monotonic()
-            self.idle.record(max(launched.started, self._last_end), end)
+            busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
+            if busy is None:
+                busy = end - max(launched.started, self._last_end)
+            self.idle.record(end - busy, end)
+            self.busy_seconds += busy
             self._last_end = end
             self.steps += 1
             updates = self._process(launched.out, result)

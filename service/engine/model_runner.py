@@ -128,16 +128,18 @@ class ModelRunner:
         prev_tokens = prev.sampled.tokens if prev is not None else None
         if self.device.type != "cuda":
             out = self.execute(batch, prev_tokens)
-            return LaunchedStep(batch, out, out, _rows(chunks, batch), None)
+            return LaunchedStep(batch, out, out, _rows(chunks, batch), None, None)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self.stream):
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(self.stream)
             out = self.execute(batch, prev_tokens)
             parts = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
             host = SampleOutput(*(_to_host(t) for t in parts))
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        return LaunchedStep(batch, out, host, _rows(chunks, batch), done)
+        return LaunchedStep(batch, out, host, _rows(chunks, batch), done, begin)
 
     @staticmethod
     def wait(step: LaunchedStep) -> StepResult:
@@ -154,6 +156,13 @@ class LaunchedStep:
     host: SampleOutput  # pinned host copies (the same tensors on CPU)
     rows: dict[int, int]  # id(sequence) -> its row in `sampled`
     done: torch.cuda.Event | None
+    begin: torch.cuda.Event | None  # with `done`: the step's time on the stream, from event timestamps
+
+    def device_seconds(self) -> float | None:
+        """Time the step occupied its stream (call after `done` completed: no extra sync)."""
+        if self.begin is None or self.done is None:
+            return None
+        return self.begin.elapsed_time(self.done) / 1e3
 
 
 def _rows(chunks: list[ScheduledChunk], batch: HostBatch) -> dict[int, int]:
