@@ -128,10 +128,12 @@ class AsyncEngine:
             if not engine_done:
                 self.core.abort(req.request_id)  # client gone, or a stop string ended it early
 
-    async def generate_all(self, prompt_ids: list[int], params: SamplingParams) -> GenerationChunk:
+    async def generate_all(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerationChunk:
         """Run to completion; one chunk with everything."""
         merged = GenerationChunk(text="", token_ids=[], logprobs=[] if params.logprobs else None)
-        async for chunk in await self.generate(prompt_ids, params):
+        async for chunk in await self.generate(prompt_ids, params, request_id):
             merged.text += chunk.text
             merged.token_ids += chunk.token_ids
             if merged.logprobs is not None and chunk.logprobs:

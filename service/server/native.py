@@ -67,12 +67,15 @@ class TandemServicer(pb_grpc.TandemServicer):
             top_logprobs=lp.top_logprobs,
         )
 
-    async def _start(self, request: pb.GenerateRequest, request_id: str) -> AsyncIterator[GenerationChunk]:
+    def _admit(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """Checks, prompt tokens and sampling parameters of a request (RequestError if bad)."""
         self.ctx.check_ready()
         self.ctx.check_model(request.model)
         prompt = self._prompt(request)
-        params = self._params(request, len(prompt))
-        return await self.ctx.engine.generate(prompt, params, request_id)
+        return prompt, self._params(request, len(prompt))
+
+    async def _start(self, request: pb.GenerateRequest, request_id: str) -> AsyncIterator[GenerationChunk]:
+        return await self.ctx.engine.generate(*self._admit(request), request_id)
 
     def _token(self, token_id: int) -> str:
         return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -109,14 +112,7 @@ class TandemServicer(pb_grpc.TandemServicer):
     ) -> pb.GenerateResponse:
         request_id = request.request_id or uuid.uuid4().hex  # the proto: "echoed; generated when empty"
         try:
-            stream = await self._start(request, request_id)
-            merged = GenerationChunk(text="", token_ids=[], logprobs=[])
-            async for chunk in stream:
-                merged.text += chunk.text
-                merged.token_ids += chunk.token_ids
-                merged.logprobs += chunk.logprobs or []
-                merged.finish_reason, merged.stop_reason = chunk.finish_reason, chunk.stop_reason
-                merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+            merged = await self.ctx.engine.generate_all(*self._admit(request), request_id)
         except RequestError as err:
             await abort(context, err)
         return self._response(request_id, merged)
