@@ -164,9 +164,7 @@ class EngineCore:
             log.exception("engine step failed")
             return self._fail(out, f"engine step failed: {exc}")
         ended = time.monotonic()
-        self.idle.record(started, ended)
-        self.busy_seconds += ended - started
-        self.steps += 1
+        self._count_step(ended - started, ended)
         return self._process(out, result)
 
     def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
@@ -197,12 +195,16 @@ class EngineCore:
             busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
             if busy is None:
                 busy = end - max(launched.started, self._last_end)
-            self.idle.record(end - busy, end)
-            self.busy_seconds += busy
-            self._last_end = end
-            self.steps += 1
+            self._count_step(busy, end)
             updates = self._process(launched.out, result)
         return updates, nxt
+
+    def _count_step(self, busy: float, end: float) -> None:
+        """A finished step that kept the device busy for `busy` seconds up to `end`."""
+        self.idle.record(end - busy, end)
+        self.busy_seconds += busy
+        self._last_end = end
+        self.steps += 1
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))

@@ -46,7 +46,6 @@ class ModelRunner:
             if getattr(text_config, "use_sliding_window", True)
             else None
         )
-        self.vocab_size = text_config.vocab_size
         if device.type == "cuda":
             # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
             # planning (milliseconds of CPU) would cost more than the attention itself
@@ -60,6 +59,11 @@ class ModelRunner:
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         )
+        self.decode_kernel = None  # DecodeKernel.for_batch where decodes read K/V in place
+        if self.in_place_decode:
+            from .triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
+
+            self.decode_kernel = DecodeKernel.for_batch
         self.stream: torch.cuda.Stream | None = None  # the asynchronous loop's stream, made on first use
         self.graphs = None
         if cuda_graphs and self.in_place_decode:
@@ -83,10 +87,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             return sample(self.graphs.run(batch, prev_tokens), batch.sampling.to(dev))
         kernel = None
-        if self.in_place_decode and batch.decode_token_idx:
-            from .triton_decode import DecodeKernel
-
-            kernel = DecodeKernel.for_batch(self.cache, len(batch.decode_token_idx), self.num_sms)
+        if self.decode_kernel is not None and batch.decode_token_idx:
+            kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
         meta = build_attention_metadata(batch, self.block_size, dev, self.sliding_window, kernel)
         meta.kv_cache = self.cache
         input_ids = carry_over(batch.input_ids.to(dev, non_blocking=True), batch, prev_tokens)[None]
