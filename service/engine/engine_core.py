@@ -112,7 +112,11 @@ class EngineCore:
     def _loop(self) -> None:
         launched: InFlight | None = None
         while not self._stopping.is_set():
-            self.drain_inbox(block=not self.scheduler.has_work and launched is None)
+            idle = not self.scheduler.has_work and launched is None
+            clock = self.runner.clock
+            if idle and clock is not None and time.monotonic() - clock.anchored_at > 60:
+                clock.reanchor()  # nothing in flight: the one sync costs no step anything
+            self.drain_inbox(block=idle)
             if self.async_loop:
                 updates, launched = self.step_ahead(launched)
             elif self.scheduler.has_work:
