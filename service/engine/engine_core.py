@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..telemetry.idle import IdleTracker
+from ..telemetry.steps import Interval, StepTiming
 from .model_runner import LaunchedStep, ModelRunner, StepResult
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
@@ -35,6 +36,7 @@ class SeqUpdate:
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
     error: str | None = None
+    scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class InFlight:
     out: SchedulerOutput
     step: LaunchedStep
     started: float
+    prepared: Interval = (0.0, 0.0)  # wall clock of its scheduling (step observer)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         on_updates: Callable[[list[SeqUpdate]], None],
         async_loop: bool = False,
+        step_observer: Callable[[StepTiming], None] | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -79,6 +83,7 @@ class EngineCore:
         self._last_end = 0.0
         self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
         self.idle = IdleTracker()
+        self.step_observer = step_observer  # called on the engine thread once per finished step
 
     # -- called from any thread ----------------------------------------------------------------
     def add(self, request: GenerationRequest) -> None:
@@ -97,6 +102,11 @@ class EngineCore:
             kv_blocks_free=blocks.num_free,
             idle_fraction=self.idle.idle_fraction(),
         )
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has stopped or died (the liveness probe reads this)."""
+        return self._thread is None or self._thread.is_alive()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -158,10 +168,12 @@ class EngineCore:
 
     def step(self) -> list[SeqUpdate]:
         """One synchronous step. Public so tests can drive the engine without the thread."""
+        t0 = time.time()
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
-        started = time.monotonic()
+        self._mark_scheduled(out, t0)
+        started, t1 = time.monotonic(), time.time()
         try:
             step = self.runner.launch(out.chunks, None)
             result = self.runner.wait(step)
@@ -171,6 +183,7 @@ class EngineCore:
         end = time.monotonic()
         busy = step.device_seconds()  # CUDA: from the compute stream's event timestamps
         self._count_step(end - started if busy is None else busy, end)
+        self._observe(out, (t0, t1), (t1, time.time()))
         return self._process(out, result)
 
     def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
@@ -181,11 +194,17 @@ class EngineCore:
         the previous step's tokens. Public so tests can drive it without the thread.
         """
         nxt = None
+        t0 = time.time()
         out = self.scheduler.schedule() if self.scheduler.has_work else None
         if out is not None and out.chunks:
+            self._mark_scheduled(out, t0)
+            t1 = time.time()
             try:
                 nxt = InFlight(
-                    out, self.runner.launch(out.chunks, launched.step if launched else None), time.monotonic()
+                    out,
+                    self.runner.launch(out.chunks, launched.step if launched else None),
+                    time.monotonic(),
+                    (t0, t1),
                 )
             except Exception as exc:
                 log.exception("engine step launch failed")
@@ -202,6 +221,7 @@ class EngineCore:
             if busy is None:
                 busy = end - max(launched.started, self._last_end)
             self._count_step(busy, end)
+            self._observe(launched.out, launched.prepared, (launched.prepared[1], time.time()))
             updates = self._process(launched.out, result)
         return updates, nxt
 
@@ -211,6 +231,18 @@ class EngineCore:
         self.busy_seconds += busy
         self._last_end = end
         self.steps += 1
+
+    @staticmethod
+    def _mark_scheduled(out: SchedulerOutput, now: float) -> None:
+        for chunk in out.chunks:
+            if chunk.seq.scheduled_at is None:
+                chunk.seq.scheduled_at = now
+
+    def _observe(self, out: SchedulerOutput, prepare: Interval, compute: Interval) -> None:
+        """Host clocks: prepare = scheduling, compute = launch until the tokens are on the host."""
+        if self.step_observer is not None:
+            n = out.num_tokens
+            self.step_observer(StepTiming(prepare, compute=compute, batch_size=len(out.chunks), num_tokens=n))
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
@@ -225,7 +257,9 @@ class EngineCore:
             if result.logprobs is not None and seq.params.logprobs:
                 top = result.top[row][: seq.params.top_logprobs] if result.top else []
                 lp = [TokenLogprob(result.logprobs[row], top)]
-            updates.append(SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token))
+            update = SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token)
+            update.scheduled_at = seq.scheduled_at
+            updates.append(update)
         return updates
 
     def _fail(self, out: SchedulerOutput, message: str) -> list[SeqUpdate]:
