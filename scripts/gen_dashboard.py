@@ -30,7 +30,7 @@ PANELS = [
      "Share of the telemetry window with no engine step in flight (1 = idle)."),
     ("Cost per million tokens", "currencyUSD",
      [(f"tandem_cost_per_million_tokens_usd{{{SEL}}}", "{{pod}}")], 12,
-     "Price per GPU-hour x GPUs / generated tokens per hour, x 1e6, over the window; absent while no token was made."),
+     "Price per GPU-hour x GPUs / generated tokens per hour x 1e6, over the window; absent with no tokens."),
     ("Tokens per second", "short", [
         (f"sum(rate(tandem_generation_tokens_total{{{SEL}}}[1m]))", "generated"),
         (f"sum(rate(tandem_prompt_tokens_total{{{SEL}}}[1m]))", "prompt"),
