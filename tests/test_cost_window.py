@@ -17,6 +17,14 @@ def test_tokens_slide_out_of_the_window():
     assert w.tokens(now=30.0) == 0
 
 
+def test_memory_stays_bounded_under_many_small_additions():
+    w = TokenWindow(window_s=10.0)
+    for i in range(100_000):  # one token every 0.1 ms for 10 s
+        w.add(1, now=(i + 1) * 1e-4)
+    assert w.tokens(now=10.0) == 100_000
+    assert len(w._events) <= 1001
+
+
 def test_cost_is_price_times_gpus_over_tokens_per_hour():
     # 2 GPUs at $3/h making 1,000 tokens/s = 3.6M tokens/h: $6 / 3.6M tokens = $1.67 per million
     assert cost_per_million_tokens(3.0, 2, 3.6e6) == pytest.approx(6 / 3.6)

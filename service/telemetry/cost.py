@@ -9,19 +9,27 @@ from collections.abc import Callable
 
 
 class TokenWindow:
-    """Generated tokens with their arrival times; counts those of the last `window_s` seconds."""
+    """Generated tokens with their arrival times; counts those of the last `window_s` seconds.
+
+    Tokens arriving within `window_s / 1000` of the previous entry join it, so memory stays bounded
+    (about a thousand entries) however many tokens a second the server makes.
+    """
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self.clock = clock
-        self._events: deque[tuple[float, int]] = deque()
+        self._resolution = window_s / 1000
+        self._events: deque[list] = deque()  # [time of the first token, tokens], oldest first
         self._total = 0  # tokens in `_events`
         self._lock = threading.Lock()
 
     def add(self, tokens: int, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         with self._lock:
-            self._events.append((now, tokens))
+            if self._events and now - self._events[-1][0] < self._resolution:
+                self._events[-1][1] += tokens
+            else:
+                self._events.append([now, tokens])
             self._total += tokens
             self._trim(now)
 
