@@ -28,8 +28,11 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
 from serverproc import free_port, running_server
 
-from tandem.kserve import grpc_service_pb2 as kpb
-from tandem.kserve import grpc_service_pb2_grpc as kpb_grpc
+# KServe requests are built from tritonclient's stubs: other modules of the suite import tritonclient,
+# whose `inference.*` protos clash with tandem.kserve's in one process
+from tritonclient.grpc import service_pb2 as kpb
+from tritonclient.grpc import service_pb2_grpc as kpb_grpc
+
 from tandem.service.telemetry.metrics import TIME_PER_OUTPUT_TOKEN_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -358,7 +361,7 @@ def test_native_generate_span_tree_and_attributes(served: Served):
 def test_kserve_infer_span_keeps_the_callers_trace(served: Served):
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     text = kpb.ModelInferRequest.InferInputTensor(name="text_input", datatype="BYTES", shape=[1])
-    text.contents.bytes_contents.append(b"The sky is")
+    text.contents.bytes_contents.append(b"The sky is")  # KServe v2: BYTES in contents
     req = kpb.ModelInferRequest(model_name=MODEL, inputs=[text], id="k-1")
     with grpc.insecure_channel(served.address) as channel:
         kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
