@@ -421,3 +421,23 @@ def test_dashboard_queries_only_metrics_the_server_exports(served: Served):
         "tandem_requests_waiting",
     ):
         assert wanted in names
+
+
+def test_a_cancelled_stream_ends_its_span_as_cancelled(served: Served):
+    trace_id = "22222222222222222222222222222222"
+    req = pb.GenerateRequest(
+        text="Tell me a long story", stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
+    )
+    with grpc.insecure_channel(served.address) as channel:
+        call = pb_grpc.TandemStub(channel).GenerateStream(
+            req, metadata=[("traceparent", f"00-{trace_id}-{CALLER_SPAN}-01")], timeout=60
+        )
+        next(call)
+        next(call)
+        call.cancel()  # the client goes away mid-stream
+    [root] = served.traces.wait_for(lambda s: s.trace_id.hex() == trace_id and s.name == f"generate {MODEL}")
+    a = attrs(root)
+    assert a["error.type"] == "cancelled"
+    assert 2 <= a["gen_ai.usage.output_tokens"] < 400
+    assert "gen_ai.response.finish_reasons" not in a
+    assert {"queue", "prefill", "decode"} == set(_children(served.traces, root))
