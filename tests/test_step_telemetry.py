@@ -42,6 +42,7 @@ def test_the_core_reports_every_step_once_with_host_clock_stages(tiny_model, loo
         assert t.h2d is None and t.d2h is None  # no separate copies on CPU
         assert t.prepare[0] <= t.prepare[1] <= t.compute[0] <= t.compute[1]
         assert 1 <= t.batch_size <= t.num_tokens <= 16
+        assert t.slot in (0, 1) and t.graph_bucket is None  # no CUDA graphs on CPU
     # every prompt token is computed once, then each generated token but the last is fed back
     fed_back = sum(len(tokens) - 1 for tokens in result.tokens.values())
     if loop == "sync":

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..telemetry.idle import IdleTracker
-from ..telemetry.steps import Interval, StepTiming
+from ..telemetry.steps import StepTiming
 from .model_runner import LaunchedStep, ModelRunner, StepResult
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
@@ -46,7 +46,7 @@ class InFlight:
     out: SchedulerOutput
     step: LaunchedStep
     started: float
-    prepared: Interval = (0.0, 0.0)  # wall clock of its scheduling (step observer)
+    scheduled: float = 0.0  # wall clock when its scheduling began (step observer)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class EngineCore:
         if not out.chunks:
             return []
         self._mark_scheduled(out, t0)
-        started, t1 = time.monotonic(), time.time()
+        started = time.monotonic()
         try:
             step = self.runner.launch(out.chunks, None)
             result = self.runner.wait(step)
@@ -183,7 +183,7 @@ class EngineCore:
         end = time.monotonic()
         busy = step.device_seconds()  # CUDA: from the compute stream's event timestamps
         self._count_step(end - started if busy is None else busy, end)
-        self._observe(out, (t0, t1), (t1, time.time()))
+        self._observe(out, step, t0)
         return self._process(out, result)
 
     def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
@@ -198,13 +198,12 @@ class EngineCore:
         out = self.scheduler.schedule() if self.scheduler.has_work else None
         if out is not None and out.chunks:
             self._mark_scheduled(out, t0)
-            t1 = time.time()
             try:
                 nxt = InFlight(
                     out,
                     self.runner.launch(out.chunks, launched.step if launched else None),
                     time.monotonic(),
-                    (t0, t1),
+                    t0,
                 )
             except Exception as exc:
                 log.exception("engine step launch failed")
@@ -221,7 +220,7 @@ class EngineCore:
             if busy is None:
                 busy = end - max(launched.started, self._last_end)
             self._count_step(busy, end)
-            self._observe(launched.out, launched.prepared, (launched.prepared[1], time.time()))
+            self._observe(launched.out, launched.step, launched.scheduled)
             updates = self._process(launched.out, result)
         return updates, nxt
 
@@ -238,11 +237,20 @@ class EngineCore:
             if chunk.seq.scheduled_at is None:
                 chunk.seq.scheduled_at = now
 
-    def _observe(self, out: SchedulerOutput, prepare: Interval, compute: Interval) -> None:
-        """Host clocks: prepare = scheduling, compute = launch until the tokens are on the host."""
+    def _observe(self, out: SchedulerOutput, step: LaunchedStep, scheduled: float) -> None:
+        """Host clocks: prepare = scheduling + batch build; compute = the rest, to tokens on the host."""
         if self.step_observer is not None:
-            n = out.num_tokens
-            self.step_observer(StepTiming(prepare, compute=compute, batch_size=len(out.chunks), num_tokens=n))
+            built = step.prepare[1]
+            self.step_observer(
+                StepTiming(
+                    prepare=(scheduled, built),
+                    compute=(built, time.time()),
+                    batch_size=len(out.chunks),
+                    num_tokens=out.num_tokens,
+                    slot=step.slot,
+                    graph_bucket=step.graph_bucket,
+                )
+            )
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
