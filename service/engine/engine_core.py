@@ -238,19 +238,26 @@ class EngineCore:
                 chunk.seq.scheduled_at = now
 
     def _observe(self, out: SchedulerOutput, step: LaunchedStep, scheduled: float) -> None:
-        """Host clocks: prepare = scheduling + batch build; compute = the rest, to tokens on the host."""
-        if self.step_observer is not None:
-            built = step.prepare[1]
-            self.step_observer(
-                StepTiming(
-                    prepare=(scheduled, built),
-                    compute=(built, time.time()),
-                    batch_size=len(out.chunks),
-                    num_tokens=out.num_tokens,
-                    slot=step.slot,
-                    graph_bucket=step.graph_bucket,
-                )
+        """prepare = scheduling + batch build (host clock); on CUDA h2d / compute / d2h come from
+        the step's stream events, on CPU compute is the rest of the step on the host clock."""
+        if self.step_observer is None:
+            return
+        built = step.prepare[1]
+        clock = self.runner.clock
+        if step.events is not None and clock is not None:
+            stages = step.events.intervals(clock)  # the step is done: no synchronisation here
+        else:
+            stages = {"compute": (built, time.time())}
+        self.step_observer(
+            StepTiming(
+                prepare=(scheduled, built),
+                **stages,
+                batch_size=len(out.chunks),
+                num_tokens=out.num_tokens,
+                slot=step.slot,
+                graph_bucket=step.graph_bucket,
             )
+        )
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
