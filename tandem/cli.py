@@ -53,6 +53,12 @@ def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(generate_to_terminal(args))
 
 
+def _health(args: argparse.Namespace) -> int:
+    from tandem.health import run
+
+    return run(args.target, args.service, args.timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM model server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     gen.add_argument("--log-level", default="WARNING")
     gen.set_defaults(func=_generate)
+
+    health = sub.add_parser(
+        "health", help="exit 0 if a server's grpc.health.v1 Check says SERVING (for probes and helm test)"
+    )
+    health.add_argument("--target", default="localhost:50051", help="host:port of the gRPC server")
+    health.add_argument("--service", default="", help="service name to check; empty = the whole server")
+    health.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    health.add_argument("--log-level", default="WARNING")
+    health.set_defaults(func=_health)
 
     args = parser.parse_args(argv)
     logging.basicConfig(
