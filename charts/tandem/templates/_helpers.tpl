@@ -109,3 +109,10 @@ matchNames:
   {{- toYaml .Values.operator.watchNamespaces | nindent 2 }}
 {{- end -}}
 {{- end -}}
+
+{{/* The field names of ModelServer.spec in the chart's own CRD (a YAML list). */}}
+{{- define "tandem.modelServerSpecFields" -}}
+{{- $crd := .Files.Get "crds/modelservers.tandem.dev.yaml" | fromYaml -}}
+{{- $version := first $crd.spec.versions -}}
+{{- keys $version.schema.openAPIV3Schema.properties.spec.properties | sortAlpha | toYaml -}}
+{{- end -}}

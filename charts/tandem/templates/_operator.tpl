@@ -1,6 +1,6 @@
 {{/*
 How the chart starts `tandem operator`: its arguments, settings and liveness endpoint.
-Kept in one place so they follow docs/operator.md.
+Kept in one place; they follow docs/operator.md ("Running it").
 */}}
 
 {{- define "tandem.operatorHealthPort" -}}8080{{- end -}}
@@ -17,6 +17,4 @@ Kept in one place so they follow docs/operator.md.
   value: {{ ternary .Values.peering.name "" .Values.peering.create | quote }}
 - name: TANDEM_OPERATOR_LIVENESS_PORT
   value: {{ include "tandem.operatorHealthPort" . | quote }}
-- name: TANDEM_OPERATOR_LOG_LEVEL
-  value: {{ .Values.operator.logLevel | quote }}
 {{- end -}}

@@ -1,6 +1,6 @@
 {{/*
-Least-privilege rules of `tandem operator`: only what its handlers and kopf itself call
-(docs/install.md, "Permissions", explains each rule).
+Least-privilege rules of `tandem operator`: exactly the table of docs/operator.md, "Permissions".
+watchNamespaces holds exact names only (the schema refuses globs), so no namespaces rule is needed.
 */}}
 
 {{/* Rules for the namespaces the operator serves: ModelServers and the objects it owns. */}}
@@ -12,23 +12,23 @@ Least-privilege rules of `tandem operator`: only what its handlers and kopf itse
 - apiGroups: [tandem.dev]
   resources: [modelservers/status]
   verbs: [get, patch]
-# What a ModelServer owns (deleted by the garbage collector through owner references).
+# What a ModelServer owns: created, updated on spec changes, deleted with it.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments/scale]
   verbs: [get, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 # Ready pods and their addresses, to read each pod's /metrics.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list]
+  verbs: [list]
 # One Event per scaling decision (and kopf's handler events).
 - apiGroups: [""]
   resources: [events]
