@@ -1,4 +1,6 @@
-"""`tandem health`: the check `helm test` runs, against a real `tandem serve` and a NOT_SERVING server."""
+"""The CLI as the slim operator image runs it (no torch, transformers, gguf, accelerate): `tandem health`,
+the check `helm test` runs, against a real `tandem serve` and a NOT_SERVING server; `tandem generate`,
+the client docs/install.md runs in the cluster from that image."""
 
 from __future__ import annotations
 
@@ -24,9 +26,13 @@ WITHOUT_ENGINE = (
 
 
 def tandem_health(*args: str) -> subprocess.CompletedProcess:
+    return slim_tandem("health", *args)
+
+
+def slim_tandem(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     return subprocess.run(
-        [sys.executable, "-c", WITHOUT_ENGINE, "health", *args],
+        [sys.executable, "-c", WITHOUT_ENGINE, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -86,3 +92,10 @@ def test_nothing_listening_fails_after_the_timeout() -> None:
     result = tandem_health("--target", target, "--timeout", "1")
     assert result.returncode == 1
     assert result.stdout.strip() == f"{target}: DEADLINE_EXCEEDED"
+
+
+def test_generate_streams_without_the_model_stack(server: str) -> None:
+    result = slim_tandem("generate", "--server", server, "--raw", "Once upon a time", "--max-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), "some text came back"
+    assert "completion tokens]" in result.stderr
