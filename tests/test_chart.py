@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "tandem"
 KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
 RELEASE, NAMESPACE = "tandem", "tandem-system"
-PLACEHOLDER_DASHBOARD = '{"title": "Tandem (test placeholder)", "panels": [], "schemaVersion": 39}\n'
 
 H200_ONLY = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H200"]}
 H200_AFFINITY = {
@@ -116,15 +114,8 @@ VALUE_SETS: dict[str, dict] = {
 
 
 @pytest.fixture(scope="session")
-def chart_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repo's chart; while its dashboard file is not there yet, a temporary copy with a placeholder."""
-    if (CHART / "dashboards" / "tandem.json").is_file():
-        return CHART
-    chart = tmp_path_factory.mktemp("chart") / "tandem"
-    shutil.copytree(CHART, chart)
-    (chart / "dashboards").mkdir(exist_ok=True)
-    (chart / "dashboards" / "tandem.json").write_text(PLACEHOLDER_DASHBOARD)
-    return chart
+def chart_dir() -> Path:
+    return CHART
 
 
 @pytest.fixture(scope="session")
