@@ -310,7 +310,7 @@ BAD_VALUES = [
     {"exampleModelServer": {"name": "Llama_8B"}},
     {"exampleModelServer": {"env": [{"value": "no name"}]}},
     {"monitoring": {"serviceMonitor": {"interval": 15}}},
-    {"otel": {"protocol": "udp"}},
+    {"otel": {"protocol": "http/protobuf"}},  # the servers speak OTLP/gRPC only
     {"tests": {"timeoutSeconds": 0}},
     {"networkPolicy": {"enabled": "yes"}},
 ]

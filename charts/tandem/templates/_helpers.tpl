@@ -78,8 +78,6 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .serviceName | quote }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ .root.Values.otel.endpoint | quote }}
-- name: OTEL_EXPORTER_OTLP_PROTOCOL
-  value: {{ .root.Values.otel.protocol | quote }}
 - name: OTEL_TRACES_SAMPLER
   value: {{ .root.Values.otel.tracesSampler | quote }}
 - name: OTEL_TRACES_SAMPLER_ARG
