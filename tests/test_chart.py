@@ -85,7 +85,7 @@ VALUE_SETS: dict[str, dict] = {
     "monitoring": {
         "operator": {
             "replicas": 2,
-            "watchNamespaces": ["ml", "staging"],
+            "watchNamespaces": ["ml", NAMESPACE, "staging"],
             "nodeSelector": {"kubernetes.io/os": "linux"},
             "tolerations": [
                 {"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"},
@@ -430,11 +430,11 @@ def test_namespaced_rbac_grants_only_the_watched_namespaces(rendered: dict[str, 
     docs = rendered["monitoring"]
     assert rule_table(one(docs, "ClusterRole")) == CRD_RULES
     roles = {r["metadata"]["namespace"]: r for r in objects(docs, "Role")}
-    assert set(roles) == {"ml", "staging"}
+    assert set(roles) == {"ml", NAMESPACE, "staging"}
     for role in roles.values():
         assert rule_table(role) == {**NAMESPACED_RULES, **NAMESPACED_PEERING}
     bindings = {b["metadata"]["namespace"]: b for b in objects(docs, "RoleBinding")}
-    assert set(bindings) == {"ml", "staging"}
+    assert set(bindings) == {"ml", NAMESPACE, "staging"}
     for namespace, binding in bindings.items():
         assert binding["roleRef"]["name"] == roles[namespace]["metadata"]["name"]
         assert binding["subjects"][0]["namespace"] == NAMESPACE
@@ -450,8 +450,8 @@ def test_peering_objects_follow_the_operator_scope(rendered: dict[str, list[dict
     assert env["default"]["TANDEM_OPERATOR_PEERING"] == cluster["metadata"]["name"] == "tandem"
     assert env["default"]["TANDEM_OPERATOR_NAMESPACES"] == ""
     namespaced = objects(rendered["monitoring"], "KopfPeering")
-    assert sorted(p["metadata"]["namespace"] for p in namespaced) == ["ml", "staging"]
-    assert env["monitoring"]["TANDEM_OPERATOR_NAMESPACES"] == "ml,staging"
+    assert sorted(p["metadata"]["namespace"] for p in namespaced) == sorted(["ml", NAMESPACE, "staging"])
+    assert env["monitoring"]["TANDEM_OPERATOR_NAMESPACES"] == f"ml,{NAMESPACE},staging"
     assert {p["metadata"]["name"] for p in namespaced} == {env["monitoring"]["TANDEM_OPERATOR_PEERING"]}
     # no peering object: the operator runs standalone rather than waiting for one
     assert env["no-example"]["TANDEM_OPERATOR_PEERING"] == ""
@@ -570,7 +570,7 @@ def test_monitors_select_the_operators_model_pods(rendered: dict[str, list[dict]
     for monitor, endpoints in ((service_monitor, "endpoints"), (pod_monitor, "podMetricsEndpoints")):
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["spec"]["selector"]["matchLabels"].items() <= operator_labels.items()
-        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml", "staging"]}
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml", NAMESPACE, "staging"]}
         (endpoint,) = monitor["spec"][endpoints]
         assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
     for docs_without in (rendered["default"], rendered["gpu"]):
@@ -640,6 +640,12 @@ def test_helm_test_pod_command_passes_on_serving_and_fails_otherwise(
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     failed = run_tandem(args)
     assert failed.returncode == 1 and "NOT_SERVING" in failed.stdout
+
+
+def test_example_must_be_in_a_watched_namespace(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match="not in operator.watchNamespaces"):
+        render(chart, {"operator": {"watchNamespaces": ["ml"]}})
+    assert objects(render(chart, {"operator": {"watchNamespaces": ["ml", NAMESPACE]}}), "ModelServer")
 
 
 def test_helm_test_without_example_needs_a_target(chart: helm.Chart) -> None:
