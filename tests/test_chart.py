@@ -470,9 +470,10 @@ def test_operator_deployment(rendered: dict[str, list[dict]]) -> None:
     spec = template["spec"]
     (container,) = spec["containers"]
     assert container["image"] == "tandem-operator:0.1.0"
-    assert container["args"][0] == "operator"
+    assert container["command"] == ["/bin/sh", "-c"], "standbys draw their own peering priority"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["TANDEM_OPERATOR_SCRAPE_INTERVAL_S"] == "10"
+    assert env["TANDEM_OPERATOR_LOG_LEVEL"] == "INFO"
     assert env["OTEL_SERVICE_NAME"] == "tandem-operator"
     assert env["OTEL_RESOURCE_ATTRIBUTES"] == "deployment.environment=prod"
     # liveness: kopf's endpoint, on the port the operator is told to use
@@ -485,6 +486,31 @@ def test_operator_deployment(rendered: dict[str, list[dict]]) -> None:
     assert spec["affinity"] == H200_AFFINITY
     # the read-only root filesystem leaves /tmp writable through an emptyDir
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_single_operator_runs_tandem_operator_directly(rendered: dict[str, list[dict]]) -> None:
+    (container,) = one(rendered["default"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container, "the image's entrypoint is `tandem`"
+    assert container["args"] == ["operator"]
+
+
+def test_standby_operators_get_distinct_random_priorities(rendered: dict, tmp_path: Path) -> None:
+    """The replicas>1 start script, run by /bin/sh with a `tandem` on PATH that reports what it got."""
+    (container,) = one(rendered["monitoring"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    report = tmp_path / "tandem"
+    report.write_text('#!/bin/sh\necho "$TANDEM_OPERATOR_PRIORITY $*"\n')
+    report.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    draws = []
+    script = [*container["command"], *container["args"]]
+    for _ in range(5):
+        out = subprocess.run(script, capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        priority, command = out.stdout.split(" ", 1)
+        assert command.strip() == "operator"
+        assert 0 <= int(priority) <= 65535
+        draws.append(int(priority))
+    assert len(set(draws)) > 1
 
 
 def test_every_object_carries_the_common_labels(rendered: dict[str, list[dict]]) -> None:
