@@ -513,6 +513,16 @@ def test_standby_operators_get_distinct_random_priorities(rendered: dict, tmp_pa
     assert len(set(draws)) > 1
 
 
+def test_chart_app_version_is_the_package_version(chart: helm.Chart) -> None:
+    """Image tags default to appVersion: it must name the release the images are built from."""
+    import tomllib
+
+    import tandem
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert chart.metadata["appVersion"] == pyproject["project"]["version"] == tandem.__version__
+
+
 def test_every_object_carries_the_common_labels(rendered: dict[str, list[dict]]) -> None:
     for docs in rendered.values():
         for doc in docs:
