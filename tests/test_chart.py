@@ -79,6 +79,7 @@ VALUE_SETS: dict[str, dict] = {
         "exampleModelServer": {
             "gpusPerPod": 0,
             "pricePerGpuHour": 0,
+            "drainSeconds": 0,
             "resources": {"requests": {"cpu": "4", "memory": "6Gi"}, "limits": {"cpu": "4", "memory": "6Gi"}},
         }
     },
@@ -556,7 +557,9 @@ def test_gpu_example_takes_its_resources_from_the_values(rendered: dict[str, lis
 
 def test_cpu_example_asks_for_no_gpu(rendered: dict[str, list[dict]]) -> None:
     spec = one(rendered["cpu"], "ModelServer")["spec"]
-    assert spec["gpusPerPod"] == 0
+    assert spec["gpusPerPod"] == 0 and spec["pricePerGpuHour"] == 0
+    assert spec["drainSeconds"] == 0, "a zero is a value, not 'unset'"
+    assert "maxNumSeqs" not in spec and "startupSeconds" not in spec, "null: the CRD's default"
     assert spec["resources"]["limits"] == {"cpu": "4", "memory": "6Gi"}
     assert "model" not in spec, "no source: the model embedded in the image"
     default = one(rendered["default"], "ModelServer")["spec"]
