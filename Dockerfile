@@ -24,7 +24,7 @@ RUN python -m build --wheel --outdir /dist . \
  && python scripts/image_requirements.py operator > /dist/operator-requirements.txt
 
 # ---- server: the model server on CUDA PyTorch (its torch is kept; pip never replaces it) ----
-# Everything the server writes (converted GGUF models, Triton and Hugging Face caches) goes under
+# Everything the server writes (converted GGUF models, Triton, Inductor and Hugging Face caches) goes under
 # /cache, where the operator mounts an emptyDir (TANDEM_CACHE_DIR=/cache); with a read-only root
 # filesystem, /tmp needs one too.
 FROM ${SERVER_BASE} AS server
@@ -36,6 +36,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
     TANDEM_CACHE_DIR=/cache
 COPY --from=wheel /dist /dist
 RUN python -m pip install -c /dist/constraints.txt -r /dist/server-requirements.txt \
