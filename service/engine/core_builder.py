@@ -13,6 +13,7 @@ import torch
 from .attention import register
 from .block_manager import BlockManager
 from .engine_core import EngineCore
+from .fused_projections import fuse_projections
 from .kv_cache import CacheShape, KVCache
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -29,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, capped by what the cache holds
     cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
     step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
+    fuse_projections: bool = True  # Q/K/V and gate/up as one GEMM each (changes the model in place)
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
 
@@ -37,6 +39,8 @@ def build_core(
     model: torch.nn.Module, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()
 ) -> EngineCore:
     model.set_attn_implementation(register())
+    if config.fuse_projections:
+        log.info("fused %d groups of projections", fuse_projections(model))
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     shape = CacheShape.of(model.config)
