@@ -158,8 +158,17 @@ def decide(
     if now - window.observed_at > stale_after_s:
         age = now - window.observed_at
         return _hold(state, "MetricsStale", f"newest pod metrics are {age:.0f}s old")
-    if state.ready_replicas < current or window.pods < current:
-        seen = min(state.ready_replicas, window.pods)
+    seen = min(state.ready_replicas, window.pods)
+    if seen < current:
+        # Pods are starting (or failing): no scale-down, and a scale-up only when the ready pods
+        # are saturated beyond what the starting ones will absorb (a long cold start must not
+        # stall a burst; the same saturation must not add pods twice).
+        if seen > 0:
+            raw, reason, message = _recommend(window, targets, seen)
+            target = min(_clamp(raw, targets), current + targets.max_scale_up_step)
+            if reason == "Saturated" and target > current:
+                note = f"{message} ({current - seen} of {current} pods still starting)"
+                return Decision("ScaleUp", target, reason, note, replace(state, current_replicas=target))
         return _hold(state, "PodsNotReady", f"{seen} of {current} pods ready and reporting")
 
     raw, reason, message = _recommend(window, targets, current)

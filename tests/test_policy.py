@@ -157,11 +157,22 @@ def test_stale_metrics_hold():
     assert (d.action, d.reason) == ("Hold", "MetricsStale")
 
 
-def test_pods_not_ready_hold_even_when_saturated():
-    d = run(window(requests_waiting=500.0), state(3, ready=2))
+def test_pods_not_ready_hold_while_starting_pods_will_absorb_the_load():
+    # 2 ready pods at 90% fill, a third starting: the third covers it, hold.
+    d = run(window(requests_running=180.0), state(3, ready=2))
     assert (d.action, d.reason) == ("Hold", "PodsNotReady")
-    d = run(window(pods=2, requests_waiting=500.0), state(3))  # one pod's metrics missing
+    d = run(window(pods=2, requests_running=180.0), state(3))  # one pod's metrics missing
     assert d.reason == "PodsNotReady"
+    # no scale-down while pods start, however idle the ready ones are
+    d = run(window(requests_running=0.0, idle_fraction=1.0, kv_cache_usage=0.0), state(3, ready=2))
+    assert (d.action, d.reason) == ("Hold", "PodsNotReady")
+
+
+def test_saturation_beyond_the_starting_pods_scales_up_during_a_cold_start():
+    # 2 ready pods with 3x their capacity queued; 1 more starting is not enough.
+    d = run(window(requests_running=200.0, requests_waiting=400.0), state(3, ready=2))
+    assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)
+    assert "still starting" in d.message
 
 
 def test_bounds_apply_before_anything_else():
