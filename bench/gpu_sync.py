@@ -133,6 +133,27 @@ def roofline(weight_bytes: int, kv_per_token: int, bandwidth: float, requests: i
     }
 
 
+def graph_vram(model: torch.nn.Module, spec: EngineConfig) -> dict:
+    """Device memory the decode graphs take, captured for one slot and for two (one shared pool)."""
+    from tandem.service.engine.cuda_graphs import DecodeGraphs
+
+    report = {}
+    for slots in (1, 2):
+        core = build_core(model, dataclasses.replace(spec, cuda_graphs=False))
+        runner = core.runner
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        graphs = DecodeGraphs(runner.decode_forward, runner.cache, runner.slots[:slots], spec.max_num_seqs)
+        graphs.capture()
+        report[f"{slots}_slot" + ("s" if slots > 1 else "")] = {
+            "graphs": len(graphs.graphs),
+            "MiB": round((torch.cuda.memory_reserved() - before) / 2**20, 1),
+        }
+        del graphs, runner, core
+        torch.cuda.empty_cache()
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["8b", "1b"], default="8b")
@@ -140,6 +161,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request (random ids)")
     ap.add_argument("--new", type=int, default=256, help="new tokens per request")
     ap.add_argument("--skip-hf", action="store_true", help="Tandem only")
+    ap.add_argument("--engines", default="sync,async,eager,compiled",
+                    help="Tandem variants (CUDA): sync (graphs), async (graphs), eager (sync, no graphs), "
+                         "compiled (async, graphs of the torch.compile'd forward), compiled_sync")
+    ap.add_argument("--vram", action="store_true", help="also report decode-graph memory, one slot vs two")
     ap.add_argument("--hf-config", default='{"use_cuda_graph": true}',
                     help="ContinuousBatchingConfig kwargs (JSON); on failure, retried with defaults")
     ap.add_argument("--hf-persistent", action="store_true",
@@ -182,13 +207,25 @@ def main() -> None:
     prompts = torch.randint(0, vocab - 2, (a.requests, a.prompt), generator=g).tolist()
     spec = EngineConfig(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
                         a.max_num_batched_tokens, step_loop="sync")
-    core = build_core(model, spec)
-    runs = {"tandem": with_gpu_busy(lambda: run_tandem(core, prompts, a.new), device)}
-    if device.type == "cuda":  # the asynchronous loop, and the sync loop without CUDA graphs
-        overlapped = build_core(model, dataclasses.replace(spec, step_loop="async"))
-        runs["tandem_async"] = with_gpu_busy(lambda: run_tandem(overlapped, prompts, a.new, tag="a"), device)
-        eager = build_core(model, dataclasses.replace(spec, cuda_graphs=False))
-        runs["tandem_eager"] = with_gpu_busy(lambda: run_tandem(eager, prompts, a.new, tag="e"), device)
+    variants = {  # name -> engine settings over `spec` (sync loop, CUDA graphs)
+        "sync": {},
+        "async": {"step_loop": "async"},
+        "eager": {"cuda_graphs": False},
+        "compiled": {"step_loop": "async", "compile_decode": True},
+        "compiled_sync": {"compile_decode": True},
+    }
+    chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
+    runs = {}
+    cores = {}
+    for name in chosen:
+        start = time.perf_counter()
+        cores[name] = build_core(model, dataclasses.replace(spec, **variants[name]))
+        print(f"engine {name}: built (capture, compile) in {time.perf_counter() - start:.1f} s", flush=True)
+        label = "tandem" if name == "sync" else f"tandem_{name}"
+        runs[label] = with_gpu_busy(
+            lambda core=cores[name], tag=name[:2]: run_tandem(core, prompts, a.new, tag=tag), device
+        )
+    vram = graph_vram(model, spec) if a.vram and device.type == "cuda" else None
 
     def hf_run() -> RunStats:
         nonlocal hf_config
@@ -219,16 +256,18 @@ def main() -> None:
                      f"{r.engine_idle:.1%}" if r.engine_idle is not None else "-", r.warmup_seconds])
     rows.append(["roofline (decode)", a.requests * max(1, a.new - 1), roof["seconds"], roof["tok_s"],
                  f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "-", "-", "-"])
-    report["tandem"]["engine"] = spec.__dict__
+    first = next(iter(report))
+    report[first]["engine"] = spec.__dict__
     if "transformers" in results:
         report["transformers"]["continuous_batching_config"] = hf_config
         report["transformers"]["attn_implementation"] = "paged|sdpa"
         report["transformers"]["persistent_manager"] = a.hf_persistent
-        ratio = results["tandem"].tok_s / results["transformers"].tok_s
-        report["ratio_tandem_over_transformers"] = round(ratio, 3)
-        same = same_outputs(results["tandem"], results["transformers"])
+        best = max((r for n, r in results.items() if n != "transformers"), key=lambda r: r.tok_s)
+        report["ratio_tandem_over_transformers"] = round(best.tok_s / results["transformers"].tok_s, 3)
+        same = same_outputs(best, results["transformers"])
         report["identical_outputs"] = f"{same}/{a.requests}"
-    leaked = [m for m in MUST_NOT_IMPORT if m in sys.modules]
+    # through `tandem bench`, the CLI itself has imported the server's settings: nothing to check
+    leaked = [m for m in MUST_NOT_IMPORT if m in sys.modules] if "tandem.cli" not in sys.modules else []
     result = {
         "benchmark": "gpu_sync",
         "smoke": a.smoke,
@@ -238,6 +277,7 @@ def main() -> None:
         "environment": env,
         "model_build_seconds": round(build_s, 1),
         "roofline": roof,
+        "decode_graph_vram": vram,
         **report,
         "imported_server_only_modules": leaked,
     }
@@ -247,6 +287,8 @@ def main() -> None:
     if "ratio_tandem_over_transformers" in report:
         print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
               f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")
+    if vram:
+        print(f"decode graph memory (max batch {spec.max_num_seqs}): {vram}")
     if leaked:
         print(f"WARNING: imported {leaked}: this would fail on a host without the server's dependencies")
     print(f"wrote {out_path}")

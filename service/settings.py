@@ -41,6 +41,11 @@ class ServerSettings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="CUDA: decode steps replay CUDA graphs captured at start (per batch-size bucket)."
     )
+    compile: bool = Field(
+        True,
+        description="CUDA: decode steps run a torch.compile'd forward (fused norms, rotary, activations); "
+        "adds compile time to start-up (about 100 s for an 8B model).",
+    )
     step_loop: Literal["auto", "sync", "async"] = Field(
         "auto", description="async: prepare step N+1 while the device runs step N; auto = async on CUDA."
     )

@@ -62,6 +62,26 @@ def _operator(args: argparse.Namespace) -> int:
     return run_operator(_settings_from(args, OperatorSettings))
 
 
+BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it runs
+    "gpu": "gpu_sync.py",
+    "cpu": "cpu_throughput.py",
+    "autoscale": "autoscale_sim.py",
+}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / BENCHMARKS[args.name]
+    if not script.exists():
+        sys.exit(f"tandem bench: {script} not found (benchmarks run from a source checkout)")
+    sys.argv = [str(script), *args.bench_args]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM model server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     op = sub.add_parser("operator", help="run the Kubernetes operator for ModelServer resources")
     _add_settings_flags(op, OperatorSettings, ENV_PREFIX)
     op.set_defaults(func=_operator)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (gpu: engine vs transformers with the roofline; cpu; autoscale)",
+        description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them.",
+    )
+    bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.add_argument("--log-level", default="WARNING")
+    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

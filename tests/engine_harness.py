@@ -38,9 +38,11 @@ def make_core(
     eos: frozenset[int] = frozenset(),
     cuda_graphs: bool = False,
     step_loop: str = "sync",
+    compile_backend: str | None = None,
 ) -> EngineCore:
     config = EngineConfig(
-        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop
+        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
+        compile_decode=compile_backend is not None, compile_backend=compile_backend or "inductor",
     )
     return build_core(model, config, eos)
 

@@ -32,7 +32,7 @@ def test_scheduling_ahead_carries_the_inflight_token():
     assert batch.carry.tolist() == [0, 1]  # taken from step 1's sampled rows on the device
     assert batch.positions.tolist() == [5, 3]
     assert batch.sampling.steps.tolist() == [1, 1]  # the second output token of each
-    merged = carry_over(batch.input_ids, batch, torch.tensor([77, 88]))
+    merged = carry_over(batch.input_ids, batch.carry, torch.tensor([77, 88]))
     assert merged.tolist() == [77, 88]
 
 

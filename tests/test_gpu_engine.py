@@ -43,7 +43,8 @@ def test_cuda_engine_matches_generate(family, num_blocks, graphs, loop):
     if num_blocks == 40:
         assert result.preemptions > 0
     if graphs:
-        assert core.runner.graphs is not None and len(core.runner.graphs.graphs) == 4  # buckets 1, 2, 4, 8
+        # buckets 1, 2, 4, 8 x slots A, B x greedy / sampled
+        assert core.runner.graphs is not None and len(core.runner.graphs.graphs) == 16
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 24, None), a.request_id
 
@@ -56,3 +57,49 @@ def test_cuda_seeded_sampling_matches_cpu():
     cpu = uniform_noise(seeds, steps, 4096)
     gpu = uniform_noise(seeds.cuda(), steps.cuda(), 4096).cpu()
     assert torch.equal(cpu, gpu)
+
+
+def _tiny_cuda(family: str = "llama") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(make_tiny_config(family, 1000)).to("cuda").eval()
+
+
+def _arrivals(params: SamplingParams, seed: int = 1) -> list[Arrival]:
+    rng = random.Random(seed)
+    return [
+        Arrival(f"r{i}", [rng.randrange(1000) for _ in range(n)], params, at)
+        for i, (n, at) in enumerate(zip([7, 60, 2, 33, 15, 90], [0, 0, 1, 3, 8, 12], strict=True))
+    ]
+
+
+def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None):
+    return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
+                     max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_compiled_graphs_match_generate(family):
+    """Inductor-compiled decode forward, captured per slot and bucket, async loop."""
+    model = _tiny_cuda(family)
+    arrivals = _arrivals(SamplingParams(max_tokens=24))
+    result = run(_core(model, graphs=True, compile_backend="inductor"), arrivals)
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 24, None), a.request_id
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, temperature=0.8, seed=7),  # sampled inside the graph
+        SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=7),  # after the replay
+        SamplingParams(max_tokens=20, temperature=0.8, seed=7, logprobs=True, top_logprobs=2),
+    ],
+    ids=["temperature", "top_k_top_p", "logprobs"],
+)
+def test_cuda_seeded_sampling_same_with_and_without_graphs(params):
+    model = _tiny_cuda()
+    eager = run(_core(model, graphs=False), _arrivals(params))
+    graphed = run(_core(model, graphs=True), _arrivals(params))
+    assert graphed.tokens == eager.tokens
+    greedy = run(_core(model, graphs=True), _arrivals(SamplingParams(max_tokens=20)))
+    assert greedy.tokens != graphed.tokens  # the sampled graphs really sampled

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.service.engine.attention import decode_attention
+from tandem.service.engine.attention_ref import decode_attention
 
 pytestmark = pytest.mark.gpu
 

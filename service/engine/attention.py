@@ -11,27 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from . import decode_op
+from .attention_ref import decode_attention
 from .batch import AttentionMetadata
 
 ATTN_IMPLEMENTATION = "tandem_paged"
-
-
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
-) -> torch.Tensor:
-    """One query per sequence: q [B, H, D], k/v [B, L, Hkv, D], mask [B, L] -> [B, H, D].
-
-    Grouped-query heads share their K/V through a reshape (no copy of K/V per query head), and
-    two batched matmuls replace a fused kernel whose per-call planning would dominate small steps.
-    """
-    b, h, d = q.shape
-    kv_heads = k.shape[2]
-    scale = d**-0.5 if scale is None else scale
-    qg = q.reshape(b, kv_heads, h // kv_heads, d)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)
 
 
 def paged_attention_forward(
@@ -51,6 +35,13 @@ def paged_attention_forward(
     cache = meta.kv_cache
     layer = module.layer_idx
     k_cache, v_cache = cache.k[layer], cache.v[layer]
+    if meta.decode_only:  # one opaque op: what torch.compile and CUDA graphs wrap
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = decode_op.paged_decode(
+            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.decode_block_table,
+            meta.decode_ctx_lens, meta.block_size, scale,
+        )
+        return out, None
     new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_v = value[0].transpose(0, 1)
     k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from .attention_ref import causal_mask, decode_mask
 from .scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from .step_buffers import DeviceBatch
 
 
 @dataclass
@@ -38,6 +43,8 @@ class AttentionMetadata:
     decode_kernel: Callable[..., torch.Tensor] | None = None
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] int32
     decode_ctx_lens: torch.Tensor | None = None  # [B] int32
+    # no prefills: every token is a decode, rows in order (the decode op, CUDA graphs, compile)
+    decode_only: bool = False
 
 
 @dataclass
@@ -58,7 +65,7 @@ class SamplingTensors:
 
 @dataclass
 class HostBatch:
-    """CPU tensors for one step (pinned on CUDA), plus what is needed to map results back."""
+    """CPU tensors for one step (staged into a slot's pinned buffers on upload) and the result map."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -75,15 +82,13 @@ class HostBatch:
     carry: torch.Tensor | None = None
 
 
-def _pinned(data: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype)
-    return t.pin_memory() if pin else t
+def _tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(data, dtype=dtype)
 
 
 def build_host_batch(
     chunks: list[ScheduledChunk],
     block_size: int,
-    pin: bool = False,
     prev_rows: dict[int, int] | None = None,
 ) -> HostBatch:
     """`prev_rows`: id(sequence) -> its row in the previous step's samples, for carried chunks."""
@@ -132,30 +137,30 @@ def build_host_batch(
     table = lens = None
     if decode_tables:
         width = max(len(b) for b in decode_tables)
-        table = _pinned([b + [0] * (width - len(b)) for b in decode_tables], torch.int64, pin)
-        lens = _pinned(decode_lens, torch.int64, pin)
+        table = _tensor([b + [0] * (width - len(b)) for b in decode_tables], torch.int64)
+        lens = _tensor(decode_lens, torch.int64)
     sampling = SamplingTensors(
-        temperature=_pinned(temps, torch.float32, pin),
-        top_p=_pinned(top_ps, torch.float32, pin),
-        top_k=_pinned(top_ks, torch.int64, pin),
-        seeds=_pinned(seeds, torch.int64, pin),
-        steps=_pinned(steps, torch.int64, pin),
+        temperature=_tensor(temps, torch.float32),
+        top_p=_tensor(top_ps, torch.float32),
+        top_k=_tensor(top_ks, torch.int64),
+        seeds=_tensor(seeds, torch.int64),
+        steps=_tensor(steps, torch.int64),
         all_greedy=all(t == 0.0 for t in temps),
         needs_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
         num_logprobs=num_logprobs,
     )
     return HostBatch(
-        input_ids=_pinned(input_ids, torch.int64, pin),
-        positions=_pinned(positions, torch.int64, pin),
-        slot_mapping=_pinned(slots, torch.int64, pin),
-        logits_indices=_pinned(logits_indices, torch.int64, pin),
+        input_ids=_tensor(input_ids, torch.int64),
+        positions=_tensor(positions, torch.int64),
+        slot_mapping=_tensor(slots, torch.int64),
+        logits_indices=_tensor(logits_indices, torch.int64),
         sample_chunks=sample_chunks,
         decode_token_idx=decode_idx,
         decode_block_table=table,
         decode_ctx_lens=lens,
         prefills=prefills,
         sampling=sampling,
-        carry=_pinned(carry, torch.int64, pin) if any(c >= 0 for c in carry) else None,
+        carry=_tensor(carry, torch.int64) if any(c >= 0 for c in carry) else None,
     )
 
 
@@ -166,40 +171,32 @@ def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.
     return slots.flatten(-2)[..., :length]
 
 
-def _causal_mask(
-    q_pos: torch.Tensor, ctx_len: int, sliding_window: int | None, device: torch.device
-) -> torch.Tensor:
-    """[..., q, L] True where key position <= query position (and inside the window)."""
-    k_pos = torch.arange(ctx_len, device=device)
-    mask = k_pos <= q_pos.unsqueeze(-1)
-    if sliding_window:
-        mask &= k_pos > q_pos.unsqueeze(-1) - sliding_window
-    return mask
-
-
 def build_attention_metadata(
     batch: HostBatch,
+    dev: DeviceBatch,
     block_size: int,
-    device: torch.device,
     sliding_window: int | None = None,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
 ) -> AttentionMetadata:
-    meta = AttentionMetadata(
-        slot_mapping=batch.slot_mapping.to(device, non_blocking=True), block_size=block_size
-    )
-    if batch.decode_block_table is not None and decode_kernel is not None:
-        meta.decode_kernel = decode_kernel
-        meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
-        meta.decode_block_table = batch.decode_block_table.to(device, non_blocking=True).int()
-        meta.decode_ctx_lens = batch.decode_ctx_lens.to(device, non_blocking=True).int()
-    elif batch.decode_block_table is not None:
-        # whole blocks are gathered (one copy per block, not per token); the mask hides the tail
-        table = batch.decode_block_table.to(device, non_blocking=True)
-        lens = batch.decode_ctx_lens.to(device, non_blocking=True)
-        meta.decode_token_idx = torch.tensor(batch.decode_token_idx, device=device)
-        meta.decode_blocks = table.flatten()
-        width = table.shape[1] * block_size
-        meta.decode_mask = _causal_mask(lens - 1, width, sliding_window, device)  # query at position len-1
+    """Attention metadata of an eagerly run step, from its uploaded inputs (`dev`)."""
+    device = dev.input_ids.device
+    meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size)
+    if batch.decode_block_table is not None:
+        if not batch.prefills and not sliding_window:  # rows are the decodes, in order
+            meta.decode_only = True
+            meta.decode_block_table = dev.block_table
+            meta.decode_ctx_lens = dev.ctx_lens
+        elif decode_kernel is not None:
+            meta.decode_kernel = decode_kernel
+            meta.decode_token_idx = dev.decode_idx
+            meta.decode_block_table = dev.block_table
+            meta.decode_ctx_lens = dev.ctx_lens
+        else:
+            # whole blocks are gathered (one copy per block, not per token); the mask hides the tail
+            meta.decode_token_idx = dev.decode_idx
+            meta.decode_blocks = dev.block_table.long().flatten()
+            width = dev.block_table.shape[1] * block_size
+            meta.decode_mask = decode_mask(dev.ctx_lens.long(), width, sliding_window)
     for q_start, q_len, ctx_len, blocks in batch.prefills:
         seg = PrefillSegment(q_start, q_len, ctx_len)
         fresh = blocks is None
@@ -208,15 +205,19 @@ def build_attention_metadata(
             seg.slots = _slots_of(table, ctx_len, block_size)
         if not fresh or (sliding_window and q_len > sliding_window):
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-            seg.mask = _causal_mask(q_pos, ctx_len, sliding_window, device)[None, None]
+            seg.mask = causal_mask(q_pos, ctx_len, sliding_window)[None, None]
         meta.prefills.append(seg)
     return meta
 
 
-def carry_over(input_ids: torch.Tensor, batch: HostBatch, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-    """Replace the placeholders of carried inputs by the previous step's tokens, on the device."""
-    if batch.carry is None:
+def carry_over(
+    input_ids: torch.Tensor, carry: torch.Tensor, prev_tokens: torch.Tensor | None
+) -> torch.Tensor:
+    """Replace the placeholders of carried inputs (carry >= 0) by the previous step's tokens.
+
+    Runs on the device with no branch on the data, so a CUDA graph can hold it.
+    """
+    if prev_tokens is None:
         return input_ids
-    carry = batch.carry.to(input_ids.device, non_blocking=True)
     taken = prev_tokens[carry.clamp(min=0)]
     return torch.where(carry >= 0, taken, input_ids)

@@ -29,6 +29,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, capped by what the cache holds
     cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
     step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
+    compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
+    compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
 
 
 def build_core(
@@ -56,7 +58,17 @@ def build_core(
     scheduler = Scheduler(
         BlockManager(config.num_blocks, config.block_size), config.max_num_seqs, config.max_num_batched_tokens
     )
-    runner = ModelRunner(model, cache, device, config.cuda_graphs, config.max_num_seqs, max_model_len)
+    runner = ModelRunner(
+        model,
+        cache,
+        device,
+        cuda_graphs=config.cuda_graphs,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        compile_decode=config.compile_decode,
+        compile_backend=config.compile_backend,
+    )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
     return EngineCore(runner, scheduler, max_model_len, eos_token_ids, lambda updates: None, async_loop)

@@ -1,17 +1,23 @@
-"""CUDA graphs of the decode forward: one per batch-size bucket, all in one memory pool.
+"""CUDA graphs of the decode step: one per (slot, batch-size bucket, sampling kind), one pool.
 
-A decode-only step copies its inputs into static buffers (padded up to the bucket) and replays
-the graph captured for that bucket, so the thousand-odd kernels of a forward cost one launch.
+A decode-only step stages its inputs in its slot's static buffers (padded up to the bucket) and
+replays the graph captured for that slot and bucket: carry-over of tokens still in flight,
+the forward, sampling, and the write of the sampled tokens into the slot, all in one launch.
 Padding rows write their K/V into a scratch block that no sequence owns and attend to it alone.
+Every graph draws from one shared memory pool, so a second slot costs its buffers, not a second
+copy of the forward's activations.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .batch import AttentionMetadata, HostBatch, carry_over
+from .batch import AttentionMetadata, SamplingTensors, carry_over
 from .kv_cache import KVCache
-from .triton_decode import DecodeKernel
+from .sampler import sample
+from .step_buffers import StepBuffers
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -23,77 +29,84 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, cache: KVCache, max_batch: int, max_blocks_per_seq: int
+        self, forward: Callable[..., object], cache: KVCache, slots: list[StepBuffers], max_batch: int
     ) -> None:
-        self.model = model
+        self.forward = forward  # the model, or its torch.compile'd form
         self.cache = cache
+        self.slots = slots
         self.buckets = buckets_up_to(max_batch)
-        dev = cache.k.device
-        size = self.buckets[-1]
-        self.scratch_slot = cache.scratch_block * cache.block_size
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((size,), self.scratch_slot, dtype=torch.int64, device=dev)
-        self.block_table = torch.full(
-            (size, max_blocks_per_seq), cache.scratch_block, dtype=torch.int32, device=dev
-        )
-        self.ctx_lens = torch.ones(size, dtype=torch.int32, device=dev)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        # per slot: the greedy graphs' logits, for samplers a graph does not hold (made at capture)
+        self.logits: list[torch.Tensor | None] = [None] * len(slots)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def bucket_for(self, num_decodes: int, has_prefill: bool) -> int | None:
+        """Decode-only steps up to the largest bucket replay a graph; others run eagerly."""
+        if has_prefill or num_decodes > self.buckets[-1]:
+            return None
+        return next(b for b in self.buckets if b >= num_decodes)
+
+    def _step(self, s: int, b: int, sampled: bool) -> torch.Tensor:
+        buf = self.slots[s]
+        prev = self.slots[(s + 1) % len(self.slots)]  # the previous step ran in the other slot
+        d = buf.dev
+        input_ids = carry_over(d["input_ids"][:b], d["carry"][:b], prev.tokens)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
-            decode_token_idx=torch.arange(b, device=self.input_ids.device),
-            decode_kernel=DecodeKernel.for_batch(self.cache, b, self.sms),
-            decode_block_table=self.block_table[:b],
-            decode_ctx_lens=self.ctx_lens[:b],
+            slot_mapping=d["slot_mapping"][:b],
+            block_size=self.cache.block_size,
             kv_cache=self.cache,
+            decode_only=True,
+            decode_block_table=d["block_table"][:b],
+            decode_ctx_lens=d["ctx_lens"][:b],
         )
-        out = self.model(
-            input_ids=self.input_ids[None, :b],
-            position_ids=self.positions[None, :b],
+        out = self.forward(
+            input_ids=input_ids[None],
+            position_ids=d["positions"][None, :b],
             logits_to_keep=0,
             use_cache=False,
             tandem_meta=meta,
         )
-        return out.logits[0]
+        logits = out.logits[0]
+        st = SamplingTensors(
+            temperature=d["temperature"][:b],
+            top_p=d["top_p"][:b],
+            top_k=d["top_k"][:b],
+            seeds=d["seeds"][:b],
+            steps=d["steps"][:b],
+            all_greedy=not sampled,
+            needs_filter=False,
+            num_logprobs=-1,
+        )
+        buf.tokens[:b].copy_(sample(logits, st).tokens)
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest bucket first, so smaller graphs reuse its memory from the shared pool."""
-        for b in reversed(self.buckets):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: Triton compiles, cuBLAS plans
-                self._forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[b] = self._forward(b)
-            self.graphs[b] = graph
+        for buf in self.slots:  # every row starts as a padding row
+            buf.dev["slot_mapping"].fill_(buf.scratch_slot)
+            buf.dev["block_table"][:, 0].fill_(buf.scratch_block)
+            buf.dev["ctx_lens"].fill_(1)
+            buf.dev["carry"].fill_(-1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for b in reversed(self.buckets):
+                for s in range(len(self.slots)):
+                    for sampled in (False, True):
+                        logits = self._step(s, b, sampled)  # warm-up outside capture: compiles, plans
+                        if self.logits[s] is None:
+                            self.logits[s] = logits.new_empty(self.buckets[-1], logits.shape[-1])
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self.pool, stream=side):
+                            logits = self._step(s, b, sampled)
+                            if not sampled:
+                                self.logits[s][:b].copy_(logits)
+                        self.graphs[(s, b, sampled)] = graph
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-    def fits(self, batch: HostBatch) -> bool:
-        """Decode-only steps up to the largest bucket replay a graph; others run eagerly."""
-        return not batch.prefills and len(batch.decode_token_idx) <= self.buckets[-1]
-
-    def run(self, batch: HostBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        n = len(batch.decode_token_idx)
-        b = next(x for x in self.buckets if x >= n)
-        width = batch.decode_block_table.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        if batch.carry is not None:
-            self.input_ids[:n].copy_(carry_over(self.input_ids[:n], batch, prev_tokens))
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.block_table[:n, :width].copy_(batch.decode_block_table, non_blocking=True)
-        self.ctx_lens[:n].copy_(batch.decode_ctx_lens, non_blocking=True)
-        if b > n:  # padding rows: scratch slot, one token of context
-            self.slot_mapping[n:b].fill_(self.scratch_slot)
-            self.block_table[n:b, 0].fill_(self.cache.scratch_block)
-            self.ctx_lens[n:b].fill_(1)
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+    def replay(self, s: int, b: int, n: int, sampled: bool) -> torch.Tensor:
+        """Run the step of slot `s` in bucket `b`; -> logits of its `n` real rows (greedy kind)."""
+        self.graphs[(s, b, sampled)].replay()
+        return self.logits[s][:n]

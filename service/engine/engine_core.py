@@ -159,12 +159,14 @@ class EngineCore:
             return []
         started = time.monotonic()
         try:
-            result = self.runner.run(out.chunks)
+            step = self.runner.launch(out.chunks, None)
+            result = self.runner.wait(step)
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
             return self._fail(out, f"engine step failed: {exc}")
-        ended = time.monotonic()
-        self._count_step(ended - started, ended)
+        end = time.monotonic()
+        busy = step.device_seconds()  # CUDA: from the compute stream's event timestamps
+        self._count_step(end - started if busy is None else busy, end)
         return self._process(out, result)
 
     def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:

@@ -1,19 +1,30 @@
 """Runs one scheduled step on the device: inputs in, forward, sample, tokens out.
 
-The split into prepare (host) / execute (device) / fetch (host) is the seam the asynchronous
-step loop uses to overlap the CPU's next batch with the device's current one.
+A step is launched, then waited for. On CUDA the launch queues three stages on three streams,
+chained by events, and returns at once:
+
+    h2d stream:      stage the slot's inputs, copy them to the device      -> h2d_done
+    compute stream:  wait h2d_done; carry-over, forward, sample             -> compute_done
+    d2h stream:      wait compute_done; copy the sampled tokens to the host -> d2h_done
+
+Steps alternate between two slots of buffers, so the CPU fills one while the device reads the
+other; `wait` blocks on d2h_done, the one host wait per step. On CPU the stages simply run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
+from .decode_op import kernel_supports
 from .kv_cache import KVCache
 from .sampler import SampleOutput, sample
 from .scheduler import ScheduledChunk
+from .step_buffers import DeviceBatch, StepBuffers
 
 
 @dataclass
@@ -26,6 +37,47 @@ class StepResult:
     top: list[list[tuple[int, float]]] | None = None
 
 
+@dataclass
+class StageEvents:
+    """CUDA events around each stage of a step (timing-enabled: their gaps are the stage times)."""
+
+    h2d_start: torch.cuda.Event
+    h2d_done: torch.cuda.Event
+    compute_start: torch.cuda.Event
+    compute_done: torch.cuda.Event
+    d2h_done: torch.cuda.Event
+
+    @classmethod
+    def make(cls) -> StageEvents:
+        return cls(*(torch.cuda.Event(enable_timing=True) for _ in range(5)))
+
+
+@dataclass
+class LaunchedStep:
+    batch: HostBatch
+    dev: DeviceBatch  # held until the step is done, so its buffers outlive the device's reads
+    sampled: SampleOutput  # on the device
+    host: SampleOutput  # host copies (pinned on CUDA)
+    rows: dict[int, int]  # id(sequence) -> its row in the slot's sampled tokens
+    slot: int
+    graph_bucket: int | None
+    prepare: tuple[float, float]  # host wall-clock (time.time) of scheduling's batch build
+    events: StageEvents | None  # CUDA only
+
+    def device_seconds(self) -> float | None:
+        """Time the step occupied the compute stream (call once it is done: no extra sync)."""
+        if self.events is None:
+            return None
+        return self.events.compute_start.elapsed_time(self.events.compute_done) / 1e3
+
+
+class _Streams:
+    def __init__(self, device: torch.device) -> None:
+        self.h2d = torch.cuda.Stream(device)
+        self.compute = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -35,6 +87,9 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
+        max_num_batched_tokens: int = 2048,
+        compile_decode: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         self.model = model
         self.cache = cache
@@ -53,24 +108,32 @@ class ModelRunner:
         # CUDA decodes read K/V in place with the Triton kernel: no sliding window, and cache
         # blocks of at least 16 tokens (a power of two) for its matrix tiles
         bs = cache.block_size
-        self.in_place_decode = (
-            device.type == "cuda" and not self.sliding_window and bs >= 16 and bs & (bs - 1) == 0
-        )
+        self.in_place_decode = device.type == "cuda" and not self.sliding_window and kernel_supports(bs)
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
         )
-        self.decode_kernel = None  # DecodeKernel.for_batch where decodes read K/V in place
+        self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
         if self.in_place_decode:
             from .triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
 
             self.decode_kernel = DecodeKernel.for_batch
-        self.stream: torch.cuda.Stream | None = None  # the asynchronous loop's stream, made on first use
+        # decode-only steps run the compiled forward (fused norms, rotary, activations)
+        self.decode_forward = model
+        if compile_decode:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.decode_forward = torch.compile(model, backend=compile_backend)
+        max_blocks = -(-max_model_len // bs)
+        self.slots = [
+            StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, device, cache.scratch_block, bs)
+            for _ in range(2)
+        ]
+        self._next_slot = 0
+        self.streams = _Streams(device) if device.type == "cuda" else None
         self.graphs = None
         if cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
 
-            max_blocks = -(-max_model_len // cache.block_size)
-            self.graphs = DecodeGraphs(model, cache, max_num_seqs, max_blocks)
+            self.graphs = DecodeGraphs(self.decode_forward, cache, self.slots, max_num_seqs)
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs (warm-up time, before the server reports SERVING)."""
@@ -78,101 +141,112 @@ class ModelRunner:
             self.graphs.capture()
 
     def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> HostBatch:
-        return build_host_batch(chunks, self.block_size, pin=self.device.type == "cuda", prev_rows=prev_rows)
+        return build_host_batch(chunks, self.block_size, prev_rows=prev_rows)
+
+    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
+        """The synchronous step: launch, then wait for its tokens."""
+        return self.wait(self.launch(chunks, None))
 
     @torch.inference_mode()
-    def execute(self, batch: HostBatch, prev_tokens: torch.Tensor | None = None) -> SampleOutput:
-        """Forward + sample. `prev_tokens`: the previous step's sampled tokens, for carried inputs."""
-        dev = self.device
-        if self.graphs is not None and self.graphs.fits(batch):
-            return sample(self.graphs.run(batch, prev_tokens), batch.sampling.to(dev))
+    def launch(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> LaunchedStep:
+        """Queue one step and return without waiting for the device.
+
+        `prev`: the step still in flight; inputs it samples are carried over on the device from
+        its slot's token buffer.
+        """
+        started = time.time()
+        batch = self.prepare(chunks, prev.rows if prev is not None else None)
+        prepared = time.time()
+        s = self._next_slot
+        self._next_slot = 1 - s
+        buf = self.slots[s]
+        prev_tokens = self.slots[prev.slot].tokens if prev is not None else None
+        n = len(batch.sample_chunks)
+        bucket = None
+        if self.graphs is not None:
+            bucket = self.graphs.bucket_for(len(batch.decode_token_idx), bool(batch.prefills))
+        st = self.streams
+        ev = StageEvents.make() if st is not None else None
+        with _on(st and st.h2d):
+            if ev is not None:
+                ev.h2d_start.record()
+            dev = buf.upload(batch, bucket)
+            if ev is not None:
+                ev.h2d_done.record()
+        with _on(st and st.compute):
+            if ev is not None:
+                st.compute.wait_event(ev.h2d_done)
+                ev.compute_start.record()
+            out = self._compute(batch, dev, s, bucket, prev_tokens)
+            if ev is not None:
+                ev.compute_done.record()
+        with _on(st and st.d2h):
+            if ev is not None:
+                st.d2h.wait_event(ev.compute_done)
+            host = SampleOutput(buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True))
+            if out.logprobs is not None:
+                host.logprobs = _to_host(out.logprobs)
+                host.top_ids, host.top_logprobs = _to_host(out.top_ids), _to_host(out.top_logprobs)
+            if ev is not None:
+                ev.d2h_done.record()
+        rows = {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
+        return LaunchedStep(batch, dev, out, host, rows, s, bucket, (started, prepared), ev)
+
+    def _compute(
+        self, batch: HostBatch, dev: DeviceBatch, s: int, bucket: int | None, prev_tokens: torch.Tensor | None
+    ) -> SampleOutput:
+        """Forward + sample on the current stream; the sampled tokens land in slot `s`."""
+        tokens = self.slots[s].tokens[: len(batch.sample_chunks)]
+        st = dev.sampling
+        if bucket is not None:  # the graph carries over, samples and writes the slot's tokens itself
+            in_graph = not st.needs_filter and st.num_logprobs < 0
+            logits = self.graphs.replay(s, bucket, len(tokens), sampled=in_graph and not st.all_greedy)
+            if in_graph:
+                return SampleOutput(tokens)
+            out = sample(logits, st)  # top-k / top-p / logprobs: on the greedy graph's logits
+            tokens.copy_(out.tokens)
+            return out
         kernel = None
         if self.decode_kernel is not None and batch.decode_token_idx:
             kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
-        meta = build_attention_metadata(batch, self.block_size, dev, self.sliding_window, kernel)
+        meta = build_attention_metadata(batch, dev, self.block_size, self.sliding_window, kernel)
         meta.kv_cache = self.cache
-        input_ids = carry_over(batch.input_ids.to(dev, non_blocking=True), batch, prev_tokens)[None]
-        positions = batch.positions.to(dev, non_blocking=True)[None]
-        logits_indices = batch.logits_indices.to(dev, non_blocking=True)
-        out = self.model(
+        input_ids = carry_over(dev.input_ids, dev.carry, prev_tokens)[None]
+        forward = self.decode_forward if meta.decode_only else self.model
+        out = forward(
             input_ids=input_ids,
-            position_ids=positions,
-            logits_to_keep=logits_indices,
+            position_ids=dev.positions[None],
+            logits_to_keep=0 if meta.decode_only else dev.logits_indices,
             use_cache=False,
             tandem_meta=meta,
         )
-        return sample(out.logits[0], batch.sampling.to(dev))
-
-    @staticmethod
-    def fetch(batch: HostBatch, out: SampleOutput) -> StepResult:
-        result = StepResult(batch.sample_chunks, out.tokens.tolist())
-        if out.logprobs is not None:
-            result.logprobs = out.logprobs.tolist()
-            if out.top_ids is not None:
-                ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-                result.top = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
-        return result
-
-    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
-        """The synchronous step: prepare -> H2D -> forward + sample -> D2H -> wait."""
-        batch = self.prepare(chunks)
-        return self.fetch(batch, self.execute(batch))
-
-    def launch(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> LaunchedStep:
-        """The asynchronous step: queue this step's work and return without waiting for it.
-
-        Inputs the previous (still running) step samples are carried over on the device. On CUDA
-        all work goes to one non-default stream, results are copied to pinned memory and an event
-        marks their arrival; on CPU the step simply runs.
-        """
-        prev_rows = prev.rows if prev is not None else None
-        batch = self.prepare(chunks, prev_rows)
-        prev_tokens = prev.sampled.tokens if prev is not None else None
-        if self.device.type != "cuda":
-            out = self.execute(batch, prev_tokens)
-            return LaunchedStep(batch, out, out, _rows(chunks, batch), None, None)
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self.stream):
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record(self.stream)
-            out = self.execute(batch, prev_tokens)
-            parts = (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
-            host = SampleOutput(*(_to_host(t) for t in parts))
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(self.stream)
-        return LaunchedStep(batch, out, host, _rows(chunks, batch), done, begin)
+        sampled = sample(out.logits[0], st)
+        tokens.copy_(sampled.tokens)
+        return sampled
 
     @staticmethod
     def wait(step: LaunchedStep) -> StepResult:
         """Block until the step's tokens are on the host: the one wait per step."""
-        if step.done is not None:
-            step.done.synchronize()
-        return ModelRunner.fetch(step.batch, step.host)
+        if step.events is not None:
+            step.events.d2h_done.synchronize()
+        host = step.host
+        result = StepResult(step.batch.sample_chunks, host.tokens.tolist())
+        if host.logprobs is not None:
+            result.logprobs = host.logprobs.tolist()
+            if host.top_ids is not None:
+                ids, lps = host.top_ids.tolist(), host.top_logprobs.tolist()
+                result.top = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+        return result
 
 
-@dataclass
-class LaunchedStep:
-    batch: HostBatch
-    sampled: SampleOutput  # on the device: the next step carries tokens from here
-    host: SampleOutput  # pinned host copies (the same tensors on CPU)
-    rows: dict[int, int]  # id(sequence) -> its row in `sampled`
-    done: torch.cuda.Event | None
-    begin: torch.cuda.Event | None  # with `done`: the step's time on the stream, from event timestamps
-
-    def device_seconds(self) -> float | None:
-        """Time the step occupied its stream (call after `done` completed: no extra sync)."""
-        if self.begin is None or self.done is None:
-            return None
-        return self.begin.elapsed_time(self.done) / 1e3
-
-
-def _rows(chunks: list[ScheduledChunk], batch: HostBatch) -> dict[int, int]:
-    return {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None:
         return None
+    if t.device.type == "cpu":
+        return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)

@@ -1,0 +1,77 @@
+"""Decode attention as one opaque custom op: write the step's K/V, attend in place.
+
+A decode-only step (one new token per sequence, rows in order) needs no packing metadata, so
+its attention fits a fixed signature of tensors. Registering it as a torch custom op that
+declares the caches it mutates lets `torch.compile` fuse everything around it (norms, rotary,
+activations) while the op itself stays ours: Triton reading K/V in place on CUDA, the plain
+torch gather on CPU (the reference the kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .attention_ref import decode_attention, decode_mask
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def kernel_supports(block_size: int) -> bool:
+    """The Triton kernel's tiles need blocks of at least 16 tokens, a power of two."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+@torch.library.custom_op("tandem::paged_decode", mutates_args=("k_cache", "v_cache"))
+def paged_decode(
+    query: torch.Tensor,  # [1, H, B, D]
+    key: torch.Tensor,  # [1, Hkv, B, D]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [B] where each new K/V goes
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    ctx_lens: torch.Tensor,  # [B] int32, context including the new token
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """-> [1, B, H, D] attention output of each sequence's single query."""
+    k_cache.index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    q = query[0].transpose(0, 1)  # [B, H, D]
+    if q.is_cuda and kernel_supports(block_size):
+        from .triton_decode import num_splits_for, paged_decode_attention
+
+        # splits depend only on the batch size: fixed per captured graph
+        splits = num_splits_for(q.shape[0], k_cache.shape[1], _num_sms(q.device.index or 0))
+        out = paged_decode_attention(q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits)
+    else:
+        width = -(-int(ctx_lens.max()) // block_size)
+        blocks = block_table[:, :width].long().flatten()
+        shape = (-1, block_size, *k_cache.shape[1:])
+        ctx = (q.shape[0], -1, *k_cache.shape[1:])
+        kd = k_cache.view(shape).index_select(0, blocks).view(ctx)
+        vd = v_cache.view(shape).index_select(0, blocks).view(ctx)
+        mask = decode_mask(ctx_lens.long(), width * block_size, None)
+        out = decode_attention(q, kd, vd, mask, scale)
+    return out[None]
+
+
+@paged_decode.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
