@@ -211,6 +211,16 @@ async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: in
         ms = await eventually(lambda: _status_has(api, "replicas", 1), what="status replicas 1")
         assert ms["status"]["idleFraction"] == 1.0 and ms["status"]["requestsRunning"] == 0
 
+        # a spec change reaches the Deployment in place; the replica count stays the scaler's
+        await api.patch(MS + "/llama", {"spec": {"image": "tandem:v2"}, "metadata": {"generation": 2}})
+
+        async def rolled() -> bool:
+            dep = await api.get(api_path("apps/v1", "deployments", NS, "llama"))
+            return dep["spec"]["template"]["spec"]["containers"][0]["image"] == "tandem:v2" and dep
+
+        dep = await eventually(rolled, what="Deployment updated")
+        assert dep["spec"]["replicas"] == 1
+
         # delete: the owned objects go, and the ModelServer itself (finalizer released)
         await api.delete(MS + "/llama")
         for path in (
