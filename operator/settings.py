@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "TANDEM_OPERATOR_"
@@ -42,6 +42,11 @@ class OperatorSettings(BaseSettings):
     )
     metrics_port: int = Field(9400, ge=1, le=65535, description="The model pods' Prometheus /metrics port.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
     def namespace_list(self) -> list[str]:
         return [n.strip() for n in self.namespaces.split(",") if n.strip()]
