@@ -138,7 +138,7 @@ def main() -> int:
     parser.add_argument("--cold-start-s", type=float, default=120.0)
     parser.add_argument("--ttft-slo-s", type=float, default=1.0)
     parser.add_argument("--cost-ceiling", type=float, default=0.50, help="Tandem: USD per million tokens")
-    parser.add_argument("--target-batch-fill", type=float, default=0.5, help="Tandem: saturation fill")
+    parser.add_argument("--target-batch-fill", type=float, default=0.2, help="Tandem: saturation fill")
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--max-replicas", type=int, default=16)
     parser.add_argument("--start-replicas", type=int, default=2)
