@@ -38,11 +38,11 @@ pytestmark = [
 
 
 async def _stream(address: str, stop: asyncio.Event) -> None:
-    """Long generations, one after the other, until told to stop."""
+    """Long generations (the tiny model holds 1,024 tokens), one after the other, until told to stop."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.TandemStub(channel)
         request = pb.GenerateRequest(
-            text="Once upon a time", stopping=pb.StoppingCriteria(max_tokens=4000, ignore_eos=True)
+            text="Once upon a time", stopping=pb.StoppingCriteria(max_tokens=1000, ignore_eos=True)
         )
         while not stop.is_set():
             with contextlib.suppress(grpc.aio.AioRpcError):
