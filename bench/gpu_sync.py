@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import _repo
 import torch
@@ -165,6 +166,12 @@ def main() -> None:
                     help="Tandem variants (CUDA): sync (graphs), async (graphs), eager (sync, no graphs), "
                          "compiled (async, graphs of the torch.compile'd forward), compiled_sync")
     ap.add_argument("--vram", action="store_true", help="also report decode-graph memory, one slot vs two")
+    ap.add_argument("--timeline", default=None, metavar="TRACE.json",
+                    help="also record every step's stages (prepare, h2d, compute, d2h) of each Tandem engine "
+                         "as a Chrome/Perfetto trace; bench/timeline.py draws it")
+    ap.add_argument("--trace-overhead", action="store_true",
+                    help="also time the last Tandem engine with step tracing off / 1% / 100% (needs "
+                         "opentelemetry-sdk)")
     ap.add_argument("--hf-config", default='{"use_cuda_graph": true}',
                     help="ContinuousBatchingConfig kwargs (JSON); on failure, retried with defaults")
     ap.add_argument("--hf-persistent", action="store_true",
@@ -243,6 +250,27 @@ def main() -> None:
     if not a.skip_hf:
         runs["transformers"] = with_gpu_busy(hf_run, device)
     results = measure(runs, a.repeat)
+    extra: dict = {}
+    if a.trace_overhead:
+        from step_telemetry import tracing_overhead_runs
+
+        last = cores[chosen[-1]]
+        traced = measure(tracing_overhead_runs(last, prompts, a.new), max(a.repeat, 2))
+        off = traced["tracing_off"].tok_s
+        extra["tracing_overhead"] = {
+            "engine": chosen[-1],
+            **{name: {"tok_s": round(r.tok_s, 1), "overhead": round(1 - r.tok_s / off, 4)}
+               for name, r in traced.items()},
+        }
+        print(f"tracing overhead ({chosen[-1]}): {extra['tracing_overhead']}", flush=True)
+    if a.timeline:
+        from step_telemetry import record_timeline
+
+        extra["timeline"] = record_timeline(
+            {(n if n != "sync" else "tandem_sync"): c for n, c in cores.items()}, prompts, min(a.new, 64),
+            Path(a.timeline),
+        )
+        print(f"timeline of {extra['timeline']} steps written to {a.timeline}", flush=True)
     release_hf(model)
 
     roof = roofline(weight_bytes, kv_per_token, bandwidth, a.requests, a.prompt, a.new)
@@ -278,6 +306,7 @@ def main() -> None:
         "model_build_seconds": round(build_s, 1),
         "roofline": roof,
         "decode_graph_vram": vram,
+        **extra,
         **report,
         "imported_server_only_modules": leaked,
     }

@@ -69,3 +69,34 @@ class ServerSettings(BaseSettings):
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM: how long running streams may finish before the server stops."
     )
+    metrics_port: int = Field(
+        9400,
+        ge=0,
+        le=65535,
+        description="HTTP port of Prometheus /metrics and the liveness probe /healthz, on `host` (0 = off).",
+    )
+    telemetry: bool = Field(
+        True,
+        description="OpenTelemetry spans (requests, engine steps) and OTLP metrics; exported only when an "
+        "OTLP endpoint is configured. Off: neither (/metrics is governed by metrics_port).",
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/gRPC collector, e.g. http://otel-collector:4317; unset = the standard "
+        "OTEL_EXPORTER_OTLP_(TRACES_|METRICS_)ENDPOINT variables; none of them = no export.",
+    )
+    step_trace_sample_rate: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Share of engine steps traced as `step` spans (0 = none, 1 = every step).",
+    )
+    telemetry_window_s: float = Field(
+        60.0, gt=0, description="Sliding window, in seconds, of the GPU idle fraction and the cost per token."
+    )
+    price_per_gpu_hour: float = Field(
+        0.0, ge=0, description="USD per GPU-hour, for tandem_cost_per_million_tokens_usd (0 = no cost)."
+    )
+    num_gpus: int = Field(
+        1, ge=0, description="GPUs this server is charged for (cost = price x GPUs / tokens)."
+    )

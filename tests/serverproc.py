@@ -42,9 +42,12 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0) -
 
 @contextlib.contextmanager
 def running_server(
-    model: Path | None, *extra: str, log: Path | None = None
+    model: Path | None, *extra: str, log: Path | None = None, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Yields (address, process). `model` None = the embedded default model."""
+    """Yields (address, process). `model` None = the embedded default model; `env`: added variables.
+
+    The metrics endpoint is off unless `extra` sets --metrics-port (9400 would clash between servers).
+    """
     port = free_port()
     cmd = [
         sys.executable,
@@ -61,8 +64,10 @@ def running_server(
     ]
     if model is not None:
         cmd += ["--model", str(model)]
+    if "--metrics-port" not in extra:
+        cmd += ["--metrics-port", "0"]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONSAFEPATH": "1"}
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
     address = f"127.0.0.1:{port}"
     try:

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 
-def test_tandem_bench_gpu_smoke_writes_table_and_json(tmp_path):
-    out = tmp_path / "bench.json"
+
+def test_tandem_bench_gpu_smoke_writes_table_json_and_timeline(tmp_path):
+    out, trace, png = tmp_path / "bench.json", tmp_path / "trace.json", tmp_path / "timeline.png"
     tandem = Path(sys.executable).with_name("tandem")
     proc = subprocess.run(
-        [str(tandem), "bench", "gpu", "--smoke", "--skip-hf", "--out", str(out)],
+        [str(tandem), "bench", "gpu", "--smoke", "--skip-hf", "--out", str(out), "--timeline", str(trace),
+         "--trace-overhead"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -23,6 +26,24 @@ def test_tandem_bench_gpu_smoke_writes_table_and_json(tmp_path):
     assert result["tandem"]["tokens"] == result["workload"]["requests"] * result["workload"]["new_tokens"]
     assert result["roofline"]["copy_bandwidth_TBps"] > 0
     assert result["imported_server_only_modules"] == []
+    overhead = result["tracing_overhead"]
+    assert set(overhead) == {"engine", "tracing_off", "steps_traced_1pct", "steps_traced_100pct"}
+    # the timeline: every step of the recorded run, its stages in order on the wall clock
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = result["timeline"]["tandem_sync"]["steps"]
+    compute = sorted((e for e in events if e["tid"] == "compute"), key=lambda e: e["args"]["step"])
+    prepare = sorted((e for e in events if e["tid"] == "prepare"), key=lambda e: e["args"]["step"])
+    assert len(compute) == len(prepare) == steps > 1
+    for p, c in zip(prepare, compute, strict=True):
+        assert p["ts"] <= c["ts"] and c["dur"] > 0
+    for a, b in zip(compute, compute[1:], strict=False):
+        assert a["ts"] + a["dur"] <= b["ts"] + 1  # sync loop on the host clock: steps do not overlap
+    draw = subprocess.run(
+        [sys.executable, str(REPO / "bench/timeline.py"), str(trace), "--out", str(png), "--skip", "1",
+         "--steps", "3"], capture_output=True, text=True, timeout=120,
+    )
+    assert draw.returncode == 0, draw.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tandem_bench_rejects_unknown_benchmark():

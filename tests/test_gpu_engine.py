@@ -103,3 +103,28 @@ def test_cuda_seeded_sampling_same_with_and_without_graphs(params):
     assert graphed.tokens == eager.tokens
     greedy = run(_core(model, graphs=True), _arrivals(SamplingParams(max_tokens=20)))
     assert greedy.tokens != graphed.tokens  # the sampled graphs really sampled
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_cuda_step_stages_from_events_on_the_wall_clock(loop):
+    """h2d -> compute -> d2h come from CUDA events, converted to wall-clock time without a sync."""
+    import time
+
+    model = _tiny_cuda()
+    core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
+                     max_num_seqs=8, cuda_graphs=True, step_loop=loop)
+    timings = []
+    core.step_observer = timings.append
+    before = time.time()
+    run(core, _arrivals(SamplingParams(max_tokens=12)))
+    after = time.time()
+    assert timings and all(t.h2d and t.compute and t.d2h for t in timings)
+    slack = 0.005  # the clock's anchor is read just after a device sync
+    for t in timings:
+        assert before - slack <= t.h2d[0] <= t.h2d[1] <= t.compute[0] + slack
+        assert t.compute[0] <= t.compute[1] <= t.d2h[0] + slack and t.d2h[0] <= t.d2h[1] <= after + slack
+        assert t.prepare[0] <= t.prepare[1] <= t.h2d[0] + slack
+    assert any(t.graph_bucket is not None for t in timings)
+    assert {t.slot for t in timings} == {0, 1}
+    if loop == "async":  # step N+1 was prepared while step N computed
+        assert any(b.prepare[1] < a.compute[1] for a, b in zip(timings, timings[1:], strict=False))

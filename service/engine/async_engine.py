@@ -8,12 +8,14 @@ string) aborts its request, and the core frees its KV blocks at the next step bo
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from ..telemetry.request_times import RequestTimes
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .engine_core import EngineCore, SeqUpdate, TokenLogprob
 from .errors import ErrorKind, RequestError
@@ -33,6 +35,7 @@ class GenerationChunk:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    times: RequestTimes | None = None  # when the front saw the request's milestones (telemetry)
 
 
 @dataclass
@@ -96,6 +99,7 @@ class AsyncEngine:
         stops = StopStringMatcher(req.params.stop)
         completion = 0
         done = engine_done = False  # done: this stream ended; engine_done: the core let go too
+        times = RequestTimes(arrival=time.time())
         self.core.add(req)
         try:
             while not done:
@@ -105,6 +109,10 @@ class AsyncEngine:
                     done = True
                     raise RequestError(ErrorKind.INTERNAL, update.error)
                 completion += len(update.new_token_ids)
+                times.scheduled = times.scheduled or update.scheduled_at
+                if update.new_token_ids:
+                    times.last_token = time.time()
+                    times.first_token = times.first_token or times.last_token
                 finish, stop_reason = update.finish_reason, update.stop_token
                 # a stop token ends the text before it; its id still counts and is returned
                 text_ids = update.new_token_ids if stop_reason is None else update.new_token_ids[:-1]
@@ -122,6 +130,7 @@ class AsyncEngine:
                     stop_reason=stop_reason,
                     prompt_tokens=len(req.prompt_ids),
                     completion_tokens=completion,
+                    times=times,
                 )
         finally:
             del self._streams[req.request_id]
@@ -140,4 +149,5 @@ class AsyncEngine:
                 merged.logprobs += chunk.logprobs
             merged.finish_reason, merged.stop_reason = chunk.finish_reason, chunk.stop_reason
             merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+            merged.times = chunk.times
         return merged

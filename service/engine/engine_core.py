@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..telemetry.idle import IdleTracker
+from ..telemetry.steps import StepTiming
 from .model_runner import LaunchedStep, ModelRunner, StepResult
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
@@ -35,6 +36,7 @@ class SeqUpdate:
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
     error: str | None = None
+    scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class InFlight:
     out: SchedulerOutput
     step: LaunchedStep
     started: float
+    scheduled: float = 0.0  # wall clock when its scheduling began (step observer)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         on_updates: Callable[[list[SeqUpdate]], None],
         async_loop: bool = False,
+        step_observer: Callable[[StepTiming], None] | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -79,6 +83,7 @@ class EngineCore:
         self._last_end = 0.0
         self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
         self.idle = IdleTracker()
+        self.step_observer = step_observer  # called on the engine thread once per finished step
 
     # -- called from any thread ----------------------------------------------------------------
     def add(self, request: GenerationRequest) -> None:
@@ -98,6 +103,11 @@ class EngineCore:
             idle_fraction=self.idle.idle_fraction(),
         )
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has stopped or died (the liveness probe reads this)."""
+        return self._thread is None or self._thread.is_alive()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -112,7 +122,11 @@ class EngineCore:
     def _loop(self) -> None:
         launched: InFlight | None = None
         while not self._stopping.is_set():
-            self.drain_inbox(block=not self.scheduler.has_work and launched is None)
+            idle = not self.scheduler.has_work and launched is None
+            clock = self.runner.clock
+            if idle and clock is not None and time.monotonic() - clock.anchored_at > 60:
+                clock.reanchor()  # nothing in flight: the one sync costs no step anything
+            self.drain_inbox(block=idle)
             if self.async_loop:
                 updates, launched = self.step_ahead(launched)
             elif self.scheduler.has_work:
@@ -154,9 +168,11 @@ class EngineCore:
 
     def step(self) -> list[SeqUpdate]:
         """One synchronous step. Public so tests can drive the engine without the thread."""
+        t0 = time.time()
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        self._mark_scheduled(out, t0)
         started = time.monotonic()
         try:
             step = self.runner.launch(out.chunks, None)
@@ -167,6 +183,7 @@ class EngineCore:
         end = time.monotonic()
         busy = step.device_seconds()  # CUDA: from the compute stream's event timestamps
         self._count_step(end - started if busy is None else busy, end)
+        self._observe(out, step, t0)
         return self._process(out, result)
 
     def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
@@ -177,11 +194,16 @@ class EngineCore:
         the previous step's tokens. Public so tests can drive it without the thread.
         """
         nxt = None
+        t0 = time.time()
         out = self.scheduler.schedule() if self.scheduler.has_work else None
         if out is not None and out.chunks:
+            self._mark_scheduled(out, t0)
             try:
                 nxt = InFlight(
-                    out, self.runner.launch(out.chunks, launched.step if launched else None), time.monotonic()
+                    out,
+                    self.runner.launch(out.chunks, launched.step if launched else None),
+                    time.monotonic(),
+                    t0,
                 )
             except Exception as exc:
                 log.exception("engine step launch failed")
@@ -198,6 +220,7 @@ class EngineCore:
             if busy is None:
                 busy = end - max(launched.started, self._last_end)
             self._count_step(busy, end)
+            self._observe(launched.out, launched.step, launched.scheduled)
             updates = self._process(launched.out, result)
         return updates, nxt
 
@@ -207,6 +230,34 @@ class EngineCore:
         self.busy_seconds += busy
         self._last_end = end
         self.steps += 1
+
+    @staticmethod
+    def _mark_scheduled(out: SchedulerOutput, now: float) -> None:
+        for chunk in out.chunks:
+            if chunk.seq.scheduled_at is None:
+                chunk.seq.scheduled_at = now
+
+    def _observe(self, out: SchedulerOutput, step: LaunchedStep, scheduled: float) -> None:
+        """prepare = scheduling + batch build (host clock); on CUDA h2d / compute / d2h come from
+        the step's stream events, on CPU compute is the rest of the step on the host clock."""
+        if self.step_observer is None:
+            return
+        built = step.prepare[1]
+        clock = self.runner.clock
+        if step.events is not None and clock is not None:
+            stages = step.events.intervals(clock)  # the step is done: no synchronisation here
+        else:
+            stages = {"compute": (built, time.time())}
+        self.step_observer(
+            StepTiming(
+                prepare=(scheduled, built),
+                **stages,
+                batch_size=len(out.chunks),
+                num_tokens=out.num_tokens,
+                slot=step.slot,
+                graph_bucket=step.graph_bucket,
+            )
+        )
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
@@ -221,7 +272,9 @@ class EngineCore:
             if result.logprobs is not None and seq.params.logprobs:
                 top = result.top[row][: seq.params.top_logprobs] if result.top else []
                 lp = [TokenLogprob(result.logprobs[row], top)]
-            updates.append(SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token))
+            update = SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token)
+            update.scheduled_at = seq.scheduled_at
+            updates.append(update)
         return updates
 
     def _fail(self, out: SchedulerOutput, message: str) -> list[SeqUpdate]:

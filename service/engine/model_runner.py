@@ -45,11 +45,44 @@ class StageEvents:
     h2d_done: torch.cuda.Event
     compute_start: torch.cuda.Event
     compute_done: torch.cuda.Event
+    d2h_start: torch.cuda.Event
     d2h_done: torch.cuda.Event
 
     @classmethod
     def make(cls) -> StageEvents:
-        return cls(*(torch.cuda.Event(enable_timing=True) for _ in range(5)))
+        return cls(*(torch.cuda.Event(enable_timing=True) for _ in range(6)))
+
+    def intervals(self, clock: EventClock) -> dict[str, tuple[float, float]]:
+        """Wall-clock (start, end) of each device stage (call once the step is done)."""
+        return {
+            "h2d": (clock.wall(self.h2d_start), clock.wall(self.h2d_done)),
+            "compute": (clock.wall(self.compute_start), clock.wall(self.compute_done)),
+            "d2h": (clock.wall(self.d2h_start), clock.wall(self.d2h_done)),
+        }
+
+
+class EventClock:
+    """Maps CUDA event timestamps to wall-clock time through one anchor event.
+
+    Anchoring waits for the device once; the engine re-anchors only while it is idle, so steps
+    are never timed with an extra synchronisation and the clocks cannot drift apart for long.
+    """
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.anchored_at = 0.0  # time.monotonic() of the last anchoring
+        self.reanchor()
+
+    def reanchor(self) -> None:
+        anchor = torch.cuda.Event(enable_timing=True)
+        anchor.record(self.stream)
+        anchor.synchronize()
+        self._wall = time.time()
+        self._anchor = anchor
+        self.anchored_at = time.monotonic()
+
+    def wall(self, event: torch.cuda.Event) -> float:
+        return self._wall + self._anchor.elapsed_time(event) / 1e3
 
 
 @dataclass
@@ -129,6 +162,7 @@ class ModelRunner:
         ]
         self._next_slot = 0
         self.streams = _Streams(device) if device.type == "cuda" else None
+        self.clock = EventClock(self.streams.compute) if self.streams is not None else None
         self.graphs = None
         if cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
@@ -183,6 +217,7 @@ class ModelRunner:
         with _on(st and st.d2h):
             if ev is not None:
                 st.d2h.wait_event(ev.compute_done)
+                ev.d2h_start.record()
             host = SampleOutput(buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True))
             if out.logprobs is not None:
                 host.logprobs = _to_host(out.logprobs)

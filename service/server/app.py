@@ -24,6 +24,8 @@ from ..engine.factory import build_engine, resolve_device
 from ..engine.validation import resolve_params
 from ..models.loader import load_model
 from ..settings import ServerSettings
+from ..telemetry.http import MetricsServer
+from ..telemetry.otel import Telemetry
 from .context import ContextHolder, ModelContext
 from .kserve import KServeServicer
 from .native import TandemServicer
@@ -55,6 +57,11 @@ class ModelServer:
         self.server: grpc.aio.Server | None = None
         self.engine: AsyncEngine | None = None
         self.serving = asyncio.Event()
+        self.telemetry = Telemetry(settings)
+        self.metrics_server: MetricsServer | None = None
+
+    def _alive(self) -> bool:
+        return self.engine is None or self.engine.core.alive
 
     def _ready(self) -> bool:
         return self.serving.is_set() and not self.draining
@@ -68,14 +75,19 @@ class ModelServer:
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         )
-        tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.holder), self.server)
+        requests = self.telemetry.requests
+        tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.holder, requests), self.server)
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeServicer(self.holder), self.server
+            KServeServicer(self.holder, requests), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(SERVICE_NAMES, self.server)
         self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.settings.metrics_port:
+            self.metrics_server = MetricsServer(self.settings.host, self.settings.metrics_port, self._alive)
+            self.metrics_server.start()
+            log.info("metrics on http://%s:%d/metrics", self.settings.host, self.metrics_server.port)
         await self.server.start()
         log.info(
             "gRPC listening on %s:%d (NOT_SERVING until the model is warm)", self.settings.host, self.port
@@ -101,6 +113,7 @@ class ModelServer:
         )
         if s.warmup:
             await _warm_up(self.engine)
+        self.telemetry.watch(self.engine.core, loaded.name)  # after warm-up: its steps are not traffic
         self.serving.set()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)
@@ -122,6 +135,9 @@ class ModelServer:
             await self.server.stop(grace=None)
         if self.engine is not None:
             self.engine.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        self.telemetry.shutdown()  # flushes spans still buffered
 
 
 async def serve(settings: ServerSettings) -> None:

@@ -24,6 +24,7 @@ from tandem.kserve import model_config_pb2 as mc
 from ..engine.errors import RequestError, invalid
 from ..engine.sampling_params import SamplingParams
 from ..engine.validation import resolve_params
+from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .context import ContextHolder, ModelContext
 from .errors import abort
 from .kserve_tensors import bytes_output, read_inputs
@@ -67,9 +68,13 @@ def _number(d: dict, key: str, kind: type) -> object:
     return kind(v)
 
 
+SERVICE = "inference.GRPCInferenceService"
+
+
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, holder: ContextHolder) -> None:
+    def __init__(self, holder: ContextHolder, telemetry: RequestTelemetry) -> None:
         self.holder = holder
+        self.telemetry = telemetry
 
     @property
     def ctx(self) -> ModelContext:
@@ -208,23 +213,30 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             resp.parameters["triton_final_response"].bool_param = final
         return resp
 
+    def _trace(self, context: grpc.aio.ServicerContext, method: str) -> RequestTrace:
+        # Triton's LLM tensors carry a raw prompt: a text completion
+        return self.telemetry.request(context.invocation_metadata(), f"{SERVICE}/{method}", "text_completion")
+
     async def _texts(
-        self, request: pb.ModelInferRequest
+        self, request: pb.ModelInferRequest, trace: RequestTrace
     ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
         req, prompt_ids = self._parse(ctx, request)
+        trace.admitted(request.id, len(prompt_ids), req.params, req.stream)
         # request.id only correlates responses on the client's stream (echoed in _response); it is not
         # unique across clients, so the engine gets its own id
         stream = await ctx.engine.generate(prompt_ids, req.params)
         prefix = "" if req.exclude_input else req.prompt
         if req.stream:
             async for chunk in stream:
+                trace.chunk(chunk)
                 yield ctx, req, prefix + chunk.text, chunk.finish_reason is not None
                 prefix = ""
         else:
             text = prefix
             async for chunk in stream:
+                trace.chunk(chunk)
                 text += chunk.text
             yield ctx, req, text, True
 
@@ -232,9 +244,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         try:
-            ctx = self._model(request.model_name)
-            req, prompt_ids = self._parse(ctx, request)
-            done = await ctx.engine.generate_all(prompt_ids, req.params)
+            with self._trace(context, "ModelInfer") as trace:
+                ctx = self._model(request.model_name)
+                req, prompt_ids = self._parse(ctx, request)
+                trace.admitted(request.id, len(prompt_ids), req.params, stream=False)
+                done = await ctx.engine.generate_all(prompt_ids, req.params)
+                trace.chunk(done)
         except RequestError as err:
             await abort(context, err)
         text = done.text if req.exclude_input else req.prompt + done.text
@@ -249,11 +264,11 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                self._model(request.model_name)
-                async for ctx, _req, text, last in self._texts(request):
-                    await out.put(
-                        pb.ModelStreamInferResponse(infer_response=self._response(ctx, request, text, last))
-                    )
+                with self._trace(context, "ModelStreamInfer") as trace:
+                    self._model(request.model_name)
+                    async for ctx, _req, text, last in self._texts(request, trace):
+                        response = self._response(ctx, request, text, last)
+                        await out.put(pb.ModelStreamInferResponse(infer_response=response))
             except RequestError as err:
                 await out.put(pb.ModelStreamInferResponse(error_message=err.message))
 

@@ -15,6 +15,7 @@ from ..engine.errors import RequestError, invalid
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
 from ..engine.validation import resolve_params
+from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .context import ContextHolder, ModelContext
 from .errors import abort
 
@@ -31,8 +32,9 @@ def _messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
 
 
 class TandemServicer(pb_grpc.TandemServicer):
-    def __init__(self, holder: ContextHolder) -> None:
+    def __init__(self, holder: ContextHolder, telemetry: RequestTelemetry) -> None:
         self.holder = holder
+        self.telemetry = telemetry
 
     @property
     def ctx(self) -> ModelContext:
@@ -74,8 +76,11 @@ class TandemServicer(pb_grpc.TandemServicer):
         prompt = self._prompt(request)
         return prompt, self._params(request, len(prompt))
 
-    async def _start(self, request: pb.GenerateRequest, request_id: str) -> AsyncIterator[GenerationChunk]:
-        return await self.ctx.engine.generate(*self._admit(request), request_id)
+    def _trace(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
+    ) -> RequestTrace:
+        operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+        return self.telemetry.request(context.invocation_metadata(), f"tandem.v1.Tandem/{method}", operation)
 
     def _token(self, token_id: int) -> str:
         return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -112,7 +117,11 @@ class TandemServicer(pb_grpc.TandemServicer):
     ) -> pb.GenerateResponse:
         request_id = request.request_id or uuid.uuid4().hex  # the proto: "echoed; generated when empty"
         try:
-            merged = await self.ctx.engine.generate_all(*self._admit(request), request_id)
+            with self._trace(request, context, "Generate") as trace:
+                prompt, params = self._admit(request)
+                trace.admitted(request_id, len(prompt), params, stream=False)
+                merged = await self.ctx.engine.generate_all(prompt, params, request_id)
+                trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
         return self._response(request_id, merged)
@@ -122,9 +131,12 @@ class TandemServicer(pb_grpc.TandemServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            stream = await self._start(request, request_id)
-            async for chunk in stream:
-                yield self._response(request_id, chunk)
+            with self._trace(request, context, "GenerateStream") as trace:
+                prompt, params = self._admit(request)
+                trace.admitted(request_id, len(prompt), params, stream=True)
+                async for chunk in await self.ctx.engine.generate(prompt, params, request_id):
+                    trace.chunk(chunk)
+                    yield self._response(request_id, chunk)
         except RequestError as err:
             await abort(context, err)
 

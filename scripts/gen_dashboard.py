@@ -1,0 +1,139 @@
+"""Write charts/tandem/dashboards/tandem.json, the Grafana dashboard of a Tandem deployment.
+
+Generated rather than hand-edited so that every panel has the same shape; run it after changing a
+panel. The queries use the metrics of docs/telemetry.md, plus kube-state-metrics for replicas.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "charts" / "tandem" / "dashboards" / "tandem.json"
+SEL = 'namespace=~"$namespace", pod=~"$pod"'
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def _quantiles(metric: str, window: str = "5m") -> list[tuple[str, str]]:
+    return [
+        (
+            f'histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SEL}}}[{window}])))',
+            f"p{int(q * 100)}",
+        )
+        for q in (0.5, 0.9, 0.99)
+    ]
+
+
+# title, unit, [(expr, legend)], width, description
+PANELS = [
+    ("GPU idle fraction", "percentunit", [(f"tandem_gpu_idle_fraction{{{SEL}}}", "{{pod}}")], 12,
+     "Share of the telemetry window with no engine step in flight (1 = idle)."),
+    ("Cost per million tokens", "currencyUSD",
+     [(f"tandem_cost_per_million_tokens_usd{{{SEL}}}", "{{pod}}")], 12,
+     "Price per GPU-hour x GPUs / generated tokens per hour x 1e6, over the window; absent with no tokens."),
+    ("Tokens per second", "short", [
+        (f"sum(rate(tandem_generation_tokens_total{{{SEL}}}[1m]))", "generated"),
+        (f"sum(rate(tandem_prompt_tokens_total{{{SEL}}}[1m]))", "prompt"),
+    ], 12, "Generated and prompt tokens per second, all pods."),
+    ("Replicas", "short", [
+        ('sum(kube_deployment_status_replicas{namespace=~"$namespace"})', "replicas (kube-state-metrics)"),
+        (f"count(tandem_gpu_idle_fraction{{{SEL}}})", "pods reporting"),
+    ], 12, "Model-server pods: the Deployment's replicas and the pods whose /metrics are scraped."),
+    ("Time to first token", "s", _quantiles("gen_ai_server_time_to_first_token_seconds"), 8,
+     "gen_ai.server.time_to_first_token percentiles, all pods."),
+    ("Time per output token", "s", _quantiles("gen_ai_server_time_per_output_token_seconds"), 8,
+     "gen_ai.server.time_per_output_token percentiles, all pods."),
+    ("Request duration", "s", _quantiles("gen_ai_server_request_duration_seconds"), 8,
+     "gen_ai.server.request.duration percentiles, all pods."),
+    ("Queue", "short", [
+        (f"sum(tandem_requests_waiting{{{SEL}}})", "waiting"),
+        (f"sum(tandem_requests_running{{{SEL}}})", "running"),
+    ], 8, "Requests waiting for admission and running in the batch, all pods."),
+    ("KV-cache usage", "percentunit", [(f"tandem_kv_cache_usage_ratio{{{SEL}}}", "{{pod}}")], 8,
+     "Share of KV-cache blocks in use."),
+    ("Engine step time (p99) by stage", "s", [
+        (
+            "histogram_quantile(0.99, sum by (le, stage) "
+            f"(rate(tandem_step_duration_seconds_bucket{{{SEL}}}[5m])))",
+            "{{stage}}",
+        )
+    ], 8, "tandem_step_duration_seconds: prepare, h2d, compute, d2h and the whole step."),
+]  # fmt: skip
+
+
+def _panel(i: int, x: int, y: int, title: str, unit: str, targets: list, width: int, desc: str) -> dict:
+    return {
+        "id": i + 1,
+        "type": "timeseries",
+        "title": title,
+        "description": desc,
+        "datasource": DS,
+        "gridPos": {"h": 8, "w": width, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {"refId": chr(ord("A") + k), "datasource": DS, "expr": expr, "legendFormat": legend}
+            for k, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+def _variable(name: str, label: str, query: str) -> dict:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {"text": "All", "value": "$__all"},
+        "refresh": 2,
+    }
+
+
+def dashboard() -> dict:
+    panels, x, y = [], 0, 0
+    for i, (title, unit, targets, width, desc) in enumerate(PANELS):
+        if x + width > 24:
+            x, y = 0, y + 8
+        panels.append(_panel(i, x, y, title, unit, targets, width, desc))
+        x += width
+    return {
+        "uid": "tandem-overview",
+        "title": "Tandem",
+        "description": "LLM model servers: idle fraction, cost per token, throughput, latency, queue, KV.",
+        "tags": ["tandem", "llm"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                },
+                _variable("namespace", "Namespace", "label_values(tandem_gpu_idle_fraction, namespace)"),
+                _variable(
+                    "pod", "Pod", 'label_values(tandem_gpu_idle_fraction{namespace=~"$namespace"}, pod)'
+                ),
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def main() -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(dashboard(), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

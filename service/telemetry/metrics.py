@@ -1,0 +1,120 @@
+"""The server's instruments (DESIGN.md section 4), one set for Prometheus and OTLP alike.
+
+Instrument names are chosen so that the Prometheus exporter produces exactly the documented
+names: counters gain `_total`, a unit of seconds gains `_seconds`, a unit in braces adds nothing,
+dots become underscores (`gen_ai.server.time_to_first_token` -> `..._seconds_bucket` etc.).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from ..engine.engine_core import EngineStats
+from .cost import TokenWindow, cost_per_million_tokens
+
+# Bucket boundaries of the OpenTelemetry GenAI semantic conventions (gen-ai-metrics)
+REQUEST_DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+# Engine steps: from a CUDA-graph decode of a small model to a long prefill chunk
+STEP_DURATION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, meter: Meter, tokens: TokenWindow, price_per_gpu_hour: float, num_gpus: int) -> None:
+        self.tokens = tokens
+        self.price_per_gpu_hour = price_per_gpu_hour
+        self.num_gpus = num_gpus
+        # what the gauges read when collected (EngineCore.stats); None until the model has loaded
+        self.engine_stats: Callable[[], EngineStats] | None = None
+        self.generation_tokens = meter.create_counter(
+            "tandem_generation_tokens", unit="{token}", description="Tokens generated and sent to clients."
+        )
+        self.prompt_tokens = meter.create_counter(
+            "tandem_prompt_tokens",
+            unit="{token}",
+            description="Prompt tokens of requests that were prefilled.",
+        )
+        for counter in (self.generation_tokens, self.prompt_tokens):
+            counter.add(0)  # exported from the start: rate() needs the zero before the first request
+        self.time_to_first_token = meter.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=list(TIME_TO_FIRST_TOKEN_BUCKETS),
+        )
+        self.time_per_output_token = meter.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token generated after the first token for successful responses.",
+            explicit_bucket_boundaries_advisory=list(TIME_PER_OUTPUT_TOKEN_BUCKETS),
+        )
+        self.request_duration = meter.create_histogram(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Generative AI server request duration: receipt to last output token.",
+            explicit_bucket_boundaries_advisory=list(REQUEST_DURATION_BUCKETS),
+        )
+        self.step_duration = meter.create_histogram(
+            "tandem_step_duration_seconds",
+            unit="s",
+            description="Engine step time by stage (prepare, h2d, compute, d2h; step = the whole step).",
+            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
+        )
+        self._gauge(
+            meter, "tandem_requests_running", "{request}", "Requests in the running batch.", "running"
+        )
+        self._gauge(
+            meter, "tandem_requests_waiting", "{request}", "Requests queued for admission.", "waiting"
+        )
+        self._gauge(meter, "tandem_kv_cache_usage_ratio", "1", "Share of KV-cache blocks in use.", "kv_usage")
+        self._gauge(
+            meter,
+            "tandem_gpu_idle_fraction",
+            "",
+            "Share of the telemetry window with no engine step in flight (1 = idle).",
+            "idle_fraction",
+        )
+        meter.create_observable_gauge(
+            "tandem_cost_per_million_tokens_usd",
+            callbacks=[self._observe_cost],
+            unit="{USD}",
+            description="Price per GPU-hour x GPUs / generated tokens per hour, x 1e6, over the window "
+            "(absent while no token was generated in the window).",
+        )
+
+    def _gauge(self, meter: Meter, name: str, unit: str, description: str, field: str) -> None:
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            if self.engine_stats is None:
+                return []
+            return [Observation(getattr(self.engine_stats(), field))]
+
+        meter.create_observable_gauge(name, callbacks=[observe], unit=unit, description=description)
+
+    def cost_per_million_tokens(self) -> float | None:
+        return cost_per_million_tokens(self.price_per_gpu_hour, self.num_gpus, self.tokens.tokens_per_hour())
+
+    def _observe_cost(self, _: CallbackOptions) -> Iterable[Observation]:
+        cost = self.cost_per_million_tokens()
+        return [] if cost is None else [Observation(cost)]

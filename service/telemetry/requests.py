@@ -1,0 +1,167 @@
+"""Per-request telemetry: the server span `generate {model}` with children queue/prefill/decode,
+GenAI attributes, the TTFT/TPOT/duration histograms and the token counters.
+
+A servicer opens one `RequestTrace` per generation (`with telemetry.request(...) as rt`), tells it
+the admitted request and hands it every chunk it sends; the chunks carry the times the engine front
+saw (`RequestTimes`), from which the child spans and the latency histograms are made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from types import TracebackType
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from ..engine.async_engine import GenerationChunk
+from ..engine.errors import RequestError
+from ..engine.sampling_params import SamplingParams
+from .metrics import ServerMetrics
+from .request_times import RequestTimes
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+class RequestTelemetry:
+    def __init__(self, tracer: trace.Tracer, metrics: ServerMetrics) -> None:
+        self.tracer = tracer
+        self.metrics = metrics
+        self.model = ""  # the served model's name, known once it has loaded
+
+    def request(
+        self, metadata: Iterable[tuple[str, str | bytes]] | None, rpc_method: str, operation: str
+    ) -> RequestTrace:
+        """A request arrived on `rpc_method` ("tandem.v1.Tandem/Generate"); `metadata`: the gRPC metadata."""
+        return RequestTrace(self, metadata, rpc_method, operation)
+
+
+def _carrier(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    carrier = {}
+    for key, value in metadata or ():
+        if isinstance(value, str):  # binary metadata (-bin keys) carries no trace context
+            carrier[key.lower()] = value
+    return carrier
+
+
+class RequestTrace:
+    def __init__(
+        self,
+        telemetry: RequestTelemetry,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
+        rpc_method: str,
+        operation: str,
+    ) -> None:
+        self.telemetry = telemetry
+        self.metrics = telemetry.metrics
+        self.model = telemetry.model
+        self.started = time.time()
+        service, _, method = rpc_method.rpartition("/")
+        self.operation = operation
+        self.span = telemetry.tracer.start_span(
+            f"generate {self.model}" if self.model else "generate",
+            context=propagate.extract(_carrier(metadata)),
+            kind=SpanKind.SERVER,
+            start_time=_ns(self.started),
+            attributes={
+                "gen_ai.operation.name": operation,
+                "gen_ai.request.model": self.model,
+                "rpc.system": "grpc",
+                "rpc.service": service,
+                "rpc.method": method,
+            },
+        )
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.times: RequestTimes | None = None
+        self.finish_reason: str | None = None
+        self._prompt_counted = False
+
+    def admitted(self, request_id: str, prompt_tokens: int, params: SamplingParams, stream: bool) -> None:
+        self.prompt_tokens = prompt_tokens
+        attrs = {
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.top_k": params.top_k,
+            "tandem.request.stream": stream,
+        }
+        if request_id:  # KServe: the client's optional correlation id
+            attrs["gen_ai.response.id"] = request_id
+        if params.seed is not None:
+            attrs["gen_ai.request.seed"] = params.seed
+        if params.stop:
+            attrs["gen_ai.request.stop_sequences"] = list(params.stop)
+        self.span.set_attributes(attrs)
+
+    def chunk(self, chunk: GenerationChunk) -> None:
+        """A chunk about to be sent to the client (for unary calls: the merged result)."""
+        self.times = chunk.times
+        if chunk.token_ids:
+            if not self._prompt_counted:
+                self.metrics.prompt_tokens.add(chunk.prompt_tokens)
+                self._prompt_counted = True
+            self.metrics.generation_tokens.add(len(chunk.token_ids))
+            self.metrics.tokens.add(len(chunk.token_ids))
+        self.completion_tokens = chunk.completion_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason.value
+
+    def __enter__(self) -> RequestTrace:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        ended = time.time()
+        error = None if exc is None else _error_type(exc)
+        self._phases(ended)
+        model_attrs = {"gen_ai.operation.name": self.operation, "gen_ai.request.model": self.model}
+        if error is None and self.times is not None and self.times.first_token is not None:
+            first, last = self.times.first_token, self.times.last_token or self.times.first_token
+            self.metrics.time_to_first_token.record(first - self.started, model_attrs)
+            if self.completion_tokens > 1:
+                self.metrics.time_per_output_token.record(
+                    (last - first) / (self.completion_tokens - 1), model_attrs
+                )
+        duration_attrs = model_attrs if error is None else {**model_attrs, "error.type": error}
+        self.metrics.request_duration.record(ended - self.started, duration_attrs)
+        span = self.span
+        span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
+        span.set_attribute("gen_ai.response.model", self.model)
+        if self.finish_reason is not None:
+            span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
+        if error is not None:
+            span.set_attribute("error.type", error)
+            span.set_status(Status(StatusCode.ERROR, str(exc) or error))
+        span.end(end_time=_ns(ended))
+
+    def _phases(self, ended: float) -> None:
+        """Children from the front's milestones: queue -> prefill -> decode (those that were reached)."""
+        t = self.times
+        if t is None:
+            return
+        parent = trace.set_span_in_context(self.span)
+        # a phase still open when the request ended (cancelled, failed) ends with it
+        queue_end = t.scheduled if t.scheduled is not None else (ended if t.first_token is None else None)
+        prefill_end = t.first_token if t.first_token is not None else ended
+        bounds = [("queue", t.arrival, queue_end), ("prefill", t.scheduled, prefill_end)]
+        bounds.append(("decode", t.first_token, t.last_token))
+        for name, start, end in bounds:
+            if start is not None and end is not None:
+                self.telemetry.tracer.start_span(name, context=parent, start_time=_ns(start)).end(
+                    end_time=_ns(end)
+                )
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, RequestError):
+        return exc.kind.name
+    if isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+        return "cancelled"
+    return type(exc).__name__

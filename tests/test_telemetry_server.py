@@ -1,0 +1,443 @@
+"""Telemetry of a real `tandem serve` process: OTLP spans, OTLP metrics, Prometheus /metrics, dashboard.
+
+One server (tiny random llama) serves the module. It exports to an OTLP/gRPC receiver running in
+this process, built from opentelemetry-proto's service definitions. Before any test runs, the
+fixture scrapes /metrics once with no load, then drives a few seconds of real load and scrapes
+again, so the idle-fraction and cost checks see only that load inside the server's window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from prometheus_client.parser import text_string_to_metric_families
+from serverproc import free_port, running_server
+
+# KServe requests are built from tritonclient's stubs: other modules of the suite import tritonclient,
+# whose `inference.*` protos clash with tandem.kserve's in one process
+from tritonclient.grpc import service_pb2 as kpb
+from tritonclient.grpc import service_pb2_grpc as kpb_grpc
+
+from tandem.service.telemetry.metrics import TIME_PER_OUTPUT_TOKEN_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+MODEL = "tiny-llama"
+WINDOW_S = 6.0  # the server's idle / cost window
+PRICE, GPUS = 2.5, 2
+LOAD_S = 2.5  # clients keep the engine busy this long
+DASHBOARD = Path(__file__).resolve().parent.parent / "charts" / "tandem" / "dashboards" / "tandem.json"
+
+
+# -- the OTLP receiver ---------------------------------------------------------------------------
+
+
+class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.cond = threading.Condition()
+
+    def Export(self, request, context):
+        with self.cond:
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    self.spans.extend(ss.spans)
+            self.cond.notify_all()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> list[Span]:
+        """Spans matching `predicate`, once at least one has arrived."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                found = [s for s in self.spans if predicate(s)]
+                if found or time.monotonic() > deadline:
+                    return found
+                self.cond.wait(0.2)
+
+
+class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.service_names: set[str] = set()
+
+    def Export(self, request, context):
+        for rm in request.resource_metrics:
+            for kv in rm.resource.attributes:
+                if kv.key == "service.name":
+                    self.service_names.add(kv.value.string_value)
+            for sm in rm.scope_metrics:
+                self.names.update(m.name for m in sm.metrics)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, list]:
+    """Prometheus text from `url`, parsed by prometheus-client: sample name -> [(labels, value)]."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples: dict[str, list] = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[s.name].append((s.labels, s.value))
+    return samples
+
+
+def value(samples: dict[str, list], name: str, **labels: str) -> float:
+    matching = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    assert len(matching) == 1, f"{name}{labels}: {samples.get(name)}"
+    return matching[0]
+
+
+def attrs(span: Span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        out[kv.key] = (
+            [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+        )
+    return out
+
+
+@dataclass
+class Load:
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    requests: int = 0
+    multi_token_requests: int = 0
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, prompt: int, completion: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.prompt_tokens += prompt
+            self.completion_tokens += completion
+            self.multi_token_requests += completion > 1
+
+
+def drive_load(address: str, until: float, worker: int, load: Load) -> None:
+    """Back-to-back requests until `until`: streams on even workers, unary calls on odd ones."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        i = 0
+        while time.monotonic() < until:
+            req = pb.GenerateRequest(
+                text=f"Request {worker}.{i}: the quick brown fox jumps over the lazy dog " * 3,
+                stopping=pb.StoppingCriteria(max_tokens=24, ignore_eos=True),
+            )
+            if worker % 2 == 0:
+                received, usage = 0, None
+                for r in stub.GenerateStream(req, timeout=60):
+                    received += len(r.token_ids)
+                    usage = r.usage if r.HasField("usage") else usage
+                assert usage is not None and usage.completion_tokens == received
+            else:
+                r = stub.Generate(req, timeout=60)
+                received, usage = len(r.token_ids), r.usage
+            load.add(usage.prompt_tokens, received)
+            i += 1
+
+
+@dataclass
+class Served:
+    address: str
+    metrics_url: str
+    traces: TraceReceiver
+    otlp_metrics: MetricsReceiver
+    quiet: dict[str, list]  # /metrics before any request
+    during: dict[str, list]  # /metrics in the middle of the load
+    after: dict[str, list]  # /metrics right after the load
+    load: Load
+    scraped_after_load_start_s: float  # how long after the load began the `after` scrape was taken
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    traces, otlp_metrics = TraceReceiver(), MetricsReceiver()
+    receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(traces, receiver)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(otlp_metrics, receiver)
+    otlp_port = receiver.add_insecure_port("127.0.0.1:0")
+    receiver.start()
+    metrics_port = free_port()
+    log = tmp_path_factory.mktemp("telemetry-server") / "server.log"
+    try:
+        with running_server(
+            tiny_model_dir("llama"),
+            "--model-name", MODEL,
+            "--num-kv-blocks", "256",
+            "--metrics-port", str(metrics_port),
+            "--otlp-endpoint", f"http://127.0.0.1:{otlp_port}",
+            "--step-trace-sample-rate", "1",
+            "--telemetry-window-s", str(WINDOW_S),
+            "--price-per-gpu-hour", str(PRICE),
+            "--num-gpus", str(GPUS),
+            log=log,
+            # export quickly instead of every 5 s (spans) / 60 s (metrics)
+            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"},
+        ) as (address, _proc):  # fmt: skip
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            quiet = scrape(url)
+            load = Load()
+            started = time.monotonic()
+            workers = [
+                threading.Thread(target=drive_load, args=(address, started + LOAD_S, w, load))
+                for w in range(4)
+            ]
+            for w in workers:
+                w.start()
+            time.sleep(LOAD_S / 2)
+            during = scrape(url)
+            for w in workers:
+                w.join()
+            after = scrape(url)
+            elapsed = time.monotonic() - started
+            load.seconds = elapsed
+            yield Served(address, url, traces, otlp_metrics, quiet, during, after, load, elapsed)
+    finally:
+        receiver.stop(grace=None)
+
+
+# -- /metrics ------------------------------------------------------------------------------------
+
+
+def test_healthz_and_unknown_paths(served: Served):
+    base = served.metrics_url.removesuffix("/metrics")
+    with urllib.request.urlopen(base + "/healthz", timeout=10) as r:
+        assert r.status == 200 and r.read() == b"ok\n"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(base + "/nothing", timeout=10)
+    assert err.value.code == 404
+
+
+def test_token_counters_match_what_the_clients_received(served: Served):
+    load = served.load
+    assert load.requests >= 4 and load.completion_tokens > 0
+    generated = value(served.after, "tandem_generation_tokens_total") - value(
+        served.quiet, "tandem_generation_tokens_total"
+    )
+    prompt = value(served.after, "tandem_prompt_tokens_total") - value(
+        served.quiet, "tandem_prompt_tokens_total"
+    )
+    assert generated == load.completion_tokens
+    assert prompt == load.prompt_tokens
+
+
+def test_idle_fraction_is_one_without_load_and_falls_under_load(served: Served):
+    quiet = value(served.quiet, "tandem_gpu_idle_fraction")
+    loaded = value(served.after, "tandem_gpu_idle_fraction")
+    assert quiet > 0.97  # only the warm-up's few steps lie in the window
+    # the engine was busy for most of LOAD_S seconds of a WINDOW_S-second window
+    assert loaded < 0.8 and loaded < quiet - 0.2, (quiet, loaded)
+
+
+def test_cost_per_million_tokens_is_price_over_throughput(served: Served):
+    assert served.scraped_after_load_start_s < WINDOW_S - 0.5, "the load outlasted the window; rerun"
+    # every token of the load lies in the window (and no other): throughput = tokens / window
+    tokens_per_hour = served.load.completion_tokens * 3600 / WINDOW_S
+    expected = PRICE * GPUS / tokens_per_hour * 1e6
+    assert math.isclose(value(served.after, "tandem_cost_per_million_tokens_usd"), expected, rel_tol=1e-9)
+    # GPUs paid for, nothing made: infinitely expensive, which OpenTelemetry cannot carry: no sample
+    assert "tandem_cost_per_million_tokens_usd" not in served.quiet
+
+
+def test_engine_gauges_under_load(served: Served):
+    assert value(served.quiet, "tandem_requests_running") == 0
+    assert value(served.during, "tandem_requests_running") >= 1
+    assert value(served.during, "tandem_kv_cache_usage_ratio") > 0
+    assert value(served.after, "tandem_requests_waiting") == 0
+    assert value(served.after, "tandem_kv_cache_usage_ratio") == 0  # every request finished
+
+
+def test_latency_histograms_use_the_genai_buckets(served: Served):
+    load, after, quiet = served.load, served.after, served.quiet
+    ttft = "gen_ai_server_time_to_first_token_seconds"
+    tpot = "gen_ai_server_time_per_output_token_seconds"
+    duration = "gen_ai_server_request_duration_seconds"
+    labels = {"gen_ai_request_model": MODEL, "gen_ai_operation_name": "text_completion"}
+    assert value(after, f"{ttft}_count", **labels) == load.requests
+    assert value(after, f"{tpot}_count", **labels) == load.multi_token_requests
+    assert value(after, f"{duration}_count", **labels) == load.requests
+    assert f"{ttft}_count" not in quiet  # the warm-up is not traffic
+    bounds = sorted(float(lab["le"]) for lab, _ in after[f"{ttft}_bucket"])
+    assert bounds == [*TIME_TO_FIRST_TOKEN_BUCKETS, math.inf]
+    bounds = sorted(float(lab["le"]) for lab, _ in after[f"{tpot}_bucket"])
+    assert bounds == [*TIME_PER_OUTPUT_TOKEN_BUCKETS, math.inf]
+    # a request's TTFT is shorter than its duration; their sums say the same
+    assert 0 < value(after, f"{ttft}_sum", **labels) < value(after, f"{duration}_sum", **labels)
+
+
+def test_step_durations_by_stage(served: Served):
+    for stage in ("prepare", "compute", "step"):
+        assert value(served.after, "tandem_step_duration_seconds_count", stage=stage) > 0
+    assert "h2d" not in {lab["stage"] for lab, _ in served.after["tandem_step_duration_seconds_count"]}
+
+
+def test_metrics_also_go_out_over_otlp(served: Served):
+    deadline = time.monotonic() + 20
+    wanted = {"tandem_generation_tokens", "tandem_gpu_idle_fraction", "gen_ai.server.time_to_first_token"}
+    while not wanted <= served.otlp_metrics.names and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert wanted <= served.otlp_metrics.names
+    assert served.otlp_metrics.service_names == {"tandem"}
+
+
+# -- spans ---------------------------------------------------------------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+
+
+def _children(traces: TraceReceiver, parent: Span) -> dict[str, Span]:
+    kids = traces.wait_for(lambda s: s.parent_span_id == parent.span_id and s.trace_id == parent.trace_id)
+    return {s.name: s for s in kids}
+
+
+def _check_request_tree(traces: TraceReceiver, trace_id: str) -> tuple[Span, dict[str, Span]]:
+    found = traces.wait_for(lambda s: s.trace_id.hex() == trace_id and s.name == f"generate {MODEL}")
+    assert len(found) == 1
+    root = found[0]
+    assert root.kind == Span.SPAN_KIND_SERVER
+    assert root.parent_span_id.hex() == CALLER_SPAN  # the caller's context, from `traceparent`
+    kids = _children(traces, root)
+    assert set(kids) == {"queue", "prefill", "decode"}
+    q, p, d = kids["queue"], kids["prefill"], kids["decode"]
+    # one after the other, inside the request
+    assert root.start_time_unix_nano <= q.start_time_unix_nano <= q.end_time_unix_nano
+    assert q.end_time_unix_nano == p.start_time_unix_nano <= p.end_time_unix_nano
+    assert p.end_time_unix_nano == d.start_time_unix_nano <= d.end_time_unix_nano <= root.end_time_unix_nano
+    return root, kids
+
+
+def test_native_generate_span_tree_and_attributes(served: Served):
+    traceparent = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
+    req = pb.GenerateRequest(
+        text="Once upon a time",
+        sampling=pb.SamplingParams(temperature=0.7, seed=3),
+        stopping=pb.StoppingCriteria(max_tokens=12, ignore_eos=True),
+        request_id="traced-1",
+    )
+    with grpc.insecure_channel(served.address) as channel:
+        responses = list(
+            pb_grpc.TandemStub(channel).GenerateStream(
+                req, metadata=[("traceparent", traceparent)], timeout=60
+            )
+        )
+    received = sum(len(r.token_ids) for r in responses)
+    root, _ = _check_request_tree(served.traces, TRACE_ID)
+    a = attrs(root)
+    assert a["gen_ai.request.model"] == MODEL and a["gen_ai.response.model"] == MODEL
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.response.id"] == "traced-1"
+    assert a["gen_ai.usage.input_tokens"] == responses[-1].usage.prompt_tokens
+    assert a["gen_ai.usage.output_tokens"] == received == 12
+    assert a["gen_ai.response.finish_reasons"] == ["length"]
+    assert a["gen_ai.request.max_tokens"] == 12
+    assert a["gen_ai.request.temperature"] == pytest.approx(0.7)
+    assert a["gen_ai.request.seed"] == 3
+    assert a["tandem.request.stream"] is True
+    assert a["rpc.system"] == "grpc" and a["rpc.method"] == "GenerateStream"
+
+
+def test_kserve_infer_span_keeps_the_callers_trace(served: Served):
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    text = kpb.ModelInferRequest.InferInputTensor(name="text_input", datatype="BYTES", shape=[1])
+    text.contents.bytes_contents.append(b"The sky is")  # KServe v2: BYTES in contents
+    req = kpb.ModelInferRequest(model_name=MODEL, inputs=[text], id="k-1")
+    with grpc.insecure_channel(served.address) as channel:
+        kpb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            req, metadata=[("traceparent", f"00-{trace_id}-{CALLER_SPAN}-01")], timeout=60
+        )
+    root, _ = _check_request_tree(served.traces, trace_id)
+    a = attrs(root)
+    assert a["rpc.service"] == "inference.GRPCInferenceService" and a["rpc.method"] == "ModelInfer"
+    assert a["gen_ai.response.id"] == "k-1"
+    assert a["gen_ai.usage.output_tokens"] > 0
+
+
+def test_a_rejected_request_is_an_error_span(served: Served):
+    trace_id = "11111111111111111111111111111111"
+    req = pb.GenerateRequest(text="hi", model="no-such-model")
+    with grpc.insecure_channel(served.address) as channel, pytest.raises(grpc.RpcError):
+        pb_grpc.TandemStub(channel).Generate(
+            req, metadata=[("traceparent", f"00-{trace_id}-{CALLER_SPAN}-01")], timeout=60
+        )
+    [root] = served.traces.wait_for(lambda s: s.trace_id.hex() == trace_id)
+    assert root.status.code == root.status.STATUS_CODE_ERROR
+    assert attrs(root)["error.type"] == "NOT_FOUND"
+
+
+def test_engine_steps_are_traced_with_their_stages(served: Served):
+    steps = served.traces.wait_for(lambda s: s.name == "step")
+    assert steps
+    step = steps[-1]
+    assert step.parent_span_id == b""  # a step is its own trace: it serves many requests
+    a = attrs(step)
+    assert a["tandem.step.batch_size"] >= 1 and a["tandem.step.num_tokens"] >= a["tandem.step.batch_size"]
+    kids = _children(served.traces, step)
+    assert set(kids) == {"prepare", "compute"}  # no separate h2d / d2h on CPU
+    assert kids["prepare"].end_time_unix_nano == kids["compute"].start_time_unix_nano
+    assert step.start_time_unix_nano == kids["prepare"].start_time_unix_nano
+    assert step.end_time_unix_nano == kids["compute"].end_time_unix_nano
+
+
+# -- the Grafana dashboard -----------------------------------------------------------------------
+
+
+def test_dashboard_queries_only_metrics_the_server_exports(served: Served):
+    import re
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 8
+    names = set()
+    for expr in exprs:
+        names |= set(re.findall(r"\b((?:tandem|gen_ai)_[a-z_]+)\b", expr))
+    exported = set(served.after)
+    missing = {n for n in names if n not in exported}
+    assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+    for wanted in (
+        "tandem_gpu_idle_fraction",
+        "tandem_cost_per_million_tokens_usd",
+        "tandem_requests_waiting",
+    ):
+        assert wanted in names
+
+
+def test_a_cancelled_stream_ends_its_span_as_cancelled(served: Served):
+    trace_id = "22222222222222222222222222222222"
+    req = pb.GenerateRequest(
+        text="Tell me a long story", stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)
+    )
+    with grpc.insecure_channel(served.address) as channel:
+        call = pb_grpc.TandemStub(channel).GenerateStream(
+            req, metadata=[("traceparent", f"00-{trace_id}-{CALLER_SPAN}-01")], timeout=60
+        )
+        next(call)
+        next(call)
+        call.cancel()  # the client goes away mid-stream
+    [root] = served.traces.wait_for(lambda s: s.trace_id.hex() == trace_id and s.name == f"generate {MODEL}")
+    a = attrs(root)
+    assert a["error.type"] == "cancelled"
+    assert 2 <= a["gen_ai.usage.output_tokens"] < 400
+    assert "gen_ai.response.finish_reasons" not in a
+    assert {"queue", "prefill", "decode"} == set(_children(served.traces, root))
