@@ -24,17 +24,10 @@ from test_operator_e2e import (
 )
 
 from tandem.operator.kube import KubeApi, api_path
-from tandem.service.settings import ServerSettings
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-pytestmark = [
-    pytest.mark.asyncio,
-    pytest.mark.skipif(
-        "metrics_port" not in ServerSettings.model_fields,
-        reason="the server's Prometheus /metrics endpoint (setting metrics_port) is not in this tree yet",
-    ),
-]
+pytestmark = pytest.mark.asyncio
 
 
 async def _stream(address: str, stop: asyncio.Event) -> None:
