@@ -20,7 +20,7 @@ from .conditions import now_iso, set_condition
 from .events import post_event
 from .kube import ApiError, KubeApi, NotFound, api_path
 from .policy import Decision, ScalingState, decide
-from .scrape import scrape_pod
+from .scrape import metrics_url, scrape_pod
 from .settings import OperatorSettings
 from .spec import InvalidSpec, ModelServerSpec, parse_spec
 from .window import MetricsHistory
@@ -250,7 +250,7 @@ async def scale_once(
                 shared.http,
                 shared.scrape_limit,
                 p["metadata"]["name"],
-                f"http://{p['status']['podIP']}:{settings.metrics_port}/metrics",
+                metrics_url(p["status"]["podIP"], settings.metrics_port),
                 settings.scrape_timeout_s,
                 now,
             )

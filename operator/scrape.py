@@ -18,6 +18,11 @@ GENERATED = "tandem_generation_tokens"  # counter: samples named ..._total
 TTFT = "gen_ai_server_time_to_first_token_seconds"  # histogram
 
 
+def metrics_url(pod_ip: str, port: int) -> str:
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip  # IPv6 pod addresses need brackets
+    return f"http://{host}:{port}/metrics"
+
+
 @dataclass(frozen=True)
 class PodSample:
     pod: str

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tandem.operator.histogram import histogram_quantile
-from tandem.operator.scrape import parse_metrics
+from tandem.operator.scrape import metrics_url, parse_metrics
 from tandem.operator.window import MetricsHistory
 
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -133,3 +133,8 @@ def test_histogram_quantile_matches_the_observations():
     assert lower <= got <= upper  # within the bucket that holds the true p95
     assert histogram_quantile(0.95, bounds, [0] * len(bounds)) is None
     assert histogram_quantile(0.5, [1.0, float("inf")], [0, 4]) == 1.0  # all in +Inf: highest finite bound
+
+
+def test_metrics_url_of_ipv4_and_ipv6_pods():
+    assert metrics_url("10.1.2.3", 9400) == "http://10.1.2.3:9400/metrics"
+    assert metrics_url("fd00::1a", 9400) == "http://[fd00::1a]:9400/metrics"
