@@ -26,6 +26,8 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python scripts/gen_protos.py --check
 	$(VENV)/bin/python scripts/gen_config_docs.py --check
+	$(VENV)/bin/python scripts/gen_values_docs.py --check
+	$(VENV)/bin/python scripts/gen_image_constraints.py --check
 	$(VENV)/bin/pytest -m "not gpu"
 
 lint: setup

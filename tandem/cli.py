@@ -49,6 +49,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    from tandem.health import run
+
+    return run(args.target, args.service, args.timeout)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tandem.service.client import generate_to_terminal
 
@@ -92,6 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_settings_flags(serve, ServerSettings)
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(func=_serve)
+
+    health = sub.add_parser(
+        "health", help="exit 0 if a server's grpc.health.v1 Check says SERVING (for probes and helm test)"
+    )
+    health.add_argument("--target", default="localhost:50051", help="host:port of the gRPC server")
+    health.add_argument("--service", default="", help="service name to check; empty = the whole server")
+    health.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    health.add_argument("--log-level", default="WARNING")
+    health.set_defaults(func=_health)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server to the terminal")
     gen.add_argument("prompt", help="the user message (or the raw prompt with --raw)")

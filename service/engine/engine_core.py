@@ -84,6 +84,7 @@ class EngineCore:
         self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
         self.idle = IdleTracker()
         self.step_observer = step_observer  # called on the engine thread once per finished step
+        self._observer_failed = False
 
     # -- called from any thread ----------------------------------------------------------------
     def add(self, request: GenerationRequest) -> None:
@@ -122,11 +123,7 @@ class EngineCore:
     def _loop(self) -> None:
         launched: InFlight | None = None
         while not self._stopping.is_set():
-            idle = not self.scheduler.has_work and launched is None
-            clock = self.runner.clock
-            if idle and clock is not None and time.monotonic() - clock.anchored_at > 60:
-                clock.reanchor()  # nothing in flight: the one sync costs no step anything
-            self.drain_inbox(block=idle)
+            self.drain_inbox(block=not self.scheduler.has_work and launched is None)
             if self.async_loop:
                 updates, launched = self.step_ahead(launched)
             elif self.scheduler.has_work:
@@ -242,22 +239,26 @@ class EngineCore:
         the step's stream events, on CPU compute is the rest of the step on the host clock."""
         if self.step_observer is None:
             return
-        built = step.prepare[1]
-        clock = self.runner.clock
-        if step.events is not None and clock is not None:
-            stages = step.events.intervals(clock)  # the step is done: no synchronisation here
-        else:
-            stages = {"compute": (built, time.time())}
-        self.step_observer(
-            StepTiming(
-                prepare=(scheduled, built),
-                **stages,
-                batch_size=len(out.chunks),
-                num_tokens=out.num_tokens,
-                slot=step.slot,
-                graph_bucket=step.graph_bucket,
+        try:
+            built = step.prepare[1]
+            if step.events is not None:
+                stages = step.events.intervals()  # the step is done: no synchronisation here
+            else:
+                stages = {"compute": (built, time.time())}
+            self.step_observer(
+                StepTiming(
+                    prepare=(scheduled, built),
+                    **stages,
+                    batch_size=len(out.chunks),
+                    num_tokens=out.num_tokens,
+                    slot=step.slot,
+                    graph_bucket=step.graph_bucket,
+                )
             )
-        )
+        except Exception:  # telemetry must never take the engine down
+            if not self._observer_failed:
+                log.exception("step observer failed; later failures are not logged")
+                self._observer_failed = True
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))

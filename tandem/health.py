@@ -1,0 +1,36 @@
+"""`tandem health`: ask a server's grpc.health.v1 service whether it is SERVING (for probes and `helm test`).
+
+It needs only grpcio and the health stubs, never the engine: the slim operator image runs it.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def check(target: str, service: str = "", timeout: float = 10.0) -> str:
+    """The health status name of `service` at `target` (host:port), or the gRPC error code's name.
+
+    Waits for the connection up to `timeout` seconds (a Service that just got its first endpoint
+    still answers), then asks once.
+    """
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+            )
+        except grpc.RpcError as err:
+            return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def run(target: str, service: str, timeout: float) -> int:
+    """Print the status; exit status 0 only for SERVING."""
+    status = check(target, service, timeout)
+    label = f"{target} {service}".rstrip()
+    print(f"{label}: {status}")
+    return 0 if status == health_pb2.HealthCheckResponse.ServingStatus.Name(SERVING) else 1

@@ -1,0 +1,703 @@
+"""The Helm chart, rendered and linted by Helm's own Go code (helm-python-sdk), every manifest and
+CRD validated against the Kubernetes 1.29-1.33 API schemas (kubernetes-validate), custom resources
+against the chart's CRDs, and the helm test pod's command run against live gRPC health services."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "tandem"
+KUBE_VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0"]
+RELEASE, NAMESPACE = "tandem", "tandem-system"
+
+H200_ONLY = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H200"]}
+H200_AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [H200_ONLY]}
+            ]
+        }
+    }
+}
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+CLIENTS = {"podSelector": {"matchLabels": {"tandem.dev/client": "true"}}}
+
+VALUE_SETS: dict[str, dict] = {
+    "default": {},
+    "gpu": {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "server": {
+            "image": {
+                "repository": "registry.example.com/ml/tandem-server",
+                "tag": "0.1.0",
+                "digest": "sha256:" + "ab" * 32,
+                "pullPolicy": "Always",
+            }
+        },
+        "exampleModelServer": {
+            "name": "llama-8b",
+            "model": {
+                "source": "/models/Llama-3.1-8B-Instruct",
+                "name": "llama-3.1-8b-instruct",
+                "persistentVolumeClaim": "models",
+                "mountPath": "/models",
+            },
+            "gpusPerPod": 2,
+            "gpuResourceName": "nvidia.com/mig-3g.71gb",
+            "pricePerGpuHour": 3.5,
+            "env": [{"name": "TANDEM_MAX_MODEL_LEN", "value": "8192"}],
+            "maxNumSeqs": 128,
+            "drainSeconds": 900,
+            "startupSeconds": 2400,
+            "scaling": {
+                "minReplicas": 2,
+                "maxReplicas": 8,
+                "targetTimeToFirstTokenSeconds": 0.8,
+                "costCeilingPerMillionTokensUsd": 0.4,
+                "scaleDownStabilizationSeconds": 900,
+            },
+        },
+    },
+    "cpu": {
+        "exampleModelServer": {
+            "gpusPerPod": 0,
+            "pricePerGpuHour": 0,
+            "drainSeconds": 0,
+            "resources": {"requests": {"cpu": "4", "memory": "6Gi"}, "limits": {"cpu": "4", "memory": "6Gi"}},
+        }
+    },
+    "monitoring": {
+        "operator": {
+            "replicas": 2,
+            "watchNamespaces": ["ml", NAMESPACE, "staging"],
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"},
+            ],
+            "affinity": H200_AFFINITY,
+            "extraEnv": [{"name": "TANDEM_OPERATOR_SCRAPE_INTERVAL_S", "value": "10"}],
+        },
+        "otel": {"enabled": True, "resourceAttributes": {"deployment.environment": "prod"}},
+        "monitoring": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+            "podMonitor": {"enabled": True},
+            "dashboard": {"enabled": True, "namespace": "grafana"},
+        },
+        "networkPolicy": {"enabled": True, "grpcFrom": [CLIENTS], "metricsFrom": [PROMETHEUS]},
+    },
+    "no-example": {
+        "exampleModelServer": {"enabled": False},
+        "tests": {"target": "llama-8b.ml.svc:50051"},
+        "peering": {"create": False},
+        "serviceAccount": {"create": False, "name": "platform-operator"},
+    },
+}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="session")
+def chart_dir() -> Path:
+    return CHART
+
+
+@pytest.fixture(scope="session")
+def chart(chart_dir: Path) -> Iterator[helm.Chart]:
+    with helm.Chart.load(chart_dir) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict) -> list[dict]:
+    """Every object the chart renders for `values` (NOTES.txt aside)."""
+    out = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return [
+        doc
+        for path, text in sorted(out.items())
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+@pytest.fixture(scope="session")
+def rendered(chart: helm.Chart) -> dict[str, list[dict]]:
+    return {name: render(chart, values) for name, values in VALUE_SETS.items()}
+
+
+def objects(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    (found,) = objects(docs, kind)
+    return found
+
+
+def crd_docs(chart: helm.Chart) -> dict[str, dict]:
+    return {
+        doc["spec"]["names"]["kind"]: doc
+        for crd in chart.crds
+        for doc in yaml.safe_load_all(crd["data"])
+        if doc
+    }
+
+
+def crd_json_schema(crd: dict) -> dict:
+    """The CRD's openAPIV3Schema as a JSON schema that, like `kubectl apply` (field validation
+    Strict), rejects fields the CRD does not declare."""
+
+    def convert(node: object) -> object:
+        if isinstance(node, list):
+            return [convert(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: convert(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if out.get("exclusiveMinimum") is True:  # OpenAPI 3.0's boolean form
+            out["exclusiveMinimum"] = out.pop("minimum")
+        if out.pop("nullable", False):
+            out["type"] = [out["type"], "null"]
+        if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            out.setdefault("additionalProperties", False)
+        return out
+
+    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
+    schema = convert(version["schema"]["openAPIV3Schema"])
+    assert isinstance(schema, dict)
+    # every object has these, whether the CRD spells them out or not
+    for field, kind in (("apiVersion", "string"), ("kind", "string"), ("metadata", "object")):
+        schema.setdefault("properties", {}).setdefault(field, {"type": kind})
+    return schema
+
+
+def modelserver_spec_schema(chart: helm.Chart) -> dict:
+    (version,) = crd_docs(chart)["ModelServer"]["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def validate_custom(doc: dict, crds: dict[str, dict]) -> None:
+    crd = crds[doc["kind"]]
+    group, version = doc["apiVersion"].split("/")
+    assert group == crd["spec"]["group"]
+    assert version in [v["name"] for v in crd["spec"]["versions"] if v["served"]]
+    jsonschema.Draft7Validator(crd_json_schema(crd)).validate(doc)
+
+
+def labels_of(doc: dict) -> dict:
+    return doc["metadata"].get("labels", {})
+
+
+def pod_specs(docs: list[dict]) -> Iterator[tuple[str, dict]]:
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
+        elif doc["kind"] == "Pod":
+            yield doc["metadata"]["name"], doc["spec"]
+
+
+def run_tandem(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    command = [sys.executable, "-m", "tandem.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd="/", timeout=60)
+
+
+@pytest.fixture()
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(None)
+
+
+# ---------------------------------------------------------------- lint and API validation
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_lint_strict_has_no_findings(chart_dir: Path, value_set: str, kube_version: str) -> None:
+    report = helm.lint(chart_dir, VALUE_SETS[value_set], strict=True, kube_version=f"v{kube_version}")
+    assert report["errors"] == []
+    # severity 1 is "info" (Chart.yaml has no icon); warnings (2) and errors (3) fail
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_manifest_passes_the_api_schemas(
+    chart: helm.Chart, rendered: dict[str, list[dict]], value_set: str
+) -> None:
+    crds = crd_docs(chart)
+    for doc in rendered[value_set]:
+        if doc["kind"] in crds:
+            validate_custom(doc, crds)
+            continue
+        if doc["kind"] in ("ServiceMonitor", "PodMonitor"):
+            continue  # Prometheus Operator CRDs: no offline schema; checked field by field below
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_crds_pass_the_api_schemas(chart: helm.Chart) -> None:
+    crds = crd_docs(chart)
+    assert set(crds) == {"ModelServer", "ClusterKopfPeering", "KopfPeering"}
+    for crd in crds.values():
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(crd, version, strict=True)
+    model_server = crds["ModelServer"]
+    assert model_server["metadata"]["name"] == "modelservers.tandem.dev"
+    assert [v["name"] for v in model_server["spec"]["versions"]] == ["v1alpha1"]
+    assert {crds["ClusterKopfPeering"]["spec"]["group"], crds["KopfPeering"]["spec"]["group"]} == {"kopf.dev"}
+
+
+def test_crd_schema_check_catches_unknown_and_wrong_fields(chart: helm.Chart, rendered) -> None:
+    """The CRD check above is not a rubber stamp: a typo or a wrong type in a ModelServer fails it."""
+    crds = crd_docs(chart)
+    example = one(rendered["default"], "ModelServer")
+    for broken_spec in ({"gpuPerPod": 1}, {"gpusPerPod": "one"}, {"scaling": {"maxReplica": 3}}):
+        broken = copy.deepcopy(example)
+        broken["spec"].update(broken_spec)
+        with pytest.raises(jsonschema.ValidationError):
+            validate_custom(broken, crds)
+
+
+def test_every_kind_is_expected(rendered: dict[str, list[dict]]) -> None:
+    kinds = {name: sorted({d["kind"] for d in docs}) for name, docs in rendered.items()}
+    base = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Pod"]
+    assert kinds["default"] == sorted([*base, "ClusterKopfPeering", "ModelServer", "ServiceAccount"])
+    assert kinds["monitoring"] == sorted(
+        [*base, "ConfigMap", "KopfPeering", "ModelServer", "NetworkPolicy", "PodMonitor", "Role",
+         "RoleBinding", "ServiceAccount", "ServiceMonitor"]
+    )
+    assert kinds["no-example"] == sorted(base)
+
+
+# ---------------------------------------------------------------- values schema
+
+
+BAD_VALUES = [
+    {"replicaCount": 2},  # unknown top-level key
+    {"operator": {"replicas": "two"}},
+    {"operator": {"replica": 2}},  # unknown nested key
+    {"operator": {"image": {"pullPolicy": "Sometimes"}}},
+    {"operator": {"watchNamespaces": ["team-*"]}},  # exact names only: the RBAC is per namespace
+    {"operator": {"tolerations": {"key": "gpu"}}},
+    {"server": {"image": {"digest": "latest"}}},
+    {"exampleModelServer": {"gpusPerPod": -1}},
+    {"exampleModelServer": {"gpusPerPod": "1"}},
+    {"exampleModelServer": {"pricePerGpuHour": -0.5}},
+    {"exampleModelServer": {"scaling": {"minReplicas": 0}}},
+    {"exampleModelServer": {"scaling": {"maxReplica": 4}}},
+    {"exampleModelServer": {"name": "Llama_8B"}},
+    {"exampleModelServer": {"env": [{"value": "no name"}]}},
+    {"monitoring": {"serviceMonitor": {"interval": 15}}},
+    {"otel": {"protocol": "http/protobuf"}},  # the servers speak OTLP/gRPC only
+    {"tests": {"timeoutSeconds": 0}},
+    {"networkPolicy": {"enabled": "yes"}},
+]
+
+
+@pytest.mark.parametrize("values", BAD_VALUES, ids=lambda v: json.dumps(v, separators=(",", ":")))
+def test_schema_rejects_wrong_values(chart: helm.Chart, values: dict) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(values)
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_schema_is_closed_and_described(chart: helm.Chart) -> None:
+    schema = chart.schema
+    assert schema is not None and schema["additionalProperties"] is False
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(schema["properties"]) == set(defaults), "values.yaml and the schema list the same keys"
+
+    def walk(node: dict, where: str) -> None:
+        if "$ref" not in node:
+            assert node.get("description"), f"{where} has no description"
+        for name, child in node.get("properties", {}).items():
+            walk(child, f"{where}.{name}")
+
+    for name, prop in schema["properties"].items():
+        walk(prop, name)
+
+
+def test_example_values_name_real_crd_fields(chart: helm.Chart) -> None:
+    """exampleModelServer mirrors ModelServer.spec: no value that the CRD would not know."""
+    spec = modelserver_spec_schema(chart)
+    example = chart.schema["properties"]["exampleModelServer"]["properties"]
+    chart_only = {"enabled", "name"}
+    scheduling = {"nodeSelector", "tolerations", "affinity"}  # rendered only when the CRD has them
+    assert set(example) - chart_only - scheduling <= set(spec["properties"]) - {"image", "imagePullPolicy"}
+    assert set(example["model"]["properties"]) <= set(spec["properties"]["model"]["properties"])
+    assert set(example["scaling"]["properties"]) <= set(spec["properties"]["scaling"]["properties"])
+
+
+# ---------------------------------------------------------------- security
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pods_are_locked_down(rendered: dict[str, list[dict]], value_set: str) -> None:
+    specs = dict(pod_specs(rendered[value_set]))
+    assert specs, "the chart renders pods"
+    for name, spec in specs.items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in spec["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["privileged"] is False, name
+            assert sc["capabilities"] == {"drop": ["ALL"]}, name
+            assert container["resources"]["requests"] and container["resources"]["limits"]["memory"], name
+        # a token only where the API is called: the operator
+        assert spec["automountServiceAccountToken"] is name.endswith("-operator"), name
+
+
+def test_service_account_does_not_hand_out_tokens(rendered: dict[str, list[dict]]) -> None:
+    sa = one(rendered["default"], "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is False
+    deployment = one(rendered["default"], "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    no_sa = rendered["no-example"]
+    assert objects(no_sa, "ServiceAccount") == []
+    assert one(no_sa, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+
+
+# ---------------------------------------------------------------- RBAC
+
+# docs/operator.md, "Permissions": exactly these, nothing more.
+NAMESPACED_RULES = {
+    ("tandem.dev", "modelservers"): {"get", "list", "watch", "patch"},
+    ("tandem.dev", "modelservers/status"): {"get", "patch"},
+    ("apps", "deployments"): {"get", "create", "patch", "delete"},
+    ("apps", "deployments/scale"): {"get", "patch"},
+    ("", "services"): {"get", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
+    ("", "pods"): {"list"},
+    ("", "events"): {"create"},
+}
+CRD_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
+CLUSTER_PEERING = {("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"}}
+NAMESPACED_PEERING = {("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
+
+
+def rule_table(role: dict) -> dict[tuple[str, str], set[str]]:
+    table: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert "*" not in (group, resource) and "*" not in rule["verbs"]
+                table.setdefault((group, resource), set()).update(rule["verbs"])
+    return table
+
+
+def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["default"]
+    role = one(docs, "ClusterRole")
+    assert rule_table(role) == {**CRD_RULES, **CLUSTER_PEERING, **NAMESPACED_RULES}
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]
+    }
+    sa = one(docs, "ServiceAccount")
+    subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    assert binding["subjects"] == [subject]
+    assert objects(docs, "Role") == []
+
+
+def test_namespaced_rbac_grants_only_the_watched_namespaces(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["monitoring"]
+    assert rule_table(one(docs, "ClusterRole")) == CRD_RULES
+    roles = {r["metadata"]["namespace"]: r for r in objects(docs, "Role")}
+    assert set(roles) == {"ml", NAMESPACE, "staging"}
+    for role in roles.values():
+        assert rule_table(role) == {**NAMESPACED_RULES, **NAMESPACED_PEERING}
+    bindings = {b["metadata"]["namespace"]: b for b in objects(docs, "RoleBinding")}
+    assert set(bindings) == {"ml", NAMESPACE, "staging"}
+    for namespace, binding in bindings.items():
+        assert binding["roleRef"]["name"] == roles[namespace]["metadata"]["name"]
+        assert binding["subjects"][0]["namespace"] == NAMESPACE
+
+
+def test_peering_objects_follow_the_operator_scope(rendered: dict[str, list[dict]]) -> None:
+    env = {
+        name: {e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]
+               ["containers"][0]["env"]}
+        for name, docs in rendered.items()
+    }
+    cluster = one(rendered["default"], "ClusterKopfPeering")
+    assert env["default"]["TANDEM_OPERATOR_PEERING"] == cluster["metadata"]["name"] == "tandem"
+    assert env["default"]["TANDEM_OPERATOR_NAMESPACES"] == ""
+    namespaced = objects(rendered["monitoring"], "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in namespaced) == sorted(["ml", NAMESPACE, "staging"])
+    assert env["monitoring"]["TANDEM_OPERATOR_NAMESPACES"] == f"ml,{NAMESPACE},staging"
+    assert {p["metadata"]["name"] for p in namespaced} == {env["monitoring"]["TANDEM_OPERATOR_PEERING"]}
+    # no peering object: the operator runs standalone rather than waiting for one
+    assert env["no-example"]["TANDEM_OPERATOR_PEERING"] == ""
+
+
+# ---------------------------------------------------------------- the operator Deployment
+
+
+def test_operator_deployment(rendered: dict[str, list[dict]]) -> None:
+    deployment = one(rendered["monitoring"], "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    template = deployment["spec"]["template"]
+    assert selector.items() <= template["metadata"]["labels"].items()
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    spec = template["spec"]
+    (container,) = spec["containers"]
+    assert container["image"] == "tandem-operator:0.1.0"
+    assert container["command"] == ["/bin/sh", "-c"], "standbys draw their own peering priority"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TANDEM_OPERATOR_SCRAPE_INTERVAL_S"] == "10"
+    assert env["TANDEM_OPERATOR_LOG_LEVEL"] == "INFO"
+    assert env["OTEL_SERVICE_NAME"] == "tandem-operator"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == "deployment.environment=prod"
+    # liveness: kopf's endpoint, on the port the operator is told to use
+    probe = container["livenessProbe"]["httpGet"]
+    (port,) = [p for p in container["ports"] if p["name"] == probe["port"]]
+    assert probe["path"] == "/healthz"
+    assert str(port["containerPort"]) == env["TANDEM_OPERATOR_LIVENESS_PORT"] == "8080"
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert spec["tolerations"][0]["key"] == "dedicated"
+    assert spec["affinity"] == H200_AFFINITY
+    # the read-only root filesystem leaves /tmp writable through an emptyDir
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_single_operator_runs_tandem_operator_directly(rendered: dict[str, list[dict]]) -> None:
+    (container,) = one(rendered["default"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container, "the image's entrypoint is `tandem`"
+    assert container["args"] == ["operator"]
+
+
+def test_standby_operators_get_distinct_random_priorities(rendered: dict, tmp_path: Path) -> None:
+    """The replicas>1 start script, run by /bin/sh with a `tandem` on PATH that reports what it got."""
+    (container,) = one(rendered["monitoring"], "Deployment")["spec"]["template"]["spec"]["containers"]
+    report = tmp_path / "tandem"
+    report.write_text('#!/bin/sh\necho "$TANDEM_OPERATOR_PRIORITY $*"\n')
+    report.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    draws = []
+    script = [*container["command"], *container["args"]]
+    for _ in range(5):
+        out = subprocess.run(script, capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        priority, command = out.stdout.split(" ", 1)
+        assert command.strip() == "operator"
+        assert 0 <= int(priority) <= 65535
+        draws.append(int(priority))
+    assert len(set(draws)) > 1
+
+
+def test_chart_app_version_is_the_package_version(chart: helm.Chart) -> None:
+    """Image tags default to appVersion: it must name the release the images are built from."""
+    import tomllib
+
+    import tandem
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert chart.metadata["appVersion"] == pyproject["project"]["version"] == tandem.__version__
+
+
+def test_every_object_carries_the_common_labels(rendered: dict[str, list[dict]]) -> None:
+    for docs in rendered.values():
+        for doc in docs:
+            labels = labels_of(doc)
+            assert labels["app.kubernetes.io/part-of"] == "tandem", doc["kind"]
+            assert labels["app.kubernetes.io/managed-by"] == "Helm", doc["kind"]
+            assert labels["helm.sh/chart"] == "tandem-0.1.0", doc["kind"]
+            assert labels["app.kubernetes.io/instance"] == RELEASE, doc["kind"]
+
+
+# ---------------------------------------------------------------- the example ModelServer
+
+
+def test_gpu_example_takes_its_resources_from_the_values(rendered: dict[str, list[dict]]) -> None:
+    spec = one(rendered["gpu"], "ModelServer")["spec"]
+    assert spec["gpuResourceName"] == "nvidia.com/mig-3g.71gb"
+    assert spec["gpusPerPod"] == 2
+    assert spec["pricePerGpuHour"] == 3.5
+    assert spec["image"] == "registry.example.com/ml/tandem-server:0.1.0@sha256:" + "ab" * 32
+    assert spec["imagePullPolicy"] == "Always"
+    assert spec["model"] == {
+        "source": "/models/Llama-3.1-8B-Instruct",
+        "name": "llama-3.1-8b-instruct",
+        "persistentVolumeClaim": "models",
+        "mountPath": "/models",
+    }
+    assert (spec["maxNumSeqs"], spec["drainSeconds"], spec["startupSeconds"]) == (128, 900, 2400)
+    assert spec["env"] == [{"name": "TANDEM_MAX_MODEL_LEN", "value": "8192"}]
+    assert spec["scaling"]["minReplicas"] == 2 and spec["scaling"]["costCeilingPerMillionTokensUsd"] == 0.4
+
+
+def test_cpu_example_asks_for_no_gpu(rendered: dict[str, list[dict]]) -> None:
+    spec = one(rendered["cpu"], "ModelServer")["spec"]
+    assert spec["gpusPerPod"] == 0 and spec["pricePerGpuHour"] == 0
+    assert spec["drainSeconds"] == 0, "a zero is a value, not 'unset'"
+    assert "maxNumSeqs" not in spec and "startupSeconds" not in spec, "null: the CRD's default"
+    assert spec["resources"]["limits"] == {"cpu": "4", "memory": "6Gi"}
+    assert "model" not in spec, "no source: the model embedded in the image"
+    default = one(rendered["default"], "ModelServer")["spec"]
+    assert default["gpusPerPod"] == 1 and default["gpuResourceName"] == "nvidia.com/gpu"
+    assert default["image"] == "tandem-server:0.1.0"
+
+
+def test_example_servers_export_traces_when_otel_is_on(rendered: dict[str, list[dict]]) -> None:
+    env = {e["name"]: e["value"] for e in one(rendered["monitoring"], "ModelServer")["spec"]["env"]}
+    assert env["OTEL_SERVICE_NAME"] == "tandem-server"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability.svc:4317"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert "env" not in one(rendered["default"], "ModelServer")["spec"]
+
+
+def test_gpu_node_scheduling_reaches_the_crd_or_is_refused(chart: helm.Chart) -> None:
+    """nodeSelector/tolerations/affinity go into spec only if the CRD has the field; otherwise
+    rendering fails with a clear message instead of the API server pruning them silently."""
+    crd_fields = set(modelserver_spec_schema(chart)["properties"])
+    scheduling = {
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": H200_AFFINITY,
+    }
+    for key, value in scheduling.items():
+        values = {"exampleModelServer": {key: value}}
+        if key in crd_fields:
+            assert one(render(chart, values), "ModelServer")["spec"][key] == value
+        else:
+            with pytest.raises(helm.HelmRenderError, match=f"has no spec.{key}"):
+                render(chart, values)
+
+
+# ---------------------------------------------------------------- monitoring, dashboard, network
+
+
+def test_monitors_select_the_operators_model_pods(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["monitoring"]
+    # docs/operator.md: the labels the operator puts on model pods and Services
+    operator_labels = {
+        "app.kubernetes.io/name": "tandem",
+        "app.kubernetes.io/component": "model-server",
+        "app.kubernetes.io/managed-by": "tandem-operator",
+    }
+    service_monitor, pod_monitor = one(docs, "ServiceMonitor"), one(docs, "PodMonitor")
+    assert labels_of(service_monitor)["release"] == "prometheus"
+    for monitor, endpoints in ((service_monitor, "endpoints"), (pod_monitor, "podMetricsEndpoints")):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= operator_labels.items()
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml", NAMESPACE, "staging"]}
+        (endpoint,) = monitor["spec"][endpoints]
+        assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
+    for docs_without in (rendered["default"], rendered["gpu"]):
+        assert not objects(docs_without, "ServiceMonitor") and not objects(docs_without, "PodMonitor")
+
+
+def test_dashboard_configmap_ships_the_dashboard_file(chart_dir: Path, rendered: dict) -> None:
+    configmap = one(rendered["monitoring"], "ConfigMap")
+    assert configmap["metadata"]["namespace"] == "grafana"
+    assert labels_of(configmap)["grafana_dashboard"] == "1"
+    shipped = (chart_dir / "dashboards" / "tandem.json").read_text()
+    assert configmap["data"]["tandem.json"] == shipped.rstrip("\n")
+    assert json.loads(configmap["data"]["tandem.json"])["title"]
+    assert objects(rendered["default"], "ConfigMap") == []
+
+
+def test_network_policies(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["monitoring"]
+    policies = objects(docs, "NetworkPolicy")
+    operator_policy = [p for p in policies if p["metadata"]["name"].endswith("-operator")]
+    server_policies = {p["metadata"]["namespace"]: p for p in policies if p not in operator_policy}
+    assert set(server_policies) == {NAMESPACE, "ml", "staging"}
+    operator_pod = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    test_pod = labels_of(one(docs, "Pod"))
+    for policy in server_policies.values():
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        grpc_rule, metrics_rule = spec["ingress"]
+        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+        assert CLIENTS in grpc_rule["from"]
+        assert any(p["podSelector"]["matchLabels"].items() <= test_pod.items() for p in grpc_rule["from"][1:])
+        assert metrics_rule["ports"] == [{"port": 9400, "protocol": "TCP"}]
+        assert PROMETHEUS in metrics_rule["from"]
+        from_operator = metrics_rule["from"][0]
+        assert from_operator["podSelector"]["matchLabels"].items() <= operator_pod.items()
+        assert from_operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
+    (policy,) = operator_policy
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
+    assert objects(rendered["default"], "NetworkPolicy") == []
+
+
+# ---------------------------------------------------------------- helm test, NOTES
+
+
+def test_helm_test_pod_checks_the_example_service(rendered: dict[str, list[dict]]) -> None:
+    pod = one(rendered["gpu"], "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "tandem-operator:0.1.0", "the slim image has `tandem health`"
+    assert container["args"][:3] == ["health", "--target", f"llama-8b.{NAMESPACE}.svc:50051"]
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    other = one(rendered["no-example"], "Pod")["spec"]["containers"][0]["args"]
+    assert other[:3] == ["health", "--target", "llama-8b.ml.svc:50051"]
+
+
+def test_helm_test_pod_command_passes_on_serving_and_fails_otherwise(
+    chart: helm.Chart, health_server: tuple[str, health.HealthServicer]
+) -> None:
+    """The pod's own arguments, run by the real CLI against a live grpc.health.v1 service."""
+    address, servicer = health_server
+    pod = one(render(chart, {"tests": {"target": address, "timeoutSeconds": 5}}), "Pod")
+    args = pod["spec"]["containers"][0]["args"]
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    passed = run_tandem(args)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    failed = run_tandem(args)
+    assert failed.returncode == 1 and "NOT_SERVING" in failed.stdout
+
+
+def test_example_must_be_in_a_watched_namespace(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match="not in operator.watchNamespaces"):
+        render(chart, {"operator": {"watchNamespaces": ["ml"]}})
+    assert objects(render(chart, {"operator": {"watchNamespaces": ["ml", NAMESPACE]}}), "ModelServer")
+
+
+def test_helm_test_without_example_needs_a_target(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match="tests.target"):
+        render(chart, {"exampleModelServer": {"enabled": False}})
+    without_test = {"exampleModelServer": {"enabled": False}, "tests": {"enabled": False}}
+    assert objects(render(chart, without_test), "Pod") == []
+
+
+def test_notes_tell_how_to_call_the_server(chart: helm.Chart) -> None:
+    notes = chart.render(VALUE_SETS["gpu"], name=RELEASE, namespace=NAMESPACE)["tandem/templates/NOTES.txt"]
+    assert f"kubectl port-forward -n {NAMESPACE} svc/llama-8b 50051:50051" in notes
+    assert "tandem generate --server localhost:50051" in notes
+    assert f"llama-8b.{NAMESPACE}.svc:50051" in notes
+    assert "2 x nvidia.com/mig-3g.71gb per pod" in notes
+    assert f"helm test {RELEASE}" in notes
