@@ -54,8 +54,10 @@ def _resources(spec: ModelServerSpec) -> dict:
 
 
 def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
-    volumes: list[dict] = [{"name": "cache", "emptyDir": {}}]
-    mounts: list[dict] = [{"name": "cache", "mountPath": "/cache"}]
+    # The root filesystem is read-only: the server writes only its caches (/cache: converted models,
+    # Hugging Face, Triton, Inductor, as the image's environment says) and temporary files.
+    volumes: list[dict] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict] = [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
     if spec.model.persistent_volume_claim:
         volumes.append(
             {
@@ -90,7 +92,11 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
         "resources": _resources(spec),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     return {
         "apiVersion": "apps/v1",
@@ -104,7 +110,8 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
                 "metadata": {"labels": labels(name)},
                 "spec": {
                     "terminationGracePeriodSeconds": spec.drain_seconds + PRESTOP_SLEEP_S + DRAIN_MARGIN_S,
-                    "securityContext": {"runAsNonRoot": True},
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "automountServiceAccountToken": False,  # the server never calls the API
                     "containers": [container],
                     "volumes": volumes,
                 },
