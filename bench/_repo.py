@@ -1,4 +1,4 @@
-"""Make `tandem` and `tandem.service` importable from this checkout without installing it.
+"""Make `tandem`, `tandem.service` and `tandem.operator` importable from this checkout without installing it.
 
 The repository root is deliberately NOT put on sys.path: its operator/ folder would shadow the
 stdlib `operator` module. Instead, `tandem` and `tandem.service` are registered as packages whose
@@ -32,6 +32,8 @@ def install() -> None:
     _package("tandem", REPO / "tandem")
     _package("tandem.service", REPO / "service")
     sys.modules["tandem"].service = sys.modules["tandem.service"]
+    _package("tandem.operator", REPO / "operator")
+    sys.modules["tandem"].operator = sys.modules["tandem.operator"]
 
 
 install()

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tandem.operator.settings import ENV_PREFIX as OPERATOR_ENV_PREFIX
+from tandem.operator.settings import OperatorSettings
 from tandem.service.settings import ServerSettings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -22,16 +24,35 @@ flag `--<name>` (flags win over the environment). This page is generated from
 
 
 def _default(value: object) -> str:
+    if value == "":
+        return "empty"
     return "unset" if value is None else f"`{value}`"
 
 
-def render() -> str:
+OPERATOR_HEADER = """
+## Operator
+
+`tandem operator` (docs/operator.md) reads `TANDEM_OPERATOR_<NAME>` or the flag `--<name>`;
+generated from `operator/settings.py`.
+
+| flag | environment | default | meaning |
+|---|---|---|---|
+"""
+
+
+def _rows(settings_cls: type, env_prefix: str) -> list[str]:
     rows = []
-    for name, field in ServerSettings.model_fields.items():
+    for name, field in settings_cls.model_fields.items():
         flag = ("--[no-]" if field.annotation is bool else "--") + name.replace("_", "-")
-        env = f"TANDEM_{name.upper()}"
+        env = f"{env_prefix}{name.upper()}"
         rows.append(f"| `{flag}` | `{env}` | {_default(field.default)} | {field.description} |")
-    return HEADER + "\n".join(rows) + "\n"
+    return rows
+
+
+def render() -> str:
+    server = "\n".join(_rows(ServerSettings, "TANDEM_")) + "\n"
+    operator = "\n".join(_rows(OperatorSettings, OPERATOR_ENV_PREFIX)) + "\n"
+    return HEADER + server + OPERATOR_HEADER + operator
 
 
 def main() -> int:

@@ -15,10 +15,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type) -> None:
+def _add_settings_flags(
+    parser: argparse.ArgumentParser, settings_cls: type, env_prefix: str = "TANDEM_"
+) -> None:
     """One flag per setting; a flag given on the command line beats the TANDEM_ environment."""
     for name, field in settings_cls.model_fields.items():
-        help_text = f"{field.description} [env TANDEM_{name.upper()}]"
+        help_text = f"{field.description} [env {env_prefix}{name.upper()}]"
         if field.annotation is bool:
             parser.add_argument(
                 _flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -57,6 +59,13 @@ def _generate(args: argparse.Namespace) -> int:
     from tandem.service.client import generate_to_terminal
 
     return asyncio.run(generate_to_terminal(args))
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from tandem.operator.main import main as run_operator
+    from tandem.operator.settings import OperatorSettings
+
+    return run_operator(_settings_from(args, OperatorSettings))
 
 
 BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it runs
@@ -114,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--log-level", default="WARNING")
     gen.set_defaults(func=_generate)
 
+    from tandem.operator.settings import ENV_PREFIX, OperatorSettings
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator for ModelServer resources")
+    _add_settings_flags(op, OperatorSettings, ENV_PREFIX)
+    op.set_defaults(func=_operator)
+
     bench = sub.add_parser(
         "bench",
         help="run a benchmark (gpu: engine vs transformers with the roofline; cpu; autoscale)",
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=(args.log_level or "INFO").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return args.func(args)
 

@@ -78,11 +78,6 @@ def test_monitors_and_policies_select_the_operators_pods(chart) -> None:
     assert args[2] == f"{service['metadata']['name']}.{NAMESPACE}.svc:{GRPC_PORT}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the operator's Deployment does not set these yet (seccomp RuntimeDefault, read-only root "
-    "filesystem with /tmp on an emptyDir, no service-account token)",
-)
 def test_model_pods_get_the_charts_security_defaults(chart: helm.Chart) -> None:
     deployment = owned(chart, "default")[0]
     pod = deployment["spec"]["template"]["spec"]

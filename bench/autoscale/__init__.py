@@ -1,0 +1,1 @@
+"""The autoscaling simulation of bench/autoscale_sim.py: trace, pods, scalers."""

@@ -1,0 +1,52 @@
+"""Every operator setting: environment variables `TANDEM_OPERATOR_<NAME>`, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "TANDEM_OPERATOR_"
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
+
+    namespaces: str = Field(
+        "",
+        description="Comma-separated namespaces to serve (globs allowed); empty = all namespaces.",
+    )
+    peering: str = Field(
+        "",
+        description="kopf peering object shared by operator replicas so only one acts; empty = standalone.",
+    )
+    priority: int = Field(0, description="Peering priority of this replica (the highest one acts).")
+    liveness_port: int = Field(
+        8080, ge=0, le=65535, description="Port of the liveness endpoint GET /healthz (0 = off)."
+    )
+    api_server: str | None = Field(
+        None,
+        description="Kubernetes API URL without authentication (tests, kubectl proxy); unset = the "
+        "in-cluster service account, else the current kubeconfig context.",
+    )
+    scrape_interval_s: float = Field(
+        15.0, gt=0, description="How often each ModelServer's pods are scraped and a scaling decision made."
+    )
+    scrape_timeout_s: float = Field(5.0, gt=0, description="Time limit of one pod's /metrics request.")
+    scrape_concurrency: int = Field(
+        16, ge=1, description="Most /metrics requests in flight at once, over all ModelServers."
+    )
+    stale_after_s: float = Field(
+        60.0, gt=0, description="Hold scaling when the newest pod metrics are older than this."
+    )
+    metrics_port: int = Field(9400, ge=1, le=65535, description="The model pods' Prometheus /metrics port.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    def namespace_list(self) -> list[str]:
+        return [n.strip() for n in self.namespaces.split(",") if n.strip()]

@@ -1,0 +1,96 @@
+"""The ModelServer spec, parsed and checked (the same rules as the CRD's schema and CEL rule).
+
+The API server enforces the schema when the CRD is installed; the operator checks again so a
+spec that slipped past (an older CRD, a cluster without CEL, a test API) gets a clear status
+condition instead of a crash loop.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from .policy import ScalingTargets
+
+
+class _Camel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class ModelSource(_Camel):
+    source: str | None = None
+    name: str | None = None
+    persistent_volume_claim: str | None = None
+    mount_path: str = "/models"
+
+
+class EnvVar(_Camel):
+    name: str = Field(min_length=1)
+    value: str = ""
+
+
+class Scaling(_Camel):
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    target_time_to_first_token_seconds: float = Field(1.0, gt=0)
+    cost_ceiling_per_million_tokens_usd: float | None = Field(None, gt=0)
+    target_batch_fill: float = Field(0.8, gt=0, le=1)
+    scale_down_idle_fraction: float = Field(0.5, ge=0, le=1)
+    scale_up_stabilization_seconds: int = Field(0, ge=0)
+    scale_down_stabilization_seconds: int = Field(600, ge=0)
+    max_scale_up_step: int = Field(4, ge=1)
+    max_scale_down_step: int = Field(2, ge=1)
+    metrics_window_seconds: int = Field(60, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Scaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+        return self
+
+
+class ModelServerSpec(_Camel):
+    image: str = Field(min_length=1)
+    image_pull_policy: str = "IfNotPresent"
+    model: ModelSource = ModelSource()
+    gpus_per_pod: int = Field(1, ge=0, le=16)
+    gpu_resource_name: str = "nvidia.com/gpu"
+    price_per_gpu_hour: float = Field(0.0, ge=0)
+    resources: dict = Field(default_factory=dict)
+    env: list[EnvVar] = Field(default_factory=list)
+    max_num_seqs: int = Field(256, ge=1)
+    drain_seconds: int = Field(600, ge=0)
+    startup_seconds: int = Field(1800, ge=10)
+    scaling: Scaling = Scaling()
+
+    def targets(self) -> ScalingTargets:
+        s = self.scaling
+        return ScalingTargets(
+            min_replicas=s.min_replicas,
+            max_replicas=s.max_replicas,
+            target_ttft_s=s.target_time_to_first_token_seconds,
+            cost_ceiling_usd_per_mtok=s.cost_ceiling_per_million_tokens_usd,
+            target_batch_fill=s.target_batch_fill,
+            scale_down_idle_fraction=s.scale_down_idle_fraction,
+            scale_up_stabilization_s=s.scale_up_stabilization_seconds,
+            scale_down_stabilization_s=s.scale_down_stabilization_seconds,
+            max_scale_up_step=s.max_scale_up_step,
+            max_scale_down_step=s.max_scale_down_step,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+
+class InvalidSpec(ValueError):
+    """The spec breaks a rule; the message names each problem by its spec path."""
+
+
+def parse_spec(spec: dict) -> ModelServerSpec:
+    try:
+        return ModelServerSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            path = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"spec.{path}: {msg}" if path else f"spec: {msg}")
+        raise InvalidSpec("; ".join(problems)) from None

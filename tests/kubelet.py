@@ -1,0 +1,228 @@
+"""The controllers kmock does not have, played by the test: Deployment replicas -> Pod objects,
+each backed by something that answers on its own loopback address 127.0.0.N.
+
+Two kinds of pod backends:
+- `MetricsPod`: a real HTTP server serving Prometheus text from a real prometheus_client
+  registry with the server's metric names; the test sets the load it reports.
+- `ServerPod`: a real `tandem serve` process on the tiny model, started with the environment of
+  the Deployment's container; it is ready when its gRPC health says SERVING (what the kubelet's
+  readiness probe asks).
+
+The kubelet talks to kmock over HTTP like any client, so the operator sees watch events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from tandem.operator.kube import KubeApi, NotFound, api_path
+from tandem.operator.resources import MODEL_LABEL
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+class Backend(Protocol):
+    address: str
+
+    async def ready(self) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
+def _port_free(address: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+class Addresses:
+    """127.0.0.N addresses whose ports are free, from a random start (parallel test runs)."""
+
+    def __init__(self, ports: tuple[int, ...]) -> None:
+        self.ports = ports
+        self.next = random.randint(20, 200)
+
+    def take(self) -> str:
+        for _ in range(250):
+            self.next = self.next % 250 + 2
+            address = f"127.0.0.{self.next}"
+            if all(_port_free(address, p) for p in self.ports):
+                return address
+        raise RuntimeError("no free loopback address")
+
+
+class MetricsPod:
+    def __init__(self, address: str, port: int) -> None:
+        self.address = address
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tandem_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("tandem_requests_waiting", "Requests queued for admission.", registry=r)
+        self.kv = Gauge("tandem_kv_cache_usage_ratio", "Share of KV-cache blocks in use.", registry=r)
+        self.idle = Gauge(
+            "tandem_gpu_idle_fraction", "Share of the window with no step in flight.", registry=r
+        )
+        self.tokens = Counter("tandem_generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds", "TTFT.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.idle.set(1.0)
+        self.server, self.thread = start_http_server(port, addr=address, registry=self.registry)
+
+    def load(
+        self, running: float, waiting: float, kv: float, idle: float, tokens: float, ttft: float
+    ) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv.set(kv)
+        self.idle.set(idle)
+        self.tokens.inc(tokens)
+        self.ttft.observe(ttft)
+
+    async def ready(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ServerPod:
+    def __init__(self, address: str, model: Path, env: dict[str, str], log: Path) -> None:
+        self.address = address
+        self.grpc_target = f"{address}:{env.get('TANDEM_PORT', '50051')}"
+        env = {k: v for k, v in env.items() if k not in ("TANDEM_CACHE_DIR", "TANDEM_MODEL")}
+        full_env = {**os.environ, **env, "TANDEM_HOST": address, "PYTHONSAFEPATH": "1"}
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--device", "cpu"]
+        cmd += ["--kv-cache-cpu-gib", "0.05"]
+        self.log = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=full_env, cwd="/", stdout=self.log, stderr=subprocess.STDOUT)
+
+    async def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"server on {self.address} exited with {self.proc.returncode}: see {self.log.name}"
+            )
+        async with grpc.aio.insecure_channel(self.grpc_target) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1
+                )
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class Kubelet:
+    """Deployment controller + kubelet + garbage collector for one namespace, one tick at a time."""
+
+    def __init__(self, api: KubeApi, namespace: str, backend_factory: callable) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.backend_factory = backend_factory  # (address, container) -> Backend
+        self.backends: dict[str, Backend] = {}
+        self.serial = 0
+
+    def pods_of(self, deployment: str) -> list[Backend]:
+        return [b for name, b in self.backends.items() if name.startswith(deployment + "-")]
+
+    async def tick(self) -> None:
+        ns = self.namespace
+        deployments = await self.api.list(api_path("apps/v1", "deployments", ns))
+        pods = await self.api.list(api_path("v1", "pods", ns))
+        names = {d["metadata"]["name"] for d in deployments}
+        for pod in pods:  # pods whose Deployment is gone: what the garbage collector would do
+            if pod["metadata"]["labels"].get(MODEL_LABEL) not in names:
+                await self._delete_pod(pod["metadata"]["name"])
+        for deployment in deployments:
+            await self._reconcile(deployment, [p for p in pods if self._owned(p, deployment)])
+
+    @staticmethod
+    def _owned(pod: dict, deployment: dict) -> bool:
+        return pod["metadata"]["labels"].get(MODEL_LABEL) == deployment["metadata"]["name"]
+
+    async def _reconcile(self, deployment: dict, pods: list[dict]) -> None:
+        name = deployment["metadata"]["name"]
+        wanted = int(deployment["spec"].get("replicas") or 0)
+        pods = sorted(pods, key=lambda p: p["metadata"]["name"])
+        for pod in pods[wanted:]:
+            await self._delete_pod(pod["metadata"]["name"])
+        pods = pods[:wanted]
+        template = deployment["spec"]["template"]
+        for _ in range(wanted - len(pods)):
+            self.serial += 1
+            pod_name = f"{name}-{self.serial}"
+            backend = self.backend_factory(template["spec"]["containers"][0])
+            self.backends[pod_name] = backend
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod_name,
+                    "namespace": self.namespace,
+                    "labels": dict(template["metadata"]["labels"]),
+                    "resourceVersion": "1",
+                },
+                "spec": template["spec"],
+                "status": {"phase": "Pending", "podIP": backend.address},
+            }
+            pods.append(await self.api.create(api_path("v1", "pods", self.namespace), pod))
+        ready = 0
+        for pod in pods:
+            backend = self.backends.get(pod["metadata"]["name"])
+            is_ready = backend is not None and await backend.ready()
+            ready += is_ready
+            was_ready = pod.get("status", {}).get("phase") == "Running"
+            if is_ready and not was_ready:
+                status = {
+                    "phase": "Running",
+                    "podIP": backend.address,
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                }
+                await self.api.patch(
+                    api_path("v1", "pods", self.namespace, pod["metadata"]["name"]), {"status": status}
+                )
+        status = {"replicas": len(pods), "readyReplicas": ready, "availableReplicas": ready}
+        if deployment.get("status") != status:
+            await self.api.patch(api_path("apps/v1", "deployments", self.namespace, name), {"status": status})
+
+    async def _delete_pod(self, name: str) -> None:
+        backend = self.backends.pop(name, None)
+        if backend is not None:
+            await asyncio.to_thread(backend.stop)
+        with contextlib.suppress(NotFound):
+            await self.api.delete(api_path("v1", "pods", self.namespace, name))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.tick()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
+    async def shutdown(self) -> None:
+        for name in list(self.backends):
+            await self._delete_pod(name)

@@ -1,0 +1,326 @@
+"""The operator end to end against kmock (an in-memory Kubernetes API on a real HTTP port).
+
+The operator runs in this process (kopf, the real handlers, the real policy); the test plays
+the controllers kmock lacks (tests/kubelet.py): Deployment replicas become Pod objects backed by
+servers on their own 127.0.0.N addresses, whose /metrics the operator scrapes over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import kopf
+import pytest
+from kubelet import Addresses, Kubelet, MetricsPod
+
+from tandem.operator.kube import KubeApi, NotFound, api_path
+from tandem.operator.main import run_operator
+from tandem.operator.settings import OperatorSettings
+
+pytestmark = pytest.mark.asyncio
+
+NS = "ml"
+MS = api_path("tandem.dev/v1alpha1", "modelservers", NS)
+
+
+def declare_resources(kmock: Any) -> None:
+    kmock.resources.load_bundled()  # the built-in APIs: namespaces, CRDs, pods, apps, policy, events
+    kmock.resources["tandem.dev/v1alpha1/modelservers"] = kmock.ResourceInfo(
+        kind="ModelServer",
+        singular="modelserver",
+        namespaced=True,
+        shortnames={"ms", "tms"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+        subresources={"status"},
+    )
+
+
+def model_server(name: str, **spec: Any) -> dict:
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "ModelServer",
+        # kmock assigns no resourceVersion; kopf's patches need one
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "resourceVersion": "1",
+            "uid": f"uid-{name}",
+            "generation": 1,
+        },
+        "spec": {"image": "tandem:test", **spec},
+    }
+
+
+async def eventually(probe: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+    """Poll an async probe until it returns something truthy (the test's only use of time)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(NotFound):
+            last = probe()
+            if inspect.isawaitable(last):
+                last = await last
+            if last:
+                return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s: {what} (last: {last!r})")
+
+
+@contextlib.asynccontextmanager
+async def operator_running(kmock: Any, **overrides: Any) -> AsyncIterator[OperatorSettings]:
+    settings = OperatorSettings(
+        api_server=str(kmock.url).rstrip("/"),
+        scrape_interval_s=0.5,
+        scrape_timeout_s=2.0,
+        stale_after_s=10.0,
+        **overrides,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_operator(settings, stop_flag=stop))
+    try:
+        yield settings
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def kubelet_running(api: KubeApi, factory: Callable) -> AsyncIterator[Kubelet]:
+    kubelet = Kubelet(api, NS, factory)
+    stop = asyncio.Event()
+    task = asyncio.create_task(kubelet.run(stop))
+    try:
+        yield kubelet
+    finally:
+        stop.set()
+        await task
+        await kubelet.shutdown()
+
+
+def condition(obj: dict, type_: str) -> dict:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+async def events(api: KubeApi, reason: str) -> list[dict]:
+    return [e for e in await api.list(api_path("v1", "events", NS)) if e.get("reason") == reason]
+
+
+async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: int) -> None:
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    addresses = Addresses((9400,))
+    pods: list[MetricsPod] = []
+
+    def factory(container: dict) -> MetricsPod:
+        metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+        pods.append(MetricsPod(addresses.take(), metrics_port))
+        return pods[-1]
+
+    async with operator_running(kmock, liveness_port=unused_tcp_port), kubelet_running(api, factory):
+        spec = {
+            "pricePerGpuHour": 2.0,
+            "maxNumSeqs": 4,
+            "drainSeconds": 120,
+            "scaling": {
+                "minReplicas": 1,
+                "maxReplicas": 3,
+                "metricsWindowSeconds": 2,
+                "scaleDownStabilizationSeconds": 3,
+                "targetTimeToFirstTokenSeconds": 1.0,
+            },
+        }
+        ms = await api.create(MS, model_server("llama", **spec))
+
+        # the owned objects, with their shape
+        dep = await eventually(
+            lambda: api.get(api_path("apps/v1", "deployments", NS, "llama")), what="Deployment"
+        )
+        svc = await eventually(lambda: api.get(api_path("v1", "services", NS, "llama")), what="Service")
+        pdb = await eventually(
+            lambda: api.get(api_path("policy/v1", "poddisruptionbudgets", NS, "llama")), what="PDB"
+        )
+        for obj in (dep, svc, pdb):
+            (owner,) = obj["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+                "ModelServer", "llama", ms["metadata"]["uid"], True,
+            )  # fmt: skip
+        pod_spec = dep["spec"]["template"]["spec"]
+        (container,) = pod_spec["containers"]
+        assert container["readinessProbe"]["grpc"] == {"port": 50051}
+        assert container["startupProbe"]["grpc"] == {"port": 50051}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 9400}
+        assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        assert pod_spec["terminationGracePeriodSeconds"] > 120
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["TANDEM_MAX_NUM_SEQS"] == "4" and env["TANDEM_DRAIN_TIMEOUT_S"] == "120"
+        assert env["TANDEM_PRICE_PER_GPU_HOUR"] == "2.0"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert dep["spec"]["replicas"] == 1
+        assert {(p["name"], p["port"]) for p in svc["spec"]["ports"]} == {("grpc", 50051), ("metrics", 9400)}
+        assert (
+            svc["spec"]["selector"]
+            == dep["spec"]["selector"]["matchLabels"]
+            == pdb["spec"]["selector"]["matchLabels"]
+        )
+        assert pdb["spec"]["maxUnavailable"] == 1
+
+        # liveness endpoint
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{unused_tcp_port}/healthz") as response:
+                assert response.status == 200
+
+        # one pod, ready and quiet but busy enough to hold: the operator holds
+        await eventually(lambda: len(pods) == 1 and pods, what="first pod")
+        pods[0].load(running=2, waiting=0, kv=0.2, idle=0.0, tokens=100, ttft=0.05)
+        got = await eventually(lambda: _status_has(api, "readyReplicas", 1), what="ready")
+        assert condition(got, "Ready")["status"] == "True"
+
+        # saturation: a queue and a full batch -> scale up, with an Event and the reason
+        for _ in range(6):
+            pods[0].load(running=4, waiting=6, kv=0.9, idle=0.0, tokens=400, ttft=2.0)
+            await asyncio.sleep(0.3)
+        dep = await eventually(lambda: _replicas_at_least(api, 2), what="scale up to 2+ replicas")
+        (up, *_) = await events(api, "ScaledUp")
+        assert (
+            up["involvedObject"]["name"] == "llama"
+            and "1 -> " in up["message"]
+            and "Saturated" in up["message"]
+        )
+        ms = await api.get(MS + "/llama")
+        assert ms["status"]["lastScaleTime"] and ms["status"]["desiredReplicas"] >= 2
+
+        # quiet: every pod idle -> back to minReplicas after the scale-down window
+        await eventually(lambda: len(pods) >= 2, what="second pod started")
+
+        async def quiet_and_scaled_down() -> bool:
+            for pod in list(pods):
+                pod.load(running=0, waiting=0, kv=0.0, idle=1.0, tokens=0, ttft=0.05)
+            dep = await api.get(api_path("apps/v1", "deployments", NS, "llama"))
+            return dep["spec"]["replicas"] == 1
+
+        await eventually(quiet_and_scaled_down, timeout=60, what="scale down to 1")
+        downs = await events(api, "ScaledDown")
+        assert downs and all(e["type"] == "Normal" for e in downs)
+        assert any("(Underused)" in e["message"] for e in downs)
+        ms = await eventually(lambda: _status_has(api, "replicas", 1), what="status replicas 1")
+        assert ms["status"]["idleFraction"] == 1.0 and ms["status"]["requestsRunning"] == 0
+
+        # a spec change reaches the Deployment in place; the replica count stays the scaler's
+        await api.patch(MS + "/llama", {"spec": {"image": "tandem:v2"}, "metadata": {"generation": 2}})
+
+        async def rolled() -> bool:
+            dep = await api.get(api_path("apps/v1", "deployments", NS, "llama"))
+            return dep["spec"]["template"]["spec"]["containers"][0]["image"] == "tandem:v2" and dep
+
+        dep = await eventually(rolled, what="Deployment updated")
+        assert dep["spec"]["replicas"] == 1
+
+        # delete: the owned objects go, and the ModelServer itself (finalizer released)
+        await api.delete(MS + "/llama")
+        for path in (
+            api_path("apps/v1", "deployments", NS, "llama"),
+            api_path("v1", "services", NS, "llama"),
+            api_path("policy/v1", "poddisruptionbudgets", NS, "llama"),
+            MS + "/llama",
+        ):
+            await eventually(lambda path=path: _gone(api, path), what=f"{path} deleted")
+    await api.close()
+
+
+async def _status_has(api: KubeApi, key: str, value: Any) -> dict | None:
+    ms = await api.get(MS + "/llama")
+    return ms if ms.get("status", {}).get(key) == value else None
+
+
+async def _replicas_at_least(api: KubeApi, n: int) -> dict | None:
+    dep = await api.get(api_path("apps/v1", "deployments", NS, "llama"))
+    return dep if dep["spec"]["replicas"] >= n else None
+
+
+async def _gone(api: KubeApi, path: str) -> bool:
+    try:
+        await api.get(path)
+    except NotFound:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ({"scaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas 5 > maxReplicas 2"),
+        ({"pricePerGpuHour": -1.5}, "spec.pricePerGpuHour"),
+    ],
+)
+async def test_bad_spec_gets_a_condition_not_a_crash_loop(kmock, spec: dict, problem: str) -> None:
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    async with operator_running(kmock, liveness_port=0):
+        await api.create(MS, model_server("bad", **spec))
+
+        async def invalid() -> dict | None:
+            ms = await api.get(MS + "/bad")
+            return ms if condition(ms, "Ready").get("reason") == "InvalidSpec" else None
+
+        ms = await eventually(invalid, what="InvalidSpec condition")
+        ready = condition(ms, "Ready")
+        assert ready["status"] == "False" and problem in ready["message"]
+        with pytest.raises(NotFound):
+            await api.get(api_path("apps/v1", "deployments", NS, "bad"))
+        assert await events(api, "InvalidSpec")
+
+        # fixed by a person: the operator carries on
+        fixed = {"scaling": {"minReplicas": 1, "maxReplicas": 2}, "pricePerGpuHour": 1.0}
+        await api.patch(MS + "/bad", {"spec": fixed, "metadata": {"generation": 2}})
+        await eventually(lambda: api.get(api_path("apps/v1", "deployments", NS, "bad")), what="Deployment")
+    await api.close()
+
+
+async def test_a_higher_priority_peer_pauses_the_operator(kmock) -> None:
+    """kopf peering: while another operator replica with a higher priority is alive, this one
+    does nothing; when that peer is gone, it takes over."""
+    declare_resources(kmock)
+    kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
+        kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+        verbs={"get", "list", "watch", "patch"}, subresources={"status"},
+    )  # fmt: skip
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    peerings = api_path("kopf.dev/v1", "clusterkopfpeerings", None)
+    lastseen = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    await api.create(
+        peerings,
+        {
+            "apiVersion": "kopf.dev/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": "tandem", "resourceVersion": "1"},
+            "status": {"other-replica": {"priority": 100, "lifetime": 600, "lastseen": lastseen}},
+        },
+    )
+    try:
+        async with operator_running(kmock, liveness_port=0, peering="tandem", priority=1):
+
+            async def registered() -> bool:
+                peering = await api.get(peerings + "/tandem")
+                return len(peering.get("status", {})) == 2  # the other replica and this one
+
+            await eventually(registered, what="this replica in the peering object")
+            await api.create(MS, model_server("paused"))
+            # several scaling intervals: a paused replica creates nothing
+            await asyncio.sleep(3)
+            with pytest.raises(NotFound):
+                await api.get(api_path("apps/v1", "deployments", NS, "paused"))
+
+            await api.patch(peerings + "/tandem", {"status": {"other-replica": None}})  # the peer is gone
+            await eventually(
+                lambda: api.get(api_path("apps/v1", "deployments", NS, "paused")),
+                what="Deployment after takeover",
+            )
+    finally:
+        await api.close()

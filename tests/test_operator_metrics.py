@@ -1,0 +1,140 @@
+"""The operator's reading of pod metrics: Prometheus text from a real prometheus_client registry,
+parsed with prometheus_client's parser, aggregated over a window, quantiles from buckets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.operator.histogram import histogram_quantile
+from tandem.operator.scrape import metrics_url, parse_metrics
+from tandem.operator.window import MetricsHistory
+
+BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+class FakeServer:
+    """The server's metric names on a real registry (what /metrics would serve)."""
+
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        names = list(labels or {})
+        self.labels = labels or {}
+        self.running = Gauge("tandem_requests_running", "running", names, registry=r)
+        self.waiting = Gauge("tandem_requests_waiting", "waiting", names, registry=r)
+        self.kv = Gauge("tandem_kv_cache_usage_ratio", "kv", names, registry=r)
+        self.idle = Gauge("tandem_gpu_idle_fraction", "idle", names, registry=r)
+        self.tokens = Counter("tandem_generation_tokens", "tokens", names, registry=r)
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds", "ttft", names, buckets=BUCKETS, registry=r
+        )
+        Gauge("tandem_cost_per_million_tokens_usd", "cost", registry=r).set(1.0)  # present, not used
+
+    def m(self, metric):  # noqa: ANN001, ANN201
+        return metric.labels(**self.labels) if self.labels else metric
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def test_parse_reads_every_signal():
+    s = FakeServer({"model": "smol"})
+    s.m(s.running).set(3)
+    s.m(s.waiting).set(2)
+    s.m(s.kv).set(0.25)
+    s.m(s.idle).set(0.1)
+    s.m(s.tokens).inc(1234)
+    for v in (0.03, 0.3, 3.0):
+        s.m(s.ttft).observe(v)
+    sample = parse_metrics("pod-a", 10.0, s.text())
+    assert (sample.running, sample.waiting, sample.kv_usage, sample.idle_fraction) == (3, 2, 0.25, 0.1)
+    assert sample.generated_tokens == 1234
+    assert (
+        sample.ttft_buckets[0.04] == 1
+        and sample.ttft_buckets[0.5] == 2
+        and sample.ttft_buckets[float("inf")] == 3
+    )
+
+
+def test_parse_of_a_server_without_the_metrics_reports_them_missing():
+    sample = parse_metrics("pod-a", 1.0, "# HELP up up\n# TYPE up gauge\nup 1\n")
+    assert sample.running is None and sample.waiting is None and sample.ttft_buckets == {}
+
+
+def test_parse_rejects_garbage():
+    with pytest.raises(ValueError):
+        parse_metrics("pod-a", 1.0, "this is { not prometheus")
+
+
+def test_window_aggregates_pods_over_time():
+    a, b = FakeServer(), FakeServer()
+    history = MetricsHistory()
+    for t, (ra, rb) in enumerate([(2, 4), (4, 6)]):
+        a.running.set(ra)
+        b.running.set(rb)
+        a.waiting.set(1)
+        b.waiting.set(0)
+        a.idle.set(0.2)
+        b.idle.set(0.4)
+        a.tokens.inc(100 * (t + 1))
+        b.tokens.inc(300 * (t + 1))
+        for _ in range(19):
+            a.ttft.observe(0.05)
+        a.ttft.observe(2.0)
+        history.add(
+            float(t), [parse_metrics("a", float(t), a.text()), parse_metrics("b", float(t), b.text())], 60
+        )
+    w = history.window(cost_per_pod_hour=3.6)
+    assert w.pods == 2 and w.observed_at == 1.0
+    assert w.requests_running == pytest.approx((6 + 10) / 2)  # summed over pods, mean over rounds
+    assert w.requests_waiting == pytest.approx(1.0)
+    assert w.idle_fraction == pytest.approx(0.3)
+    assert w.tokens_per_s == pytest.approx(200 + 600)  # the counters' increase over 1 s
+    assert w.cost_per_mtok_usd == pytest.approx(3.6 * 2 / (800 * 3600) * 1e6)
+    # the second round's 20 observations: 19 at 50 ms, one at 2 s -> p95 in the 0.04-0.06 bucket
+    assert 0.04 < w.ttft_p95_s <= 0.06
+
+
+def test_window_drops_old_rounds_and_survives_a_counter_reset():
+    s = FakeServer()
+    history = MetricsHistory()
+    s.running.set(50)
+    s.tokens.inc(10_000)
+    history.add(0.0, [parse_metrics("a", 0.0, s.text())], window_s=10)
+    fresh = FakeServer()  # the pod restarted: its counter starts again
+    fresh.running.set(1)
+    fresh.tokens.inc(30)
+    history.add(5.0, [parse_metrics("a", 5.0, fresh.text())], window_s=10)
+    assert history.window(1.0).tokens_per_s == pytest.approx(30 / 5)
+    history.add(20.0, [parse_metrics("a", 20.0, fresh.text())], window_s=10)
+    w = history.window(1.0)
+    assert len(history.rounds) == 1 and w.requests_running == 1.0
+    assert w.tokens_per_s is None and w.ttft_p95_s is None  # one scrape: no rate yet
+
+
+def test_window_of_a_pod_missing_a_metric_has_it_missing():
+    s = FakeServer()
+    history = MetricsHistory()
+    history.add(0.0, [parse_metrics("a", 0.0, s.text()), parse_metrics("b", 0.0, "up 1\n")], 60)
+    assert history.window(1.0).requests_running is None
+
+
+def test_histogram_quantile_matches_the_observations():
+    rng = random.Random(3)
+    values = [rng.expovariate(4.0) for _ in range(5000)]
+    cumulative = [sum(v <= le for v in values) for le in BUCKETS] + [len(values)]
+    bounds = [*BUCKETS, float("inf")]
+    true_p95 = sorted(values)[int(0.95 * len(values))]
+    got = histogram_quantile(0.95, bounds, cumulative)
+    upper = next(b for b in bounds if b >= true_p95)
+    lower = max([0.0] + [b for b in bounds if b < true_p95])
+    assert lower <= got <= upper  # within the bucket that holds the true p95
+    assert histogram_quantile(0.95, bounds, [0] * len(bounds)) is None
+    assert histogram_quantile(0.5, [1.0, float("inf")], [0, 4]) == 1.0  # all in +Inf: highest finite bound
+
+
+def test_metrics_url_of_ipv4_and_ipv6_pods():
+    assert metrics_url("10.1.2.3", 9400) == "http://10.1.2.3:9400/metrics"
+    assert metrics_url("fd00::1a", 9400) == "http://[fd00::1a]:9400/metrics"

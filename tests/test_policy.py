@@ -1,0 +1,188 @@
+"""The scaling policy's decisions, case by case (tandem.operator.policy.decide)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tandem.operator.policy import Decision, MetricsWindow, ScalingState, ScalingTargets, decide
+
+TARGETS = ScalingTargets(
+    min_replicas=1,
+    max_replicas=10,
+    target_ttft_s=1.0,
+    cost_ceiling_usd_per_mtok=0.5,
+    target_batch_fill=0.8,
+    scale_down_idle_fraction=0.5,
+    scale_up_stabilization_s=0,
+    scale_down_stabilization_s=300,
+    max_scale_up_step=4,
+    max_scale_down_step=2,
+    max_num_seqs=100,
+)
+
+
+def window(pods: int = 2, now: float = 1000.0, **kw: float | None) -> MetricsWindow:
+    base: dict = dict(
+        observed_at=now,
+        pods=pods,
+        requests_running=50.0 * pods,
+        requests_waiting=0.0,
+        idle_fraction=0.0,
+        kv_cache_usage=0.3,
+        ttft_p95_s=0.2,
+        tokens_per_s=2000.0 * pods,
+        cost_per_mtok_usd=0.3,
+    )
+    base.update(kw)
+    return MetricsWindow(**base)
+
+
+def state(current: int = 2, ready: int | None = None, since: float | None = 0.0) -> ScalingState:
+    return ScalingState(current, current if ready is None else ready, (), since)
+
+
+def run(w: MetricsWindow | None, s: ScalingState, now: float = 1000.0, targets=TARGETS) -> Decision:
+    return decide(w, targets, s, now)
+
+
+def test_within_targets_holds():
+    d = run(window(), state())
+    assert (d.action, d.replicas, d.reason) == ("Hold", 2, "WithinTargets")
+
+
+def test_queue_scales_up_in_proportion_to_demand():
+    # 2 pods full at 100 running each with 200 more waiting: twice the demand they carry.
+    d = run(window(requests_running=200.0, requests_waiting=200.0, kv_cache_usage=0.9), state())
+    assert (d.action, d.reason) == ("ScaleUp", "Saturated")
+    assert d.replicas == 4
+    assert "queue" in d.message
+
+
+def test_batch_fill_over_target_scales_up():
+    d = run(window(requests_running=180.0), state())  # 90% of max_num_seqs
+    assert d.action == "ScaleUp" and d.replicas == 3
+
+
+def test_kv_cache_usage_counts_as_fill():
+    d = run(window(kv_cache_usage=0.95), state())
+    assert d.action == "ScaleUp" and "batch fill" in d.message
+
+
+def test_ttft_over_target_adds_at_least_one_pod():
+    d = run(window(ttft_p95_s=2.5), state())
+    assert d.action == "ScaleUp" and d.replicas == 3 and "TTFT" in d.message
+
+
+def test_scale_up_is_step_limited_and_bounded():
+    d = run(window(requests_running=200.0, requests_waiting=5000.0), state())
+    assert d.replicas == 2 + TARGETS.max_scale_up_step
+    d = run(window(pods=9, requests_running=900.0, requests_waiting=5000.0), state(9))
+    assert d.replicas == TARGETS.max_replicas
+
+
+def test_idle_pods_scale_down_after_the_window_to_what_carries_the_load():
+    quiet = window(pods=6, requests_running=30.0, idle_fraction=0.7, kv_cache_usage=0.05)
+    s = state(6, since=0.0)
+    d = run(quiet, s, now=1000.0)
+    # fill 5% of 6 pods: one pod carries it, but at most two pods go per decision.
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 4, "Underused")
+
+
+def test_cost_above_ceiling_scales_down():
+    w = window(pods=4, requests_running=40.0, kv_cache_usage=0.1, cost_per_mtok_usd=1.2)
+    d = run(w, state(4))
+    assert (d.action, d.reason) == ("ScaleDown", "CostAboveCeiling") and d.replicas == 2
+
+
+def test_cost_above_ceiling_holds_when_remaining_pods_could_not_carry_it():
+    # 2 pods at 55% fill: one pod would be at 110%, so stay even though tokens cost too much.
+    w = window(requests_running=110.0, cost_per_mtok_usd=0.9)
+    d = run(w, state())
+    assert (d.action, d.replicas, d.reason) == ("Hold", 2, "CostAboveCeiling")
+    assert "could not carry" in d.message
+
+
+def test_no_cost_trigger_without_ceiling():
+    w = window(pods=4, requests_running=40.0, kv_cache_usage=0.1, cost_per_mtok_usd=9.0)
+    d = run(w, state(4), targets=replace(TARGETS, cost_ceiling_usd_per_mtok=None))
+    assert (d.action, d.reason) == ("Hold", "WithinTargets")
+
+
+def test_no_scale_down_while_ttft_is_near_target():
+    w = window(pods=4, requests_running=20.0, idle_fraction=0.8, ttft_p95_s=0.9)
+    d = run(w, state(4))
+    assert d.action == "Hold" and "TTFT" in d.message
+
+
+def test_scale_down_waits_until_history_covers_the_window():
+    quiet = window(pods=4, requests_running=4.0, idle_fraction=0.9, kv_cache_usage=0.01)
+    s = state(4, since=None)  # a fresh operator: no history yet
+    d = run(quiet, s, now=1000.0)
+    assert (d.action, d.reason) == ("Hold", "Stabilizing")
+    d = run(replace(quiet, observed_at=1200.0), d.state, now=1200.0)
+    assert d.action == "Hold"
+    d = run(replace(quiet, observed_at=1301.0), d.state, now=1301.0)
+    assert d.action == "ScaleDown" and d.replicas == 2
+
+
+def test_scale_down_goes_only_to_the_highest_recommendation_of_the_window():
+    busy = window(pods=4, requests_running=300.0)  # 75% fill: hold at 4 (recommendation 4)
+    quiet = window(pods=4, requests_running=4.0, idle_fraction=0.9, kv_cache_usage=0.01)
+    d = run(busy, state(4), now=1000.0)
+    assert d.action == "Hold"
+    d = run(replace(quiet, observed_at=1100.0), d.state, now=1100.0)
+    assert (d.action, d.reason) == ("Hold", "Stabilizing")  # the busy minute is inside the window
+    d = run(replace(quiet, observed_at=1301.0), d.state, now=1301.0)
+    assert d.action == "ScaleDown"
+
+
+def test_scale_up_stabilization_needs_sustained_saturation():
+    targets = replace(TARGETS, scale_up_stabilization_s=60)
+    calm, hot = window(), window(requests_running=190.0)
+    d = run(calm, state(), now=1000.0, targets=targets)
+    d = run(replace(hot, observed_at=1030.0), d.state, now=1030.0, targets=targets)
+    assert (d.action, d.reason) == ("Hold", "Stabilizing")
+    d = run(replace(hot, observed_at=1061.0), d.state, now=1061.0, targets=targets)
+    assert d.action == "ScaleUp"
+
+
+def test_missing_metrics_hold():
+    assert run(None, state()).reason == "MetricsMissing"
+    assert run(window(pods=0), state()).reason == "MetricsMissing"
+    assert run(window(requests_running=None), state()).reason == "MetricsMissing"
+
+
+def test_stale_metrics_hold():
+    d = decide(window(now=100.0, requests_waiting=999.0), TARGETS, state(), now=1000.0, stale_after_s=60)
+    assert (d.action, d.reason) == ("Hold", "MetricsStale")
+
+
+def test_pods_not_ready_hold_while_starting_pods_will_absorb_the_load():
+    # 2 ready pods at 90% fill, a third starting: the third covers it, hold.
+    d = run(window(requests_running=180.0), state(3, ready=2))
+    assert (d.action, d.reason) == ("Hold", "PodsNotReady")
+    d = run(window(pods=2, requests_running=180.0), state(3))  # one pod's metrics missing
+    assert d.reason == "PodsNotReady"
+    # no scale-down while pods start, however idle the ready ones are
+    d = run(window(requests_running=0.0, idle_fraction=1.0, kv_cache_usage=0.0), state(3, ready=2))
+    assert (d.action, d.reason) == ("Hold", "PodsNotReady")
+
+
+def test_saturation_beyond_the_starting_pods_scales_up_during_a_cold_start():
+    # 2 ready pods with 3x their capacity queued; 1 more starting is not enough.
+    d = run(window(requests_running=200.0, requests_waiting=400.0), state(3, ready=2))
+    assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)
+    assert "still starting" in d.message
+
+
+def test_bounds_apply_before_anything_else():
+    d = run(None, state(12))
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 10, "AboveMaximum")
+    d = run(None, state(1), targets=replace(TARGETS, min_replicas=3))
+    assert (d.action, d.replicas, d.reason) == ("ScaleUp", 3, "BelowMinimum")
+
+
+def test_decision_state_carries_the_new_replica_count():
+    d = run(window(requests_running=200.0, requests_waiting=200.0), state())
+    assert d.state.current_replicas == d.replicas == 4
+    assert d.state.recommendations[-1] == (1000.0, 4)
