@@ -53,6 +53,17 @@ def _resources(spec: ModelServerSpec) -> dict:
     return resources
 
 
+def _scheduling(spec: ModelServerSpec) -> dict:
+    """Where the pods may run and how their image is pulled: only the fields the spec sets."""
+    fields = {
+        "nodeSelector": spec.node_selector,
+        "tolerations": spec.tolerations,
+        "affinity": spec.affinity,
+        "imagePullSecrets": [{"name": s["name"]} for s in spec.image_pull_secrets],
+    }
+    return {k: v for k, v in fields.items() if v}
+
+
 def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
     # The root filesystem is read-only: the server writes only its caches (/cache: converted models,
     # Hugging Face, Triton, Inductor, as the image's environment says) and temporary files.
@@ -114,6 +125,7 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
                     "automountServiceAccountToken": False,  # the server never calls the API
                     "containers": [container],
                     "volumes": volumes,
+                    **_scheduling(spec),
                 },
             },
         },

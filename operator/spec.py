@@ -57,6 +57,11 @@ class ModelServerSpec(_Camel):
     gpu_resource_name: str = "nvidia.com/gpu"
     price_per_gpu_hour: float = Field(0.0, ge=0)
     resources: dict = Field(default_factory=dict)
+    # GPU-node scheduling of the model pods, passed to the pod spec as given
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict] = Field(default_factory=list)
+    affinity: dict = Field(default_factory=dict)
+    image_pull_secrets: list[dict] = Field(default_factory=list)
     env: list[EnvVar] = Field(default_factory=list)
     max_num_seqs: int = Field(256, ge=1)
     drain_seconds: int = Field(600, ge=0)

@@ -61,6 +61,8 @@ VALUE_SETS: dict[str, dict] = {
             },
             "gpusPerPod": 2,
             "gpuResourceName": "nvidia.com/mig-3g.71gb",
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "pricePerGpuHour": 3.5,
             "env": [{"name": "TANDEM_MAX_MODEL_LEN", "value": "8192"}],
             "maxNumSeqs": 128,

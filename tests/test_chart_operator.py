@@ -90,3 +90,14 @@ def test_model_pods_get_the_charts_security_defaults(chart: helm.Chart) -> None:
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/cache", "/tmp"} <= mounts
+
+
+def test_gpu_node_scheduling_and_pull_secrets_reach_the_model_pods(chart: helm.Chart) -> None:
+    deployment, _, _, docs = owned(chart, "gpu")
+    pod = deployment["spec"]["template"]["spec"]
+    example = VALUE_SETS["gpu"]["exampleModelServer"]
+    assert pod["nodeSelector"] == example["nodeSelector"]
+    assert pod["tolerations"] == example["tolerations"]
+    assert pod["imagePullSecrets"] == VALUE_SETS["gpu"]["imagePullSecrets"]
+    default_pod = owned(chart, "default")[0]["spec"]["template"]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity", "imagePullSecrets"} & set(default_pod)
