@@ -104,13 +104,15 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         shared.http = aiohttp.ClientSession(trust_env=False)
 
     @kopf.on.login(**on)
-    def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
         shared: Shared = memo.shared
         if shared.settings.api_server:
             info = kopf.ConnectionInfo(server=shared.settings.api_server, insecure=True)
         else:
             info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
         if info is not None:
+            if shared.api is not None:  # a re-login (e.g. an expired token): its session goes
+                await shared.api.close()
             shared.api = KubeApi(info)
         return info
 
