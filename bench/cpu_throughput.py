@@ -11,6 +11,7 @@ runs, interleaved; the fastest of each counts. Also reports how much CPU other p
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import _repo
@@ -85,10 +86,11 @@ def main() -> None:
     hf_config = json.loads(a.hf_config)
     hf_config.setdefault("num_blocks", blocks_for(len(prompts), longest, hf_config.get("block_size", 256)))
 
-    core = build_core(loaded.model, spec)
+    hf_model = copy.deepcopy(loaded.model)  # transformers runs its own model, untouched by the engine
+    core = build_core(loaded.model, spec)  # fuses the projections of its model in place
     results = measure({
         "tandem": lambda: run_tandem(core, prompts, a.new),
-        "transformers": lambda: run_hf(loaded.model, prompts, a.new, hf_config),
+        "transformers": lambda: run_hf(hf_model, prompts, a.new, hf_config),
     }, a.repeat)
     tandem, hf = results["tandem"], results["transformers"]
 

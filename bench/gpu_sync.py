@@ -203,6 +203,9 @@ def main() -> None:
     bandwidth = copy_bandwidth(device, copy_bytes)
     start = time.perf_counter()
     model = build_model(shape, device, dtype)
+    # transformers runs a twin (same seed, same weights): building a Tandem engine fuses its model's
+    # projections in place, which must not change the baseline
+    hf_model = None if a.skip_hf else build_model(shape, device, dtype)
     build_s = time.perf_counter() - start
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = CacheShape.of(model.config).bytes_per_token(dtype)
@@ -237,15 +240,15 @@ def main() -> None:
     def hf_run() -> RunStats:
         nonlocal hf_config
         try:
-            return run_hf(model, prompts, a.new, hf_config, persistent=a.hf_persistent)
+            return run_hf(hf_model, prompts, a.new, hf_config, persistent=a.hf_persistent)
         except Exception as exc:  # e.g. CUDA graphs unsupported here: fall back
             if hf_config == hf_base:
                 raise
             print(f"generate_batch with {hf_config} failed ({type(exc).__name__}: {exc}); retrying with "
                   f"{hf_base or 'the defaults'}", flush=True)
             hf_config = hf_base
-            release_hf(model)
-            return run_hf(model, prompts, a.new, hf_config, persistent=a.hf_persistent)
+            release_hf(hf_model)
+            return run_hf(hf_model, prompts, a.new, hf_config, persistent=a.hf_persistent)
 
     if not a.skip_hf:
         runs["transformers"] = with_gpu_busy(hf_run, device)
@@ -271,7 +274,8 @@ def main() -> None:
             Path(a.timeline),
         )
         print(f"timeline of {extra['timeline']} steps written to {a.timeline}", flush=True)
-    release_hf(model)
+    if hf_model is not None:
+        release_hf(hf_model)
 
     roof = roofline(weight_bytes, kv_per_token, bandwidth, a.requests, a.prompt, a.new)
     rows, report = [], {}
