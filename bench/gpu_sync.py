@@ -164,7 +164,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="Tandem only")
     ap.add_argument("--engines", default="sync,async,eager,compiled",
                     help="Tandem variants (CUDA): sync (graphs), async (graphs), eager (sync, no graphs), "
-                         "compiled (async, graphs of the torch.compile'd forward), compiled_sync")
+                         "compiled (async, graphs of the torch.compile'd forward), compiled_sync, "
+                         "compiled_fused (compiled, with fused Q/K/V and gate/up projections)")
     ap.add_argument("--vram", action="store_true", help="also report decode-graph memory, one slot vs two")
     ap.add_argument("--timeline", default=None, metavar="TRACE.json",
                     help="also record every step's stages (prepare, h2d, compute, d2h) of each Tandem engine "
@@ -223,13 +224,16 @@ def main() -> None:
         "eager": {"cuda_graphs": False},
         "compiled": {"step_loop": "async", "compile_decode": True},
         "compiled_sync": {"compile_decode": True},
+        "compiled_fused": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
     }
     chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
     runs = {}
     cores = {}
     for name in chosen:
         start = time.perf_counter()
-        cores[name] = build_core(model, dataclasses.replace(spec, **variants[name]))
+        # fusing changes a model in place: that variant gets a twin of its own (same seed, same weights)
+        own = build_model(shape, device, dtype) if variants[name].get("fuse_projections") else model
+        cores[name] = build_core(own, dataclasses.replace(spec, **variants[name]))
         print(f"engine {name}: built (capture, compile) in {time.perf_counter() - start:.1f} s", flush=True)
         label = "tandem" if name == "sync" else f"tandem_{name}"
         runs[label] = with_gpu_busy(

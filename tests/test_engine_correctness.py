@@ -108,3 +108,15 @@ def test_compiled_decode_forward_matches_generate(tiny_models, loop):
     _check(model, arrivals, result, eos=None)
     if loop == "sync":  # the first test compiles; the second reuses the cached graphs
         assert counters["stats"]["unique_graphs"] > before
+
+
+def test_fused_projections_compiled_async_matches_unfused_generate(tiny_models):
+    """An engine over a fused copy (Qwen2: biased Q/K/V) gives the unfused model's greedy tokens."""
+    import copy
+
+    model = tiny_models["qwen2"]
+    arrivals = _arrivals(model.config.vocab_size, [5, 17, 1, 9], [0, 0, 2, 6], max_new=16, seed=6)
+    core = make_core(copy.deepcopy(model), num_blocks=128, block_size=4, step_loop="async",
+                     compile_backend="aot_eager", fuse_projections=True)
+    result = run(core, arrivals)
+    _check(model, arrivals, result, eos=None)
