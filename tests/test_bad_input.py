@@ -225,6 +225,20 @@ def test_native_oversized_message(server: Server) -> None:
     expect_native_good(server)
 
 
+def test_native_oversized_response(server: Server) -> None:
+    """A unary answer past --max-message-bytes: RESOURCE_EXHAUSTED saying why, no server traceback."""
+    req = with_logprobs(20)  # 20 alternatives per token: far more bytes than the text
+    req.stopping.max_tokens = MAX_MODEL_LEN - 8
+    req.stopping.ignore_eos = True
+    with pytest.raises(grpc.RpcError) as exc:
+        server.native.Generate(req, timeout=TIMEOUT)
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds the server's message limit" in exc.value.details()
+    streamed = list(server.native.GenerateStream(req, timeout=TIMEOUT))  # each chunk fits
+    assert sum(len(r.token_ids) for r in streamed) == req.stopping.max_tokens
+    expect_native_good(server)
+
+
 def test_native_duplicate_request_id(server: Server) -> None:
     running = server.native.GenerateStream(_dup("dup-1"), timeout=TIMEOUT)
     try:

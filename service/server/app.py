@@ -76,9 +76,10 @@ class ModelServer:
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         )
         requests = self.telemetry.requests
-        tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.holder, requests), self.server)
+        native = TandemServicer(self.holder, requests, limit)
+        tandem_pb2_grpc.add_TandemServicer_to_server(native, self.server)
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeServicer(self.holder, requests), self.server
+            KServeServicer(self.holder, requests, limit), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(SERVICE_NAMES, self.server)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from google.protobuf.message import Message
 
 from ..engine.errors import ErrorKind, RequestError
 
@@ -18,3 +19,19 @@ STATUS = {
 async def abort(context: grpc.aio.ServicerContext, err: RequestError) -> None:
     """End the call with the error's status; raises, as grpc.aio's abort does."""
     await context.abort(STATUS[err.kind], err.message)
+
+
+async def abort_if_too_large(context: grpc.aio.ServicerContext, response: Message, limit: int | None) -> None:
+    """A unary response past the message limit ends as RESOURCE_EXHAUSTED with a clear message.
+
+    grpc would refuse it too, but while serializing, with a traceback in the server's log.
+    """
+    if limit is None:
+        return
+    size = response.ByteSize()
+    if size > limit:
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the response ({size} bytes) exceeds the server's message limit of {limit} bytes "
+            "(--max-message-bytes): stream it instead, or ask for fewer tokens or logprobs",
+        )

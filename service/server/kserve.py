@@ -26,7 +26,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.validation import resolve_params
 from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .context import ContextHolder, ModelContext
-from .errors import abort
+from .errors import abort, abort_if_too_large
 from .kserve_tensors import bytes_output, read_inputs
 
 INPUTS = (  # name, KServe datatype, model-config type, optional
@@ -72,9 +72,12 @@ SERVICE = "inference.GRPCInferenceService"
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, holder: ContextHolder, telemetry: RequestTelemetry) -> None:
+    def __init__(
+        self, holder: ContextHolder, telemetry: RequestTelemetry, max_message_bytes: int | None = None
+    ) -> None:
         self.holder = holder
         self.telemetry = telemetry
+        self.max_message_bytes = max_message_bytes
 
     @property
     def ctx(self) -> ModelContext:
@@ -253,7 +256,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         except RequestError as err:
             await abort(context, err)
         text = done.text if req.exclude_input else req.prompt + done.text
-        return self._response(ctx, request, text, None)
+        response = self._response(ctx, request, text, None)
+        await abort_if_too_large(context, response, self.max_message_bytes)
+        return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext

@@ -17,7 +17,7 @@ from ..engine.sequence import FinishReason
 from ..engine.validation import resolve_params
 from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .context import ContextHolder, ModelContext
-from .errors import abort
+from .errors import abort, abort_if_too_large
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -32,9 +32,12 @@ def _messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
 
 
 class TandemServicer(pb_grpc.TandemServicer):
-    def __init__(self, holder: ContextHolder, telemetry: RequestTelemetry) -> None:
+    def __init__(
+        self, holder: ContextHolder, telemetry: RequestTelemetry, max_message_bytes: int | None = None
+    ) -> None:
         self.holder = holder
         self.telemetry = telemetry
+        self.max_message_bytes = max_message_bytes
 
     @property
     def ctx(self) -> ModelContext:
@@ -124,7 +127,9 @@ class TandemServicer(pb_grpc.TandemServicer):
                 trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
-        return self._response(request_id, merged)
+        response = self._response(request_id, merged)
+        await abort_if_too_large(context, response, self.max_message_bytes)
+        return response
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
