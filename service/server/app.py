@@ -99,7 +99,13 @@ class ModelServer:
         t0 = time.perf_counter()
         device = resolve_device(s.device)
         loaded = await asyncio.to_thread(load_model, s.model, s.model_name, device, s.dtype, s.cache_dir)
-        self.engine = build_engine(loaded, s)
+        if self.draining:  # stopped while loading: never turn SERVING
+            return
+        # graph capture and compilation take minutes on a large model: off the event loop, so
+        # health checks and signals are answered meanwhile
+        self.engine = await asyncio.to_thread(build_engine, loaded, s)
+        if self.draining:
+            return
         self.engine.start()
         self.holder.ctx = ModelContext(
             engine=self.engine,
@@ -114,6 +120,8 @@ class ModelServer:
         )
         if s.warmup:
             await _warm_up(self.engine)
+        if self.draining:
+            return
         self.telemetry.watch(self.engine.core, loaded.name)  # after warm-up: its steps are not traffic
         self.serving.set()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
