@@ -58,10 +58,6 @@ class SamplingTensors:
     needs_filter: bool  # any top-k / top-p in the batch
     num_logprobs: int  # -1 = none wanted; else top alternatives to return (0 = just the chosen one)
 
-    def to(self, device: torch.device) -> SamplingTensors:
-        move = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if torch.is_tensor(v)}
-        return SamplingTensors(**{**vars(self), **move})
-
 
 @dataclass
 class HostBatch:
@@ -80,10 +76,6 @@ class HostBatch:
     # async loop: per token, the row of the previous step's sampled tokens that is its input
     # (the host holds a placeholder there), or -1; None when nothing is carried
     carry: torch.Tensor | None = None
-
-
-def _tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(data, dtype=dtype)
 
 
 def build_host_batch(
@@ -137,30 +129,30 @@ def build_host_batch(
     table = lens = None
     if decode_tables:
         width = max(len(b) for b in decode_tables)
-        table = _tensor([b + [0] * (width - len(b)) for b in decode_tables], torch.int64)
-        lens = _tensor(decode_lens, torch.int64)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in decode_tables], dtype=torch.int64)
+        lens = torch.tensor(decode_lens, dtype=torch.int64)
     sampling = SamplingTensors(
-        temperature=_tensor(temps, torch.float32),
-        top_p=_tensor(top_ps, torch.float32),
-        top_k=_tensor(top_ks, torch.int64),
-        seeds=_tensor(seeds, torch.int64),
-        steps=_tensor(steps, torch.int64),
+        temperature=torch.tensor(temps, dtype=torch.float32),
+        top_p=torch.tensor(top_ps, dtype=torch.float32),
+        top_k=torch.tensor(top_ks, dtype=torch.int64),
+        seeds=torch.tensor(seeds, dtype=torch.int64),
+        steps=torch.tensor(steps, dtype=torch.int64),
         all_greedy=all(t == 0.0 for t in temps),
         needs_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
         num_logprobs=num_logprobs,
     )
     return HostBatch(
-        input_ids=_tensor(input_ids, torch.int64),
-        positions=_tensor(positions, torch.int64),
-        slot_mapping=_tensor(slots, torch.int64),
-        logits_indices=_tensor(logits_indices, torch.int64),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sample_chunks=sample_chunks,
         decode_token_idx=decode_idx,
         decode_block_table=table,
         decode_ctx_lens=lens,
         prefills=prefills,
         sampling=sampling,
-        carry=_tensor(carry, torch.int64) if any(c >= 0 for c in carry) else None,
+        carry=torch.tensor(carry, dtype=torch.int64) if any(c >= 0 for c in carry) else None,
     )
 
 

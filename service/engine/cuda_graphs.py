@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from .batch import AttentionMetadata, SamplingTensors, carry_over
+from .batch import AttentionMetadata, carry_over
 from .kv_cache import KVCache
 from .sampler import sample
 from .step_buffers import StepBuffers
@@ -49,35 +49,24 @@ class DecodeGraphs:
     def _step(self, s: int, b: int, sampled: bool) -> torch.Tensor:
         buf = self.slots[s]
         prev = self.slots[(s + 1) % len(self.slots)]  # the previous step ran in the other slot
-        d = buf.dev
-        input_ids = carry_over(d["input_ids"][:b], d["carry"][:b], prev.tokens)
+        dev = buf.view(b, b, b, buf.dev["block_table"].shape[1], all_greedy=not sampled)
         meta = AttentionMetadata(
-            slot_mapping=d["slot_mapping"][:b],
+            slot_mapping=dev.slot_mapping,
             block_size=self.cache.block_size,
             kv_cache=self.cache,
             decode_only=True,
-            decode_block_table=d["block_table"][:b],
-            decode_ctx_lens=d["ctx_lens"][:b],
+            decode_block_table=dev.block_table,
+            decode_ctx_lens=dev.ctx_lens,
         )
         out = self.forward(
-            input_ids=input_ids[None],
-            position_ids=d["positions"][None, :b],
+            input_ids=carry_over(dev.input_ids, dev.carry, prev.tokens)[None],
+            position_ids=dev.positions[None],
             logits_to_keep=0,
             use_cache=False,
             tandem_meta=meta,
         )
         logits = out.logits[0]
-        st = SamplingTensors(
-            temperature=d["temperature"][:b],
-            top_p=d["top_p"][:b],
-            top_k=d["top_k"][:b],
-            seeds=d["seeds"][:b],
-            steps=d["steps"][:b],
-            all_greedy=not sampled,
-            needs_filter=False,
-            num_logprobs=-1,
-        )
-        buf.tokens[:b].copy_(sample(logits, st).tokens)
+        buf.tokens[:b].copy_(sample(logits, dev.sampling).tokens)
         return logits
 
     @torch.inference_mode()

@@ -17,7 +17,8 @@ from .attention_ref import decode_attention, decode_mask
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device: the decode kernel's split count follows them."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -47,7 +48,7 @@ def paged_decode(
         from .triton_decode import num_splits_for, paged_decode_attention
 
         # splits depend only on the batch size: fixed per captured graph
-        splits = num_splits_for(q.shape[0], k_cache.shape[1], _num_sms(q.device.index or 0))
+        splits = num_splits_for(q.shape[0], k_cache.shape[1], num_sms(q.device.index or 0))
         out = paged_decode_attention(q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits)
     else:
         width = -(-int(ctx_lens.max()) // block_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
-from .decode_op import kernel_supports
+from .decode_op import kernel_supports, num_sms
 from .kv_cache import KVCache
 from .sampler import SampleOutput, sample
 from .scheduler import ScheduledChunk
@@ -128,9 +128,7 @@ class ModelRunner:
         # blocks of at least 16 tokens (a power of two) for its matrix tiles
         bs = cache.block_size
         self.in_place_decode = device.type == "cuda" and not self.sliding_window and kernel_supports(bs)
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-        )
+        self.num_sms = num_sms(device.index or 0) if device.type == "cuda" else 0
         self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
         if self.in_place_decode:
             from .triton_decode import DecodeKernel  # needs Triton: CUDA hosts only

@@ -124,10 +124,19 @@ class StepBuffers:
         if n_rows:
             self.dev["block_table"][:n_rows].copy_(h["block_table"][:n_rows], non_blocking=True)
         width = batch.decode_block_table.shape[1] if batch.decode_block_table is not None else 0
-        return self.view(n_tok, n_seq, n_dec, width, s)
+        return self.view(n_tok, n_seq, n_dec, width, s.all_greedy, s.needs_filter, s.num_logprobs)
 
-    def view(self, n_tok: int, n_seq: int, n_dec: int, width: int, s: SamplingTensors) -> DeviceBatch:
-        """`width`: block-table columns in use (the graph path passes all of them)."""
+    def view(
+        self,
+        n_tok: int,
+        n_seq: int,
+        n_dec: int,
+        width: int,
+        all_greedy: bool,
+        needs_filter: bool = False,
+        num_logprobs: int = -1,
+    ) -> DeviceBatch:
+        """The first rows of the device buffers; `width`: block-table columns in use."""
         d = self.dev
         sampling = SamplingTensors(
             temperature=d["temperature"][:n_seq],
@@ -135,9 +144,9 @@ class StepBuffers:
             top_k=d["top_k"][:n_seq],
             seeds=d["seeds"][:n_seq],
             steps=d["steps"][:n_seq],
-            all_greedy=s.all_greedy,
-            needs_filter=s.needs_filter,
-            num_logprobs=s.num_logprobs,
+            all_greedy=all_greedy,
+            needs_filter=needs_filter,
+            num_logprobs=num_logprobs,
         )
         return DeviceBatch(
             input_ids=d["input_ids"][:n_tok],
