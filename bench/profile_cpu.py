@@ -22,6 +22,7 @@ from cpu_throughput import QUESTIONS, TANDEM_SPEC
 from tandem.service.engine import attention, engine_core, model_runner, scheduler
 from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+from tandem.service.engine.step_buffers import StepBuffers
 from tandem.service.models.loader import load_model
 
 TOTALS: dict[str, float] = defaultdict(float)
@@ -69,7 +70,8 @@ def instrument(model: torch.nn.Module) -> None:
     )
     model.lm_head.forward = timed("- lm_head (one row per sequence x vocab)", model.lm_head.forward)
     model_runner.sample = timed("sampler.py:sample", model_runner.sample)
-    Runner.fetch = staticmethod(timed("model_runner.py:ModelRunner.fetch (.tolist)", Runner.fetch))
+    StepBuffers.upload = timed("step_buffers.py:StepBuffers.upload (staging + copies)", StepBuffers.upload)
+    Runner.wait = staticmethod(timed("model_runner.py:ModelRunner.wait (.tolist)", Runner.wait))
     Core._process = timed("engine_core.py:EngineCore._process (finish_step, updates)", Core._process)
 
 
