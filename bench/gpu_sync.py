@@ -222,9 +222,10 @@ def main() -> None:
         "sync": {},
         "async": {"step_loop": "async"},
         "eager": {"cuda_graphs": False},
-        "compiled": {"step_loop": "async", "compile_decode": True},
-        "compiled_sync": {"compile_decode": True},
-        "compiled_fused": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
+        # the server's CUDA defaults: compiled decode forward, fused projections
+        "compiled": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
+        "compiled_sync": {"compile_decode": True, "fuse_projections": True},
+        "compiled_unfused": {"step_loop": "async", "compile_decode": True},
     }
     chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
     runs = {}

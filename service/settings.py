@@ -46,6 +46,11 @@ class ServerSettings(BaseSettings):
         description="CUDA: decode steps run a torch.compile'd forward (fused norms, rotary, activations); "
         "adds compile time to start-up (about 100 s for an 8B model).",
     )
+    fuse_projections: bool = Field(
+        True,
+        description="CUDA: Q/K/V and gate/up projections run as one GEMM each (the weights are "
+        "concatenated at start-up, in place of the separate ones).",
+    )
     step_loop: Literal["auto", "sync", "async"] = Field(
         "auto", description="async: prepare step N+1 while the device runs step N; auto = async on CUDA."
     )

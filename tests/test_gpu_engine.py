@@ -72,19 +72,22 @@ def _arrivals(params: SamplingParams, seed: int = 1) -> list[Arrival]:
     ]
 
 
-def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None):
+def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None, fuse: bool = False):
     return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
-                     max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend)
+                     max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend,
+                     fuse_projections=fuse)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_cuda_compiled_graphs_match_generate(family):
-    """Inductor-compiled decode forward, captured per slot and bucket, async loop."""
-    model = _tiny_cuda(family)
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_cuda_compiled_graphs_match_generate(family, fuse):
+    """Inductor-compiled decode forward, captured per slot and bucket, async loop; with fused
+    projections (the server's CUDA default) too. The reference is an untouched twin model."""
+    model, twin = _tiny_cuda(family), _tiny_cuda(family)
     arrivals = _arrivals(SamplingParams(max_tokens=24))
-    result = run(_core(model, graphs=True, compile_backend="inductor"), arrivals)
+    result = run(_core(model, graphs=True, compile_backend="inductor", fuse=fuse), arrivals)
     for a in arrivals:
-        assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 24, None), a.request_id
+        assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,19 @@ from tandem.service.engine.attention_ref import decode_attention
 pytestmark = pytest.mark.gpu
 
 
+SHAPES = [(1, 32, 8, 128, 16, 4096), (7, 8, 8, 64, 16, 300), (32, 32, 8, 128, 16, 1500),
+          (3, 14, 2, 64, 32, 2000), (64, 16, 4, 128, 16, 257), (2, 9, 3, 64, 16, 5000),
+          (5, 8, 2, 128, 128, 700)]
+
+
+@pytest.mark.parametrize("store_new", [False, True], ids=["cache-only", "writes-new-kv"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(
-    "batch, heads, kv_heads, head_dim, block_size, max_len",
-    [(1, 32, 8, 128, 16, 4096), (7, 8, 8, 64, 16, 300), (32, 32, 8, 128, 16, 1500),
-     (3, 14, 2, 64, 32, 2000), (64, 16, 4, 128, 16, 257), (2, 9, 3, 64, 16, 5000)],
-)
-def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block_size, max_len):
-    from tandem.service.engine.triton_decode import num_splits_for, paged_decode_attention
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, block_size, max_len", SHAPES)
+def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new):
+    """Fresh random inputs, blocks scattered over the cache, every split count and tile the engine
+    may pick; with `store_new` the kernel itself writes each sequence's newest K/V into the cache,
+    as a decode step does, and must leave the cache exactly as the reference copy would."""
+    from tandem.service.engine.triton_decode import num_splits_for, paged_decode_attention, tile_for
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + max_len)
     num_blocks = batch * (-(-max_len // block_size)) + 8
@@ -33,13 +38,31 @@ def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block
     table = torch.randperm(num_blocks, device="cuda", generator=g)[: batch * width].view(batch, width)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype, generator=g)
     scale = head_dim**-0.5
+    new_kv = None
+    ref_k, ref_v = k_cache, v_cache
+    if store_new:  # [B, Hkv, D] views of [Hkv, B, D], strided as the model hands them over
+        new_shape = (kv_heads, batch, head_dim)
+        new_k = torch.randn(new_shape, device="cuda", dtype=dtype, generator=g).transpose(0, 1)
+        new_v = torch.randn(new_shape, device="cuda", dtype=dtype, generator=g).transpose(0, 1)
+        last = lens - 1
+        slots = table[torch.arange(batch, device="cuda"), last // block_size].long() * block_size
+        slots += last % block_size
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        ref_k.index_copy_(0, slots, new_k)
+        ref_v.index_copy_(0, slots, new_v)
+        new_kv = (new_k, new_v, slots)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pos = torch.arange(width * block_size, device="cuda")
+    slots_of = (table[:, :, None] * block_size + torch.arange(block_size, device="cuda")).view(batch, -1)
+    ref = decode_attention(q.float(), ref_k[slots_of].float(), ref_v[slots_of].float(),
+                           pos[None, :] < lens[:, None], scale)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     for splits in {1, num_splits_for(batch, kv_heads, sms), 32}:
-        out = paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, scale, splits)
-        pos = torch.arange(width * block_size, device="cuda")
-        slots = (table[:, :, None] * block_size + torch.arange(block_size, device="cuda")).view(batch, -1)
-        ref = decode_attention(q.float(), k_cache[slots].float(), v_cache[slots].float(),
-                               pos[None, :] < lens[:, None], scale)
-        tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-        assert err < tol, f"splits={splits}: relative error {err}"
+        # the engine's tile, and (bf16) one smaller than a block: tiles that split blocks
+        for tile in {tile_for(block_size)} | ({16} if dtype == torch.bfloat16 else set()):
+            k_run, v_run = k_cache.clone(), v_cache.clone()
+            args = (q, k_run, v_run, table, lens, block_size, scale, splits)
+            out = paged_decode_attention(*args, new_kv, tile=tile)
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < tol, f"splits={splits}, tile={tile}: relative error {err}"
+            assert torch.equal(k_run, ref_k) and torch.equal(v_run, ref_v), f"splits={splits}, tile={tile}"

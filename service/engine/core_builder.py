@@ -30,8 +30,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's, capped by what the cache holds
     cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
     step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
-    # Q/K/V and gate/up as one GEMM each (changes the model in place); off until measured on the
-    # H200: on the CPU it is no faster (docs/architecture.md)
+    # Q/K/V and gate/up as one GEMM each (changes the model in place). The server turns it on for
+    # CUDA (0.5 ms of an 8B step at batch 32 on the H200); on the CPU it is no faster
     fuse_projections: bool = False
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation

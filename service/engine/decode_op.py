@@ -41,16 +41,20 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """-> [1, B, H, D] attention output of each sequence's single query."""
-    k_cache.index_copy_(0, slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
     q = query[0].transpose(0, 1)  # [B, H, D]
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     if q.is_cuda and kernel_supports(block_size):
         from .triton_decode import num_splits_for, paged_decode_attention
 
-        # splits depend only on the batch size: fixed per captured graph
+        # splits depend only on the batch size: fixed per captured graph; the kernel writes the
+        # new K/V into the cache itself
         splits = num_splits_for(q.shape[0], k_cache.shape[1], num_sms(q.device.index or 0))
-        out = paged_decode_attention(q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits)
+        new = (new_k, new_v, slot_mapping)
+        args = (q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits)
+        out = paged_decode_attention(*args, new_kv=new)
     else:
+        k_cache.index_copy_(0, slot_mapping, new_k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slot_mapping, new_v.to(v_cache.dtype))
         width = -(-int(ctx_lens.max()) // block_size)
         blocks = block_table[:, :width].long().flatten()
         shape = (-1, block_size, *k_cache.shape[1:])

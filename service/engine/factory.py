@@ -46,6 +46,7 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
         cuda_graphs=settings.cuda_graphs,
         step_loop=settings.step_loop,
         compile_decode=settings.compile and device.type == "cuda",
+        fuse_projections=settings.fuse_projections and device.type == "cuda",
     )
     core = build_core(model, config, loaded.eos_token_ids)
     limits = Limits(

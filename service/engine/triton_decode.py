@@ -1,10 +1,12 @@
 """Paged decode attention on CUDA: a Triton split-K kernel that reads K/V where they lie.
 
 Each program takes one (sequence, KV head, context split) and walks that split of the sequence's
-context one cache block at a time through its block table, for all the query heads that share the
-KV head (grouped-query attention reads each K/V tile once). A second kernel merges the splits with
-their running max and sum (the usual log-sum-exp merge). No gather copy of K/V, no host sync: the
-launch depends only on the batch size, so it can be captured in a CUDA graph.
+context one tile of tokens at a time (several cache blocks, found through the block table), for
+all the query heads that share the KV head (grouped-query attention reads each K/V tile once).
+In a decode step the kernel also writes the step's new K/V into the cache: one launch, not three.
+A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
+No gather copy of K/V, no host sync: the launch depends only on the batch size, so it can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,57 +25,83 @@ def _decode_split_kernel(
     v_ptr,
     table_ptr,
     lens_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slot_ptr,
     part_out_ptr,
     part_ml_ptr,
+    out_ptr,
     scale,
     stride_qb,
     stride_qh,
     stride_ks,
     stride_kh,
     stride_tb,
+    stride_nkb,
+    stride_nkh,
+    stride_nvb,
+    stride_nvh,
     stride_pb,
     stride_ph,
     stride_ps,
     stride_mb,
     stride_mh,
     stride_ms,
+    stride_ob,
+    stride_oh,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    STORE_NEW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
-    # each sequence's blocks are spread evenly over the splits, whatever its length
-    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
-    first_block = split * per_split
-    last_block = tl.minimum(first_block + per_split, num_blocks)
+    # each sequence's tiles are spread evenly over the splits, whatever its length
+    num_tiles = tl.cdiv(ctx_len, TILE)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * per_split
+    last_tile = tl.minimum(first_tile + per_split, num_tiles)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TILE)
     heads = kvh * GROUP + g
     g_ok = g < GROUP
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
     )
+    new_pos = ctx_len - 1
+    if STORE_NEW:
+        # the step's own K/V: the one program whose tiles hold its position writes it to the cache
+        # (no other program reads that slot this step) and uses it from registers
+        new_k = tl.load(new_k_ptr + b * stride_nkb + kvh * stride_nkh + d).to(k_ptr.dtype.element_ty)
+        new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
+        owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
+        new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
+        tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
+        tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for block_idx in range(first_block, last_block):
-        live = block_idx * BLOCK_SIZE + t < ctx_len
-        block = tl.load(table_ptr + b * stride_tb + block_idx)
-        slots = block * BLOCK_SIZE + t
+    for tile in tl.range(first_tile, last_tile):
+        # a tile spans several cache blocks: each token finds its block through the table
+        pos = tile * TILE + t
+        live = pos < ctx_len
+        block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
+        slots = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
-        s = (
-            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-        )  # [GROUP_PAD, BLOCK_SIZE]
+        if STORE_NEW:
+            is_new = (pos == new_pos)[:, None]
+            k = tl.where(is_new, new_k[None, :], k)
+            v = tl.where(is_new, new_v[None, :], v)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [GROUP_PAD, TILE]
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -81,11 +109,16 @@ def _decode_split_kernel(
         lsum = lsum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
-    out_off = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
-    tl.store(part_out_ptr + out_off, acc, mask=g_ok[:, None])
-    ml_off = b * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(part_ml_ptr + ml_off, m, mask=g_ok)
-    tl.store(part_ml_ptr + ml_off + 1, lsum, mask=g_ok)
+    if NUM_SPLITS == 1:  # the whole context in one program: the output, with no merge launch
+        out = acc / lsum[:, None]
+        out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        part_off = b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
+        tl.store(part_out_ptr + part_off, acc, mask=g_ok[:, None])
+        ml_off = b * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(part_ml_ptr + ml_off, m, mask=g_ok)
+        tl.store(part_ml_ptr + ml_off + 1, lsum, mask=g_ok)
 
 
 @triton.jit
@@ -130,6 +163,13 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
     return max(1, min(32, -(-2 * num_sms // (batch * kv_heads))))
 
 
+def tile_for(block_size: int) -> int:
+    """Tokens per loop iteration, whatever the block size: each token finds its block through the
+    table. 32 with one pipeline stage was the fastest on the H200 at batch 1, 32 and 256
+    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    return 32
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]
@@ -139,7 +179,17 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     num_splits: int,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    tile: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 1,
 ) -> torch.Tensor:
+    """Attention of each sequence's one query over its paged context.
+
+    `new_kv` = (key [B, Hkv, D], value, slot_mapping [B]): the step's own K/V, written into the
+    cache at `slot_mapping` by the kernel itself (the last context position of each sequence),
+    instead of by a separate copy beforehand.
+    """
     q = q.contiguous()
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
@@ -147,33 +197,55 @@ def paged_decode_attention(
     part_out = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if new_kv is not None:
+        new_k, new_v, slot_mapping = new_kv
+        if new_k.stride(-1) != 1 or new_v.stride(-1) != 1:
+            new_k, new_v = new_k.contiguous(), new_v.contiguous()
+    else:  # unused pointers
+        new_k, new_v, slot_mapping = k_cache, v_cache, ctx_lens
     _decode_split_kernel[(b, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
         block_table,
         ctx_lens,
+        new_k,
+        new_v,
+        slot_mapping,
         part_out,
         part_ml,
+        out,
         scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         block_table.stride(0),
+        new_k.stride(0),
+        new_k.stride(1),
+        new_v.stride(0),
+        new_v.stride(1),
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
         part_ml.stride(0),
         part_ml.stride(1),
         part_ml.stride(2),
+        out.stride(0),
+        out.stride(1),
         NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
+        TILE=tile or tile_for(block_size),
+        STORE_NEW=new_kv is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches stay exact
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if num_splits == 1:  # the split kernel wrote the output itself
+        return out
     _merge_kernel[(b, h)](
         part_out,
         part_ml,

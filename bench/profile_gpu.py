@@ -1,0 +1,245 @@
+"""Where does a decode step's device time go on CUDA? Three views, one run:
+
+1. the steady decode step of the real engine (CUDA graphs, compiled or not), profiled with
+   torch.profiler: every kernel of a few steps, grouped by kind (GEMM, decode attention, fused
+   Triton element-wise, copies), against the wall time of the step and its bandwidth roofline;
+2. the linear layers alone at the step's batch size: achieved bandwidth of each weight read;
+3. the paged decode attention kernel alone at the step's context length, per split count.
+
+    python bench/profile_gpu.py [--shape 8b] [--requests 32] [--prompt 640] [--steps 8]
+                                [--engine compiled] [--trace steps.json] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import _repo
+import torch
+from common import blocks_for, copy_bandwidth, environment, markdown_table, write_json
+from gpu_sync import build_model
+
+from tandem.service.engine.core_builder import EngineConfig, build_core
+from tandem.service.engine.decode_op import num_sms
+from tandem.service.engine.kv_cache import CacheShape
+from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+
+ENGINES = {
+    "eager": {"cuda_graphs": True},
+    "compiled": {"compile_decode": True},
+    "compiled_fused": {"compile_decode": True, "fuse_projections": True},
+}
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if "_decode_split" in n or "_merge_kernel" in n:
+        return "decode attention"
+    if any(k in n for k in ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")):
+        return "GEMM (cuBLAS)"
+    if n.startswith("triton_tem_"):
+        return "GEMM (Triton)"
+    if n.startswith("triton_"):
+        return "fused element-wise (Triton)"
+    if "memcpy" in n or "copy" in n or "memset" in n:
+        return "copies"
+    if "argmax" in n or "reduce" in n:
+        return "reductions (sampling)"
+    return "other"
+
+
+def timed(fn, reps: int = 20) -> float:
+    """Seconds per call, from a CUDA graph of `reps` calls (no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (5 * reps)
+
+
+def profile_steps(core, prompts: list[list[int]], steps: int, trace: Path) -> dict:
+    """Run the requests into steady decode, then profile `steps` decode steps of the async loop."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add(GenerationRequest(f"p{i}", list(p), params))
+    core.drain_inbox(block=False)
+    launched = None
+    for _ in range(20):  # prefill and the first decodes
+        _, launched = core.step_ahead(launched)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            _, launched = core.step_ahead(launched)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    while core.scheduler.has_work or launched is not None:
+        _, launched = core.step_ahead(launched)
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e["name"]].append(float(e["dur"]))
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, durs in by_name.items():
+        by_kind[kernel_kind(name)] += sum(durs) / steps
+    span = 0.0
+    if kernels:
+        span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / steps
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    return {
+        "wall_ms_per_step": round(1e3 * wall, 3),
+        "kernel_span_ms_per_step": round(span / 1e3, 3),
+        "kernel_busy_ms_per_step": round(sum(by_kind.values()) / 1e3, 3),
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "by_kind_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": n[:120], "kind": kernel_kind(n), "per_step": round(len(d) / steps, 1),
+             "us_per_step": round(sum(d) / steps, 1), "us_each": round(sum(d) / len(d), 2)}
+            for n, d in top
+        ],
+    }
+
+
+def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> list[dict]:
+    """Each distinct linear of layer 0 and the LM head at `batch` rows: time and share of copy bandwidth."""
+    layer = model.model.layers[0]
+    linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears["lm_head"] = model.lm_head
+    rows = []
+    for name, lin in linears.items():
+        x = torch.randn(batch, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
+        seconds = timed(lambda x=x, lin=lin: torch.nn.functional.linear(x, lin.weight))
+        nbytes = lin.weight.numel() * lin.weight.element_size()
+        rows.append({"linear": name, "shape": list(lin.weight.shape), "us": round(1e6 * seconds, 1),
+                     "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
+    return rows
+
+
+def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwidth: float) -> list[dict]:
+    """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode step),
+    over tile sizes, pipeline stages and split counts; the configuration the engine picks is marked."""
+    from tandem.service.engine.triton_decode import num_splits_for, paged_decode_attention, tile_for
+
+    shape = CacheShape.of(model.config)
+    heads, block = model.config.num_attention_heads, 16
+    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
+    per_seq = -(-context // block)
+    k = torch.randn(batch * per_seq * block, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
+    v = torch.randn_like(k)
+    table = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, heads, shape.head_dim, dtype=dt, device=dev)
+    new_k = torch.randn(batch, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
+    new_v = torch.randn_like(new_k)
+    last = (context - 1) // block
+    slots = table[:, last].long() * block + (context - 1) % block
+    chosen = (tile_for(block), 2, num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0)))
+    nbytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    rows = []
+    for tile in (16, 32, 64, 128):
+        for stages in (1, 2, 3):
+            for splits in (1, 2, 4, 8, 16, 32):
+                def call(tile=tile, stages=stages, splits=splits) -> None:
+                    paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, (new_k, new_v, slots),
+                                           tile=tile, num_stages=stages)
+                try:
+                    seconds = timed(call)
+                except Exception as exc:  # a configuration the compiler rejects: note it, go on
+                    rows.append({"tile": tile, "stages": stages, "splits": splits, "error": str(exc)[:200]})
+                    continue
+                rows.append({"tile": tile, "stages": stages, "splits": splits,
+                             "chosen": (tile, stages, splits) == chosen, "us": round(1e6 * seconds, 1),
+                             "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["8b", "1b"], default="8b")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=640, help="prompt tokens: the context the steps attend to")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps profiled")
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="compiled")
+    ap.add_argument("--trace", default=None, help="Chrome trace of the profiled steps (default: a temp file)")
+    ap.add_argument("--out", default=None, help="JSON result path")
+    ap.add_argument("--attention", default="", metavar="B:CTX,...",
+                    help="sweep the decode kernel's configurations at these batch:context points")
+    ap.add_argument("--no-step", action="store_true", help="only the linears and the kernel sweep")
+    a = ap.parse_args()
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    env = environment(device)
+    bandwidth = copy_bandwidth(device)
+    model = build_model(a.shape, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = CacheShape.of(model.config).bytes_per_token(dtype)
+    print(f"{env['gpu']}: copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
+
+    linears = linear_bandwidth(model, a.requests, bandwidth)
+    print(markdown_table(["linear", "weight", "us", "of bandwidth"],
+                         [[r["linear"], r["shape"], r["us"], f"{r['of_bandwidth']:.0%}"] for r in linears]))
+    attention = {}
+    for point in a.attention.split(",") if a.attention else []:
+        batch, context = (int(x) for x in point.split(":"))
+        rows = decode_kernel_sweep(model, batch, context, bandwidth)
+        attention[point] = rows
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        print(f"decode attention, batch {batch}, context {context}: best 8 and the engine's choice")
+        shown = ok[:8] + [r for r in ok[8:] if r["chosen"]]
+        print(markdown_table(["tile", "stages", "splits", "chosen", "us (one layer)", "of bandwidth"],
+                             [[r["tile"], r["stages"], r["splits"], r["chosen"], r["us"],
+                               f"{r['of_bandwidth']:.0%}"] for r in shown]))
+        failed = [r for r in rows if "error" in r]
+        if failed:
+            print(f"{len(failed)} configurations failed, e.g. {failed[0]}")
+    if a.no_step:
+        write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
+                   {"benchmark": "profile_gpu", "environment": env, "attention": attention})
+        return
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.config.vocab_size - 2, (a.requests, a.prompt), generator=g).tolist()
+    spec = EngineConfig(blocks_for(a.requests, a.prompt + a.steps + 64, 16), 16, max(32, a.requests),
+                        4096, step_loop="async")
+    start = time.perf_counter()
+    core = build_core(model, dataclasses.replace(spec, **ENGINES[a.engine]))
+    print(f"engine {a.engine} built in {time.perf_counter() - start:.1f} s", flush=True)
+    trace = Path(a.trace or tempfile.mktemp(suffix=".json"))
+    steps = profile_steps(core, prompts, a.steps, trace)
+    context = a.prompt + 20 + a.steps // 2
+    roof_ms = 1e3 * (weight_bytes + a.requests * context * kv_per_token) / bandwidth
+    steps["roofline_ms_per_step"] = round(roof_ms, 3)
+    print(f"step: wall {steps['wall_ms_per_step']} ms, kernels span {steps['kernel_span_ms_per_step']} ms, "
+          f"busy {steps['kernel_busy_ms_per_step']} ms, {steps['kernels_per_step']} kernels; "
+          f"roofline {roof_ms:.3f} ms")
+    print(markdown_table(["kind", "ms per step"], list(steps["by_kind_ms"].items())))
+    print(markdown_table(["kernel", "kind", "per step", "us per step", "us each"],
+                         [[k["name"][:70], k["kind"], k["per_step"], k["us_per_step"], k["us_each"]]
+                          for k in steps["top_kernels"]]))
+    result = {"benchmark": "profile_gpu", "environment": env, "shape": a.shape, "engine": a.engine,
+              "requests": a.requests, "context": context, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+              "linears": linears, "decode_attention": attention, "step": steps}
+    out = write_json(a.out or _repo.REPO / f"bench/results/profile_{a.shape}_{a.engine}_{a.requests}.json",
+                     result)
+    print(f"wrote {out}; trace {trace}")
+
+
+if __name__ == "__main__":
+    main()
