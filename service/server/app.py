@@ -101,7 +101,9 @@ class ModelServer:
         loaded = await asyncio.to_thread(load_model, s.model, s.model_name, device, s.dtype, s.cache_dir)
         if self.draining:  # stopped while loading: never turn SERVING
             return
-        self.engine = build_engine(loaded, s)
+        # graph capture and compilation take minutes on a large model: off the event loop, so
+        # health checks and signals are answered meanwhile
+        self.engine = await asyncio.to_thread(build_engine, loaded, s)
         if self.draining:
             return
         self.engine.start()
