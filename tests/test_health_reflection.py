@@ -262,3 +262,25 @@ def test_drain_timeout_cuts_long_streams(
 
     assert proc.wait(timeout=15) == 0
     assert time.monotonic() - t_term < drain_s + 15
+
+
+def test_sigterm_while_the_model_loads_exits_at_once(
+    tmp_path: Path, stop_leftover: list[subprocess.Popen]
+) -> None:
+    """A pod deleted during its first start (the GGUF still converting, tens of seconds on two
+    cores) exits at once with status 0: the load is abandoned, not waited for."""
+    from tandem.service.models.default_model import default_gguf_path
+
+    cache, log = tmp_path / "cache", tmp_path / "server.log"
+    address, proc = spawn(default_gguf_path(), log, "--cache-dir", str(cache))
+    stop_leftover.append(proc)
+    with grpc.insecure_channel(address, options=FAST_RECONNECT) as channel:
+        assert first_health(channel, proc) == NOT_SERVING
+        time.sleep(1.0)
+        assert check(channel) == NOT_SERVING  # still converting
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
+    assert time.monotonic() - sent < 10
+    assert "not waiting for the load" in log.read_text()
+    assert not list(cache.glob("*/config.json")), "the conversion finished: the exit waited for it"

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tandem.service.models.default_model import DEFAULT_MODEL_NAME, default_gguf_path
-from tandem.service.models.loader import convert_gguf, default_cache_dir, load_model
+from tandem.service.models.loader import (
+    STALE_STAGING_S,
+    convert_gguf,
+    default_cache_dir,
+    load_model,
+    remove_stale_staging,
+)
 
 
 def _cache() -> Path:
@@ -45,3 +51,17 @@ def test_a_transformers_directory_and_a_name_override(tiny_model_dir):
 def test_a_bad_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a transformers model directory"):
         load_model(str(tmp_path / "nowhere"), None, torch.device("cpu"))
+
+
+def test_staging_folders_of_abandoned_conversions_are_removed(tmp_path):
+    """A server stopped mid-conversion leaves its staging folder; the next conversion removes it
+    once it is old, but never a young one (another server may be converting into the same cache)."""
+    old, young, model = tmp_path / ".convert-old", tmp_path / ".convert-young", tmp_path / "model-abc"
+    for folder in (old, young, model):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 1024)
+    long_ago = os.stat(old).st_mtime - STALE_STAGING_S - 60
+    os.utime(old, (long_ago, long_ago))
+    os.utime(model, (long_ago, long_ago))
+    assert remove_stale_staging(tmp_path) == [old]
+    assert not old.exists() and young.is_dir() and model.is_dir()

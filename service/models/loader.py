@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,24 @@ def _gguf_cache_key(gguf: Path) -> str:
     return hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+STALE_STAGING_S = 6 * 3600  # a conversion staging folder this old was abandoned (its server stopped)
+
+
+def remove_stale_staging(cache_dir: Path, max_age_s: float = STALE_STAGING_S) -> list[Path]:
+    """Delete conversion staging folders left by servers stopped mid-conversion; -> those deleted.
+    Young ones are kept: another server sharing the cache may be converting right now."""
+    removed = []
+    now = time.time()
+    for staging in cache_dir.glob(".convert-*"):
+        try:
+            if now - staging.stat().st_mtime > max_age_s:
+                shutil.rmtree(staging, ignore_errors=True)
+                removed.append(staging)
+        except OSError:  # gone meanwhile
+            continue
+    return removed
+
+
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """De-quantize a GGUF file into a safetensors directory, once; return that directory."""
     target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
@@ -53,6 +72,8 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     cache_dir.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_staging(cache_dir):
+        log.info("removed %s, left by a conversion that never finished", stale)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
         model.save_pretrained(staging)

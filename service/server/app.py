@@ -1,14 +1,17 @@
 """The model-server process: gRPC server up first (health NOT_SERVING), then load, warm up, serve.
 
 SIGTERM starts a drain: health turns NOT_SERVING at once, new generations get UNAVAILABLE,
-running streams may finish for `drain_timeout_s`, then the server stops.
+running streams may finish for `drain_timeout_s`, then the server stops; during the load or the
+engine build it stops at once, without waiting for them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import time
 
 import grpc
@@ -26,6 +29,7 @@ from ..models.loader import load_model
 from ..settings import ServerSettings
 from ..telemetry.http import MetricsServer
 from ..telemetry.otel import Telemetry
+from .background import in_daemon_thread
 from .context import ContextHolder, ModelContext
 from .kserve import KServeServicer
 from .native import TandemServicer
@@ -98,12 +102,14 @@ class ModelServer:
         s = self.settings
         t0 = time.perf_counter()
         device = resolve_device(s.device)
-        loaded = await asyncio.to_thread(load_model, s.model, s.model_name, device, s.dtype, s.cache_dir)
+        loaded = await in_daemon_thread(
+            load_model, s.model, s.model_name, device, s.dtype, s.cache_dir, name="tandem-load"
+        )
         if self.draining:  # stopped while loading: never turn SERVING
             return
         # graph capture and compilation take minutes on a large model: off the event loop, so
         # health checks and signals are answered meanwhile
-        self.engine = await asyncio.to_thread(build_engine, loaded, s)
+        self.engine = await in_daemon_thread(build_engine, loaded, s, name="tandem-build")
         if self.draining:
             return
         self.engine.start()
@@ -155,8 +161,17 @@ async def serve(settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    load = asyncio.create_task(server.load())
+    stopped = asyncio.create_task(server.server.wait_for_termination())
     try:
-        await server.load()
-        await server.server.wait_for_termination()
+        done, _ = await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if load in done:
+            load.result()  # a failed load ends the process with its error
+            await stopped
     finally:
         await server.close()
+        if not load.done():  # drained while loading or building: abandon that work, exit now
+            log.info("stopped before the model was ready; not waiting for the load to finish")
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(0)
