@@ -226,6 +226,9 @@ def main() -> None:
         "compiled": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
         "compiled_sync": {"compile_decode": True, "fuse_projections": True},
         "compiled_unfused": {"step_loop": "async", "compile_decode": True},
+        # the same over a head-major (HND) KV cache: each head's cache blocks contiguous
+        "compiled_hnd": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
+                         "kv_layout": "HND"},
     }
     chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
     runs = {}

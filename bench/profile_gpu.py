@@ -34,6 +34,7 @@ ENGINES = {  # as bench/gpu_sync.py: "compiled" is the server's CUDA default
     "eager": {"cuda_graphs": True},
     "compiled": {"compile_decode": True, "fuse_projections": True},
     "compiled_unfused": {"compile_decode": True},
+    "compiled_hnd": {"compile_decode": True, "fuse_projections": True, "kv_layout": "HND"},
 }
 
 
@@ -134,15 +135,25 @@ def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> li
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwidth: float) -> list[dict]:
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode step),
-    over tile sizes, pipeline stages and split counts; the configuration the engine picks is marked."""
-    from tandem.service.engine.triton_decode import num_splits_for, paged_decode_attention, tile_for
+    over both cache layouts, tile sizes, pipeline stages and split counts; the configuration the
+    engine picks (for the NHD layout, its default) is marked."""
+    from tandem.service.engine.triton_decode import (
+        NUM_STAGES,
+        num_splits_for,
+        paged_decode_attention,
+        tile_for,
+    )
 
     shape = CacheShape.of(model.config)
     heads, block = model.config.num_attention_heads, 16
     dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
     per_seq = -(-context // block)
-    k = torch.randn(batch * per_seq * block, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
-    v = torch.randn_like(k)
+    slots_all = batch * per_seq * block
+    heads_kv, dim = shape.num_kv_heads, shape.head_dim
+    caches = {  # [slots, Hkv, D] views of each storage
+        "NHD": [torch.randn(slots_all, heads_kv, dim, dtype=dt, device=dev) for _ in "kv"],
+        "HND": [torch.randn(heads_kv, slots_all, dim, dtype=dt, device=dev).transpose(0, 1) for _ in "kv"],
+    }
     table = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q = torch.randn(batch, heads, shape.head_dim, dtype=dt, device=dev)
@@ -150,23 +161,26 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     new_v = torch.randn_like(new_k)
     last = (context - 1) // block
     slots = table[:, last].long() * block + (context - 1) % block
-    chosen = (tile_for(block), 2, num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0)))
+    new_kv = (new_k, new_v, slots)
+    chosen = (tile_for(block), NUM_STAGES, num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0)))
     nbytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
-    for tile in (16, 32, 64, 128):
-        for stages in (1, 2, 3):
-            for splits in (1, 2, 4, 8, 16, 32):
-                def call(tile=tile, stages=stages, splits=splits) -> None:
-                    paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, (new_k, new_v, slots),
-                                           tile=tile, num_stages=stages)
-                try:
-                    seconds = timed(call)
-                except Exception as exc:  # a configuration the compiler rejects: note it, go on
-                    rows.append({"tile": tile, "stages": stages, "splits": splits, "error": str(exc)[:200]})
-                    continue
-                rows.append({"tile": tile, "stages": stages, "splits": splits,
-                             "chosen": (tile, stages, splits) == chosen, "us": round(1e6 * seconds, 1),
-                             "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
+    for layout, (k, v) in caches.items():
+        for tile in (16, 32, 64):
+            for stages in (1, 2):
+                for splits in (1, 2, 4, 8, 16, 32):
+                    def call(k=k, v=v, tile=tile, stages=stages, splits=splits) -> None:
+                        paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv,
+                                               tile=tile, num_stages=stages)
+                    config = {"layout": layout, "tile": tile, "stages": stages, "splits": splits}
+                    try:
+                        seconds = timed(call)
+                    except Exception as exc:  # a configuration the compiler rejects: note it, go on
+                        rows.append({**config, "error": str(exc)[:200]})
+                        continue
+                    share = round(nbytes / seconds / bandwidth, 3)
+                    rows.append({**config, "chosen": layout == "NHD" and (tile, stages, splits) == chosen,
+                                 "us": round(1e6 * seconds, 1), "of_bandwidth": share})
     return rows
 
 
@@ -201,10 +215,12 @@ def main() -> None:
         rows = decode_kernel_sweep(model, batch, context, bandwidth)
         attention[point] = rows
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        print(f"decode attention, batch {batch}, context {context}: best 8 and the engine's choice")
-        shown = ok[:8] + [r for r in ok[8:] if r["chosen"]]
-        print(markdown_table(["tile", "stages", "splits", "chosen", "us (one layer)", "of bandwidth"],
-                             [[r["tile"], r["stages"], r["splits"], r["chosen"], r["us"],
+        print(f"decode attention, batch {batch}, context {context}: best 5 per layout, the engine's choice")
+        shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:5]]
+        shown += [r for r in ok if r["chosen"] and r not in shown]
+        headers = ["layout", "tile", "stages", "splits", "chosen", "us (one layer)", "of bandwidth"]
+        print(markdown_table(headers,
+                             [[r["layout"], r["tile"], r["stages"], r["splits"], r["chosen"], r["us"],
                                f"{r['of_bandwidth']:.0%}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

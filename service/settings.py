@@ -38,6 +38,11 @@ class ServerSettings(BaseSettings):
         description="CUDA: share of free device memory (after loading) given to the KV cache.",
     )
     kv_cache_cpu_gib: float = Field(2.0, gt=0, description="CPU: KV-cache size in GiB.")
+    kv_cache_layout: Literal["NHD", "HND"] = Field(
+        "NHD",
+        description="KV-cache memory layout: NHD stores each token's KV heads together, HND each KV "
+        "head's tokens together (contiguous cache blocks per head for the CUDA decode kernel).",
+    )
     cuda_graphs: bool = Field(
         True, description="CUDA: decode steps replay CUDA graphs captured at start (per batch-size bucket)."
     )

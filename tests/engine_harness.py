@@ -40,11 +40,12 @@ def make_core(
     step_loop: str = "sync",
     compile_backend: str | None = None,
     fuse_projections: bool = False,
+    kv_layout: str = "NHD",
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
         compile_decode=compile_backend is not None, compile_backend=compile_backend or "inductor",
-        fuse_projections=fuse_projections,
+        fuse_projections=fuse_projections, kv_layout=kv_layout,
     )
     return build_core(model, config, eos)
 

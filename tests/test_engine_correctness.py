@@ -120,3 +120,19 @@ def test_fused_projections_compiled_async_matches_unfused_generate(tiny_models):
                      compile_backend="aot_eager", fuse_projections=True)
     result = run(core, arrivals)
     _check(model, arrivals, result, eos=None)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_head_major_kv_layout_matches_generate(tiny_models, loop, compiled):
+    """The HND cache (each KV head's tokens together) through every path: chunked prefill over a
+    cached prefix, batched decodes, preemption, and the compiled decode op over its storage."""
+    model = tiny_models["qwen3"]
+    vocab = model.config.vocab_size
+    arrivals = _arrivals(vocab, [30, 22, 41, 9, 17, 26], [0, 0, 1, 1, 2, 4], max_new=24, seed=4)
+    core = make_core(model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96,
+                     step_loop=loop, compile_backend="aot_eager" if compiled else None, kv_layout="HND")
+    assert core.runner.cache.k_store.shape[1] == model.config.num_key_value_heads
+    result = run(core, arrivals)
+    assert result.preemptions > 0
+    _check(model, arrivals, result, eos=None)

@@ -72,10 +72,11 @@ def _arrivals(params: SamplingParams, seed: int = 1) -> list[Arrival]:
     ]
 
 
-def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None, fuse: bool = False):
+def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None, fuse: bool = False,
+          layout: str = "NHD"):
     return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
                      max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend,
-                     fuse_projections=fuse)
+                     fuse_projections=fuse, kv_layout=layout)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
@@ -86,6 +87,19 @@ def test_cuda_compiled_graphs_match_generate(family, fuse):
     model, twin = _tiny_cuda(family), _tiny_cuda(family)
     arrivals = _arrivals(SamplingParams(max_tokens=24))
     result = run(_core(model, graphs=True, compile_backend="inductor", fuse=fuse), arrivals)
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
+
+
+@pytest.mark.parametrize("compile_backend", [None, "inductor"], ids=["graphs", "compiled-graphs"])
+def test_cuda_head_major_cache_matches_generate(compile_backend):
+    """The HND cache layout (each KV head's tokens together) on CUDA: mixed steps through the
+    kernel on the transposed view, decode graphs through the op over the storage itself."""
+    model, twin = _tiny_cuda("llama"), _tiny_cuda("llama")
+    arrivals = _arrivals(SamplingParams(max_tokens=24))
+    core = _core(model, graphs=True, compile_backend=compile_backend, fuse=True, layout="HND")
+    assert core.runner.cache.head_major
+    result = run(core, arrivals)
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
 

@@ -22,13 +22,27 @@ def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block
     """Fresh random inputs, blocks scattered over the cache, every split count and tile the engine
     may pick; with `store_new` the kernel itself writes each sequence's newest K/V into the cache,
     as a decode step does, and must leave the cache exactly as the reference copy would."""
+    _check_kernel(dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new, "NHD")
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, block_size, max_len", SHAPES)
+def test_kernel_matches_reference_on_head_major_cache(batch, heads, kv_heads, head_dim, block_size, max_len):
+    """The same over an HND cache: [slots, Hkv, D] views of [Hkv, slots, D] storage."""
+    _check_kernel(torch.bfloat16, batch, heads, kv_heads, head_dim, block_size, max_len, True, "HND")
+
+
+def _check_kernel(dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new, layout):
     from tandem.service.engine.triton_decode import num_splits_for, paged_decode_attention, tile_for
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + max_len)
     num_blocks = batch * (-(-max_len // block_size)) + 8
-    shape = (num_blocks * block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-    v_cache = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    slots = num_blocks * block_size
+    def cache() -> torch.Tensor:  # [slots, Hkv, D] over either storage
+        if layout == "NHD":
+            return torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=dtype, generator=g)
+        return torch.randn(kv_heads, slots, head_dim, device="cuda", dtype=dtype, generator=g).transpose(0, 1)
+
+    k_cache, v_cache = cache(), cache()
     lens = torch.randint(1, max_len + 1, (batch,), device="cuda", generator=g)
     lens[0] = max_len  # the longest context is always exercised, and length 1 too
     if batch > 1:
@@ -60,7 +74,8 @@ def test_kernel_matches_reference(dtype, batch, heads, kv_heads, head_dim, block
     for splits in {1, num_splits_for(batch, kv_heads, sms), 32}:
         # the engine's tile, and (bf16) one smaller than a block: tiles that split blocks
         for tile in {tile_for(block_size)} | ({16} if dtype == torch.bfloat16 else set()):
-            k_run, v_run = k_cache.clone(), v_cache.clone()
+            k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
+            assert k_run.stride() == k_cache.stride()
             args = (q, k_run, v_run, table, lens, block_size, scale, splits)
             out = paged_decode_attention(*args, new_kv, tile=tile)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()

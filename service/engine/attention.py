@@ -37,9 +37,10 @@ def paged_attention_forward(
     k_cache, v_cache = cache.k[layer], cache.v[layer]
     if meta.decode_only:  # one opaque op: what torch.compile and CUDA graphs wrap
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        # the op gets the layer's storage itself (contiguous), and transposes inside if head-major
         out = decode_op.paged_decode(
-            query, key, value, k_cache, v_cache, meta.slot_mapping, meta.decode_block_table,
-            meta.decode_ctx_lens, meta.block_size, scale,
+            query, key, value, cache.k_store[layer], cache.v_store[layer], meta.slot_mapping,
+            meta.decode_block_table, meta.decode_ctx_lens, meta.block_size, scale, cache.head_major,
         )
         return out, None
     new_k = key[0].transpose(0, 1)  # [T, Hkv, D]

@@ -33,6 +33,8 @@ class EngineConfig:
     # Q/K/V and gate/up as one GEMM each (changes the model in place). The server turns it on for
     # CUDA (0.5 ms of an 8B step at batch 32 on the H200); on the CPU it is no faster
     fuse_projections: bool = False
+    # "NHD" (each token's heads together) or "HND" (each head's tokens together): kv_cache.py
+    kv_layout: str = "NHD"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
 
@@ -60,7 +62,7 @@ def build_core(
         capacity * shape.bytes_per_token(dtype) / 2**30,
         max_model_len,
     )
-    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device)
+    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_layout)
     scheduler = Scheduler(
         BlockManager(config.num_blocks, config.block_size), config.max_num_seqs, config.max_num_batched_tokens
     )

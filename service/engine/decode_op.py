@@ -32,15 +32,18 @@ def paged_decode(
     query: torch.Tensor,  # [1, H, B, D]
     key: torch.Tensor,  # [1, Hkv, B, D]
     value: torch.Tensor,
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D], or [Hkv, slots, D] when head_major
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [B] where each new K/V goes
     block_table: torch.Tensor,  # [B, max_blocks] int32
     ctx_lens: torch.Tensor,  # [B] int32, context including the new token
     block_size: int,
     scale: float,
+    head_major: bool = False,
 ) -> torch.Tensor:
     """-> [1, B, H, D] attention output of each sequence's single query."""
+    if head_major:  # the same [slots, Hkv, D] indexing over the head-major storage
+        k_cache, v_cache = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     if q.is_cuda and kernel_supports(block_size):
@@ -78,5 +81,6 @@ def _(
     ctx_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    head_major: bool = False,
 ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])

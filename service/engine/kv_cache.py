@@ -1,4 +1,11 @@
-"""The paged KV cache: per layer, K and V as [num_blocks * block_size, kv_heads, head_dim]."""
+"""The paged KV cache: per layer, K and V as [num_blocks * block_size, kv_heads, head_dim].
+
+Two memory layouts behind that one view (names as FlashInfer's): "NHD" stores each token's heads
+together, [layer, slot, head, dim]; "HND" stores each head's tokens together, [layer, head, slot,
+dim], so a cache block of one head is one contiguous run of memory (what the CUDA decode kernel
+reads per program). `k` / `v` are always [layer, slot, head, dim] (a transposed view for HND), so
+every torch path indexes the cache the same way; `k_store` / `v_store` are the storage itself.
+"""
 
 from __future__ import annotations
 
@@ -24,17 +31,34 @@ class CacheShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
+LAYOUTS = ("NHD", "HND")
+
+
 class KVCache:
     def __init__(
-        self, shape: CacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        shape: CacheShape,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: str = "NHD",
     ) -> None:
-        self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
+        if layout not in LAYOUTS:
+            raise ValueError(f"KV-cache layout {layout!r}: expected one of {LAYOUTS}")
+        self.shape, self.num_blocks, self.block_size, self.layout = shape, num_blocks, block_size, layout
         # one extra block no sequence owns: padding rows of a CUDA graph write and read it
         self.scratch_block = num_blocks
         slots = (num_blocks + 1) * block_size
-        dims = (shape.num_layers, slots, shape.num_kv_heads, shape.head_dim)
-        self.k = torch.zeros(dims, dtype=dtype, device=device)
-        self.v = torch.zeros(dims, dtype=dtype, device=device)
+        heads, dim = shape.num_kv_heads, shape.head_dim
+        layers = shape.num_layers
+        dims = (layers, slots, heads, dim) if layout == "NHD" else (layers, heads, slots, dim)
+        self.k_store = torch.zeros(dims, dtype=dtype, device=device)
+        self.v_store = torch.zeros(dims, dtype=dtype, device=device)
+        self.head_major = layout == "HND"
+        # [layer, slot, head, dim] whatever the storage
+        self.k = self.k_store.transpose(1, 2) if self.head_major else self.k_store
+        self.v = self.v_store.transpose(1, 2) if self.head_major else self.v_store
 
     @staticmethod
     def blocks_for_budget(shape: CacheShape, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:

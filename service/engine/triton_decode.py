@@ -163,6 +163,9 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
     return max(1, min(32, -(-2 * num_sms // (batch * kv_heads))))
 
 
+NUM_STAGES = 1  # software-pipeline stages of the tile loop: 2 and 3 were slower on the H200
+
+
 def tile_for(block_size: int) -> int:
     """Tokens per loop iteration, whatever the block size: each token finds its block through the
     table. 32 with one pipeline stage was the fastest on the H200 at batch 1, 32 and 256
@@ -182,7 +185,7 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     tile: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 1,
+    num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its paged context.
 
