@@ -197,6 +197,8 @@ def main() -> None:
                     help="sweep the decode kernel's configurations at these batch:context points")
     ap.add_argument("--no-step", action="store_true", help="only the linears and the kernel sweep")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_gpu.py profiles CUDA kernels: it needs a CUDA device")
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     env = environment(device)

@@ -50,3 +50,18 @@ def test_tandem_bench_rejects_unknown_benchmark():
     tandem = Path(sys.executable).with_name("tandem")
     proc = subprocess.run([str(tandem), "bench", "nope"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_tandem_bench_gpu_profile_runs_the_profiler_script():
+    """`gpu-profile` maps to bench/profile_gpu.py: its options from the CLI, and on a host without
+    CUDA a one-line refusal instead of a traceback."""
+    tandem = Path(sys.executable).with_name("tandem")
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    usage = subprocess.run([str(tandem), "bench", "gpu-profile", "--help"], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert usage.returncode == 0, usage.stderr[-2000:]
+    assert "--attention" in usage.stdout and "--engine" in usage.stdout
+    run = subprocess.run([str(tandem), "bench", "gpu-profile", "--no-step"], capture_output=True, text=True,
+                         timeout=300, env={**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 1 and "needs a CUDA device" in run.stderr
+    assert "Traceback" not in run.stderr
