@@ -229,6 +229,9 @@ def main() -> None:
         # the same over a head-major (HND) KV cache: each head's cache blocks contiguous
         "compiled_hnd": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
                          "kv_layout": "HND"},
+        # the same with Inductor's coordinate-descent tuning of its generated kernels
+        "compiled_tuned": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
+                           "compile_tuning": True},
     }
     chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
     runs = {}

@@ -35,6 +35,7 @@ ENGINES = {  # as bench/gpu_sync.py: "compiled" is the server's CUDA default
     "compiled": {"compile_decode": True, "fuse_projections": True},
     "compiled_unfused": {"compile_decode": True},
     "compiled_hnd": {"compile_decode": True, "fuse_projections": True, "kv_layout": "HND"},
+    "compiled_tuned": {"compile_decode": True, "fuse_projections": True, "compile_tuning": True},
 }
 
 
@@ -139,6 +140,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     engine picks (for the NHD layout, its default) is marked."""
     from tandem.service.engine.triton_decode import (
         NUM_STAGES,
+        NUM_WARPS,
         num_splits_for,
         paged_decode_attention,
         tile_for,
@@ -162,25 +164,28 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     last = (context - 1) // block
     slots = table[:, last].long() * block + (context - 1) % block
     new_kv = (new_k, new_v, slots)
-    chosen = (tile_for(block), NUM_STAGES, num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0)))
+    splits_default = num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0))
+    chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
     nbytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
     for layout, (k, v) in caches.items():
         for tile in (16, 32, 64):
-            for stages in (1, 2):
+            for stages, warps in ((1, 4), (1, 8), (2, 4)):
                 for splits in (1, 2, 4, 8, 16, 32):
-                    def call(k=k, v=v, tile=tile, stages=stages, splits=splits) -> None:
+                    def call(k=k, v=v, tile=tile, stages=stages, warps=warps, splits=splits) -> None:
                         paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv,
-                                               tile=tile, num_stages=stages)
-                    config = {"layout": layout, "tile": tile, "stages": stages, "splits": splits}
+                                               tile=tile, num_warps=warps, num_stages=stages)
+                    config = {"layout": layout, "tile": tile, "stages": stages, "warps": warps,
+                              "splits": splits}
                     try:
                         seconds = timed(call)
                     except Exception as exc:  # a configuration the compiler rejects: note it, go on
                         rows.append({**config, "error": str(exc)[:200]})
                         continue
                     share = round(nbytes / seconds / bandwidth, 3)
-                    rows.append({**config, "chosen": layout == "NHD" and (tile, stages, splits) == chosen,
-                                 "us": round(1e6 * seconds, 1), "of_bandwidth": share})
+                    engine_pick = layout == "NHD" and (tile, stages, warps, splits) == chosen
+                    rows.append({**config, "chosen": engine_pick, "us": round(1e6 * seconds, 1),
+                                 "of_bandwidth": share})
     return rows
 
 
@@ -220,10 +225,10 @@ def main() -> None:
         print(f"decode attention, batch {batch}, context {context}: best 5 per layout, the engine's choice")
         shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:5]]
         shown += [r for r in ok if r["chosen"] and r not in shown]
-        headers = ["layout", "tile", "stages", "splits", "chosen", "us (one layer)", "of bandwidth"]
+        headers = ["layout", "tile", "stages", "warps", "splits", "chosen", "us (one layer)", "of bandwidth"]
         print(markdown_table(headers,
-                             [[r["layout"], r["tile"], r["stages"], r["splits"], r["chosen"], r["us"],
-                               f"{r['of_bandwidth']:.0%}"] for r in shown]))
+                             [[r["layout"], r["tile"], r["stages"], r["warps"], r["splits"], r["chosen"],
+                               r["us"], f"{r['of_bandwidth']:.0%}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:
             print(f"{len(failed)} configurations failed, e.g. {failed[0]}")

@@ -91,6 +91,19 @@ def test_cuda_compiled_graphs_match_generate(family, fuse):
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
 
 
+
+def test_cuda_tuned_compile_matches_generate():
+    """Inductor's coordinate-descent tuning (bench variant compiled_tuned) changes block sizes of
+    the generated kernels, not what they compute."""
+    model, twin = _tiny_cuda("llama"), _tiny_cuda("llama")
+    arrivals = _arrivals(SamplingParams(max_tokens=24))
+    core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
+                     max_num_seqs=8, cuda_graphs=True, step_loop="async", compile_backend="inductor",
+                     fuse_projections=True, compile_tuning=True)
+    result = run(core, arrivals)
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
+
 @pytest.mark.parametrize("compile_backend", [None, "inductor"], ids=["graphs", "compiled-graphs"])
 def test_cuda_head_major_cache_matches_generate(compile_backend):
     """The HND cache layout (each KV head's tokens together) on CUDA: mixed steps through the

@@ -37,6 +37,9 @@ class EngineConfig:
     kv_layout: str = "NHD"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
+    # Inductor's coordinate-descent tuning of its generated kernels' block sizes (norms, rotary,
+    # activations): longer compiles; off until measured on the H200 (bench variant compiled_tuned)
+    compile_tuning: bool = False
 
 
 def build_core(
@@ -76,6 +79,7 @@ def build_core(
         max_num_batched_tokens=config.max_num_batched_tokens,
         compile_decode=config.compile_decode,
         compile_backend=config.compile_backend,
+        compile_tuning=config.compile_tuning,
     )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")

@@ -164,6 +164,7 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
 
 
 NUM_STAGES = 1  # software-pipeline stages of the tile loop: 2 and 3 were slower on the H200
+NUM_WARPS = 4
 
 
 def tile_for(block_size: int) -> int:
@@ -184,7 +185,7 @@ def paged_decode_attention(
     num_splits: int,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     tile: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its paged context.
