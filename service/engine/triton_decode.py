@@ -169,8 +169,8 @@ NUM_WARPS = 4
 
 def tile_for(block_size: int) -> int:
     """Tokens per loop iteration, whatever the block size: each token finds its block through the
-    table. 32 with one pipeline stage was the fastest on the H200 at batch 1, 32 and 256
-    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    table. 32 with one pipeline stage was the fastest on the H200 at batch 32 and 256, and within
+    7% of the best at batch 1 (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
     return 32
 
 
