@@ -29,6 +29,20 @@ def test_greedy_is_argmax():
     assert torch.equal(sample(logits, tensors([0.0] * 5)).tokens, logits.argmax(-1))
 
 
+def test_greedy_in_bf16_picks_what_float_would_ties_included():
+    """All-greedy steps take the argmax in the model's dtype, without a float copy: the same token
+    as over the upcast logits, the first of tied maxima included; mixed steps agree on greedy rows."""
+    logits = torch.randn(6, 4096).to(torch.bfloat16)  # bf16's coarse grid makes ties common
+    logits[0, 7] = logits[0, 900] = logits[0].max() + 1  # an exact tie: the lower id wins
+    expected = logits.float().argmax(-1)
+    assert expected[0] == 7
+    assert torch.equal(sample(logits, tensors([0.0] * 6)).tokens, expected)
+    mixed = sample(logits, tensors([0.0, 0.7, 0.0, 0.0, 1.0, 0.0], logprobs=0))
+    greedy_rows = [0, 2, 3, 5]
+    assert torch.equal(mixed.tokens[greedy_rows], expected[greedy_rows])
+    assert mixed.logprobs is not None and mixed.logprobs.dtype == torch.float32
+
+
 def test_seeded_row_does_not_depend_on_batch_mates():
     torch.manual_seed(0)
     row = torch.randn(1, 500)

@@ -66,8 +66,12 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
-    logits = logits.float()
+    # argmax is exact in the model's dtype (the upcast keeps order and ties): an all-greedy step
+    # needs no float copy of the [rows, vocab] logits
     greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy and st.num_logprobs < 0:
+        return SampleOutput(greedy_tokens)
+    logits = logits.float()
     if st.all_greedy:
         tokens = greedy_tokens
     else:
