@@ -53,6 +53,22 @@ SHAPES = {  # as hf_cb_anchor.py
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
+# Tandem variants: name -> engine settings over the benchmark's spec (sync loop, CUDA graphs)
+VARIANTS = {
+    "sync": {},
+    "async": {"step_loop": "async"},
+    "eager": {"cuda_graphs": False},
+    # the server's CUDA defaults: compiled decode forward, fused projections
+    "compiled": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
+    "compiled_sync": {"compile_decode": True, "fuse_projections": True},
+    "compiled_unfused": {"step_loop": "async", "compile_decode": True},
+    # the same over a head-major (HND) KV cache: each head's cache blocks contiguous
+    "compiled_hnd": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
+                     "kv_layout": "HND"},
+    # the same with Inductor's coordinate-descent tuning of its generated kernels
+    "compiled_tuned": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
+                       "compile_tuning": True},
+}
 MUST_NOT_IMPORT = ("pydantic_settings", "grpc", "tandem.service.settings", "tandem.service.engine.factory")
 
 
@@ -163,9 +179,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256, help="new tokens per request")
     ap.add_argument("--skip-hf", action="store_true", help="Tandem only")
     ap.add_argument("--engines", default="sync,async,eager,compiled",
-                    help="Tandem variants (CUDA): sync (graphs), async (graphs), eager (sync, no graphs), "
-                         "compiled (async, graphs of the torch.compile'd forward), compiled_sync, "
-                         "compiled_fused (compiled, with fused Q/K/V and gate/up projections)")
+                    help=f"Tandem variants, comma-separated (CUDA): {', '.join(VARIANTS)}")
     ap.add_argument("--vram", action="store_true", help="also report decode-graph memory, one slot vs two")
     ap.add_argument("--timeline", default=None, metavar="TRACE.json",
                     help="also record every step's stages (prepare, h2d, compute, d2h) of each Tandem engine "
@@ -184,6 +198,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/gpu_sync.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, few tokens, CPU: checks the logic")
     a = ap.parse_args()
+    unknown = [name for name in a.engines.split(",") if name not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown --engines {unknown}: choose from {', '.join(VARIANTS)}")
 
     shape, device, dtype = a.shape, torch.device("cuda"), torch.bfloat16
     hf_base: dict = {}  # what a failing --hf-config falls back to
@@ -218,29 +235,14 @@ def main() -> None:
     prompts = torch.randint(0, vocab - 2, (a.requests, a.prompt), generator=g).tolist()
     spec = EngineConfig(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
                         a.max_num_batched_tokens, step_loop="sync")
-    variants = {  # name -> engine settings over `spec` (sync loop, CUDA graphs)
-        "sync": {},
-        "async": {"step_loop": "async"},
-        "eager": {"cuda_graphs": False},
-        # the server's CUDA defaults: compiled decode forward, fused projections
-        "compiled": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
-        "compiled_sync": {"compile_decode": True, "fuse_projections": True},
-        "compiled_unfused": {"step_loop": "async", "compile_decode": True},
-        # the same over a head-major (HND) KV cache: each head's cache blocks contiguous
-        "compiled_hnd": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
-                         "kv_layout": "HND"},
-        # the same with Inductor's coordinate-descent tuning of its generated kernels
-        "compiled_tuned": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
-                           "compile_tuning": True},
-    }
     chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
     runs = {}
     cores = {}
     for name in chosen:
         start = time.perf_counter()
         # fusing changes a model in place: that variant gets a twin of its own (same seed, same weights)
-        own = build_model(shape, device, dtype) if variants[name].get("fuse_projections") else model
-        cores[name] = build_core(own, dataclasses.replace(spec, **variants[name]))
+        own = build_model(shape, device, dtype) if VARIANTS[name].get("fuse_projections") else model
+        cores[name] = build_core(own, dataclasses.replace(spec, **VARIANTS[name]))
         print(f"engine {name}: built (capture, compile) in {time.perf_counter() - start:.1f} s", flush=True)
         label = "tandem" if name == "sync" else f"tandem_{name}"
         runs[label] = with_gpu_busy(

@@ -23,20 +23,12 @@ from pathlib import Path
 import _repo
 import torch
 from common import blocks_for, copy_bandwidth, environment, markdown_table, write_json
-from gpu_sync import build_model
+from gpu_sync import VARIANTS, build_model
 
 from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.decode_op import num_sms
 from tandem.service.engine.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-
-ENGINES = {  # as bench/gpu_sync.py: "compiled" is the server's CUDA default
-    "eager": {"cuda_graphs": True},
-    "compiled": {"compile_decode": True, "fuse_projections": True},
-    "compiled_unfused": {"compile_decode": True},
-    "compiled_hnd": {"compile_decode": True, "fuse_projections": True, "kv_layout": "HND"},
-    "compiled_tuned": {"compile_decode": True, "fuse_projections": True, "compile_tuning": True},
-}
 
 
 def kernel_kind(name: str) -> str:
@@ -195,7 +187,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=640, help="prompt tokens: the context the steps attend to")
     ap.add_argument("--steps", type=int, default=8, help="decode steps profiled")
-    ap.add_argument("--engine", choices=sorted(ENGINES), default="compiled")
+    ap.add_argument("--engine", choices=list(VARIANTS), default="compiled",
+                    help="a variant of bench/gpu_sync.py (the server's CUDA default: compiled), profiled "
+                         "in the asynchronous loop")
     ap.add_argument("--trace", default=None, help="Chrome trace of the profiled steps (default: a temp file)")
     ap.add_argument("--out", default=None, help="JSON result path")
     ap.add_argument("--attention", default="", metavar="B:CTX,...",
@@ -242,7 +236,8 @@ def main() -> None:
     spec = EngineConfig(blocks_for(a.requests, a.prompt + a.steps + 64, 16), 16, max(32, a.requests),
                         4096, step_loop="async")
     start = time.perf_counter()
-    core = build_core(model, dataclasses.replace(spec, **ENGINES[a.engine]))
+    # the profiled steps run the asynchronous loop whatever the variant's own loop
+    core = build_core(model, dataclasses.replace(spec, **{**VARIANTS[a.engine], "step_loop": "async"}))
     print(f"engine {a.engine} built in {time.perf_counter() - start:.1f} s", flush=True)
     trace = Path(a.trace or tempfile.mktemp(suffix=".json"))
     steps = profile_steps(core, prompts, a.steps, trace)
