@@ -34,7 +34,6 @@ def paged_attention_forward(
     meta = tandem_meta
     cache = meta.kv_cache
     layer = module.layer_idx
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
     if meta.decode_only:  # one opaque op: what torch.compile and CUDA graphs wrap
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         # the op gets the layer's storage itself (contiguous), and transposes inside if head-major
@@ -43,6 +42,7 @@ def paged_attention_forward(
             meta.decode_block_table, meta.decode_ctx_lens, meta.block_size, scale, cache.head_major,
         )
         return out, None
+    k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, Hkv, D] in either layout
     new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_v = value[0].transpose(0, 1)
     k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))

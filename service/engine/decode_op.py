@@ -52,9 +52,10 @@ def paged_decode(
         # splits depend only on the batch size: fixed per captured graph; the kernel writes the
         # new K/V into the cache itself
         splits = num_splits_for(q.shape[0], k_cache.shape[1], num_sms(q.device.index or 0))
-        new = (new_k, new_v, slot_mapping)
-        args = (q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits)
-        out = paged_decode_attention(*args, new_kv=new)
+        out = paged_decode_attention(
+            q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits,
+            new_kv=(new_k, new_v, slot_mapping),
+        )
     else:
         k_cache.index_copy_(0, slot_mapping, new_k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, new_v.to(v_cache.dtype))

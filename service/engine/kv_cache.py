@@ -55,10 +55,13 @@ class KVCache:
         dims = (layers, slots, heads, dim) if layout == "NHD" else (layers, heads, slots, dim)
         self.k_store = torch.zeros(dims, dtype=dtype, device=device)
         self.v_store = torch.zeros(dims, dtype=dtype, device=device)
-        self.head_major = layout == "HND"
         # [layer, slot, head, dim] whatever the storage
         self.k = self.k_store.transpose(1, 2) if self.head_major else self.k_store
         self.v = self.v_store.transpose(1, 2) if self.head_major else self.v_store
+
+    @property
+    def head_major(self) -> bool:
+        return self.layout == "HND"
 
     @staticmethod
     def blocks_for_budget(shape: CacheShape, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
