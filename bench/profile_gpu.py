@@ -112,24 +112,42 @@ def profile_steps(core, prompts: list[list[int]], steps: int, trace: Path) -> di
 
 
 def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> list[dict]:
-    """Each distinct linear of layer 0 and the LM head at `batch` rows: time and share of copy bandwidth."""
-    layer = model.model.layers[0]
-    linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-    linears["lm_head"] = model.lm_head
+    """The GEMMs of a decode step (the engine's fused Q/K/V and gate/up, o, down, LM head) alone at
+    `batch` rows, with each cuBLAS backend: time and share of the copy bandwidth. Each call reads
+    a different copy of the weight, as in a step (no weight served from L2)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q_out, kv_out = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    shapes = {"qkv_proj (fused)": (q_out + 2 * kv_out, c.hidden_size), "o_proj": (c.hidden_size, q_out),
+              "gate_up_proj (fused)": (2 * c.intermediate_size, c.hidden_size),
+              "down_proj": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
+    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
     rows = []
-    for name, lin in linears.items():
-        x = torch.randn(batch, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
-        seconds = timed(lambda x=x, lin=lin: torch.nn.functional.linear(x, lin.weight))
-        nbytes = lin.weight.numel() * lin.weight.element_size()
-        rows.append({"linear": name, "shape": list(lin.weight.shape), "us": round(1e6 * seconds, 1),
-                     "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
+    preferred = torch.backends.cuda.preferred_blas_library()
+    for name, (out_f, in_f) in shapes.items():
+        nbytes = out_f * in_f * dt.itemsize
+        copies = [torch.randn(out_f, in_f, dtype=dt, device=dev) for _ in range(-(-(256 << 20) // nbytes))]
+        x = torch.randn(batch, in_f, dtype=dt, device=dev)
+        row = {"linear": name, "shape": [out_f, in_f]}
+        for backend in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(backend)
+            seconds = _time_over_copies(x, copies)
+            row[f"us_{backend}"] = round(1e6 * seconds, 1)
+            row[f"of_bandwidth_{backend}"] = round(nbytes / seconds / bandwidth, 3)
+        rows.append(row)
+    torch.backends.cuda.preferred_blas_library(preferred)
     return rows
+
+
+def _time_over_copies(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    turn = iter(range(10**9))
+    return timed(lambda: torch.nn.functional.linear(x, weights[next(turn) % len(weights)]))
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwidth: float) -> list[dict]:
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode step),
-    over both cache layouts, tile sizes, pipeline stages and split counts; the configuration the
-    engine picks (for the NHD layout, its default) is marked."""
+    over both cache layouts, tile sizes, warps and split counts around the engine's (half, same,
+    double); the configuration the engine picks (for the NHD layout, its default) is marked."""
     from tandem.service.engine.triton_decode import (
         NUM_STAGES,
         NUM_WARPS,
@@ -158,12 +176,15 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     new_kv = (new_k, new_v, slots)
     splits_default = num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0))
     chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
+    split_counts = sorted({max(1, splits_default // 2), splits_default, min(32, 2 * splits_default)})
     nbytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
     for layout, (k, v) in caches.items():
-        for tile in (16, 32, 64):
-            for stages, warps in ((1, 4), (1, 8), (2, 4)):
-                for splits in (1, 2, 4, 8, 16, 32):
+        # Triton's own pipelining (num_stages 2, 3) and 16-token tiles lost every point of the
+        # previous sweep (docs/benchmarks.md): not tried again
+        for tile, stages in ((32, 1), (64, 1)):
+            for warps in (4, 8):
+                for splits in split_counts:
                     def call(k=k, v=v, tile=tile, stages=stages, warps=warps, splits=splits) -> None:
                         paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv,
                                                tile=tile, num_warps=warps, num_stages=stages)
@@ -208,8 +229,9 @@ def main() -> None:
     print(f"{env['gpu']}: copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
 
     linears = linear_bandwidth(model, a.requests, bandwidth)
-    print(markdown_table(["linear", "weight", "us", "of bandwidth"],
-                         [[r["linear"], r["shape"], r["us"], f"{r['of_bandwidth']:.0%}"] for r in linears]))
+    print(markdown_table(["linear", "weight", "us cuBLAS", "of bandwidth", "us cuBLASLt", "of bandwidth"],
+                         [[r["linear"], r["shape"], r["us_cublas"], f"{r['of_bandwidth_cublas']:.0%}",
+                           r["us_cublaslt"], f"{r['of_bandwidth_cublaslt']:.0%}"] for r in linears]))
     attention = {}
     for point in a.attention.split(",") if a.attention else []:
         batch, context = (int(x) for x in point.split(":"))
@@ -219,9 +241,9 @@ def main() -> None:
         print(f"decode attention, batch {batch}, context {context}: best 5 per layout, the engine's choice")
         shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:5]]
         shown += [r for r in ok if r["chosen"] and r not in shown]
-        headers = ["layout", "tile", "stages", "warps", "splits", "chosen", "us (one layer)", "of bandwidth"]
+        headers = ["layout", "tile", "warps", "splits", "chosen", "us (layer)", "of bandwidth"]
         print(markdown_table(headers,
-                             [[r["layout"], r["tile"], r["stages"], r["warps"], r["splits"], r["chosen"],
+                             [[r["layout"], r["tile"], r["warps"], r["splits"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

@@ -50,7 +50,8 @@ def _check_kernel(dtype, batch, heads, kv_heads, head_dim, block_size, max_len, 
     width = -(-max_len // block_size)
     # blocks scattered over the cache in a random order, as after churn
     table = torch.randperm(num_blocks, device="cuda", generator=g)[: batch * width].view(batch, width)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype, generator=g)
+    # [B, H, D] view of [H, B, D]: strided as the compiled model hands it over (no copy is made)
+    q = torch.randn(heads, batch, head_dim, device="cuda", dtype=dtype, generator=g).transpose(0, 1)
     scale = head_dim**-0.5
     new_kv = None
     ref_k, ref_v = k_cache, v_cache
@@ -81,3 +82,33 @@ def _check_kernel(dtype, batch, heads, kv_heads, head_dim, block_size, max_len, 
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             assert err < tol, f"splits={splits}, tile={tile}: relative error {err}"
             assert torch.equal(k_run, ref_k) and torch.equal(v_run, ref_v), f"splits={splits}, tile={tile}"
+
+
+def test_kernel_addresses_blocks_past_two_billion_elements():
+    """A cache of more than 2**31 elements (4 GiB per cache in bf16) switches the kernel to 64-bit
+    address arithmetic: blocks at its far end are read and written where they lie."""
+    from tandem.service.engine.triton_decode import paged_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kv_heads, head_dim, block_size, batch, width = 8, 128, 16, 4, 8
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + 64
+    k_cache = torch.empty(num_blocks * block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    table = (num_blocks - 1 - torch.randperm(batch * width, device="cuda", generator=g)).view(batch, width)
+    slots_of = (table[:, :, None] * block_size + torch.arange(block_size, device="cuda")).view(batch, -1)
+    for cache in (k_cache, v_cache):  # only the blocks in use hold data
+        cache[slots_of.flatten()] = torch.randn(slots_of.numel(), kv_heads, head_dim, device="cuda",
+                                                dtype=cache.dtype, generator=g)
+    lens = torch.tensor([width * block_size, 1, 77, 100], device="cuda")
+    q = torch.randn(batch, 32, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    new_k, new_v = (torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for _ in "kv")
+    last = lens - 1
+    new_slots = table[torch.arange(batch, device="cuda"), last // block_size] * block_size + last % block_size
+    out = paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, head_dim**-0.5, 2,
+                                 (new_k, new_v, new_slots))
+    assert torch.equal(k_cache[new_slots], new_k) and torch.equal(v_cache[new_slots], new_v)
+    pos = torch.arange(width * block_size, device="cuda")
+    ref = decode_attention(q.float(), k_cache[slots_of].float(), v_cache[slots_of].float(),
+                           pos[None, :] < lens[:, None], head_dim**-0.5)
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
