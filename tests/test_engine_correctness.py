@@ -136,3 +136,18 @@ def test_head_major_kv_layout_matches_generate(tiny_models, loop, compiled):
     result = run(core, arrivals)
     assert result.preemptions > 0
     _check(model, arrivals, result, eos=None)
+
+
+def test_engines_of_different_caches_in_one_process(tiny_models):
+    """Inductor-compiled engines, one after another in one process, over caches of other shapes
+    (layout, block size, blocks): each must still read and write every layer's own cache. Once a
+    second shape has been seen, Dynamo makes the cache's sizes symbolic; with a per-layer view
+    handed to the decode op, Inductor then gave every layer layer 0's cache."""
+    import copy
+
+    model = tiny_models["llama"]
+    arrivals = _arrivals(model.config.vocab_size, [5, 17, 1, 9], [0, 0, 2, 6], max_new=12, seed=8)
+    for layout, block_size, num_blocks in [("NHD", 4, 128), ("HND", 4, 128), ("NHD", 8, 96)]:
+        core = make_core(copy.deepcopy(model), num_blocks=num_blocks, block_size=block_size,
+                         compile_backend="inductor", kv_layout=layout)
+        _check(model, arrivals, run(core, arrivals), eos=None)

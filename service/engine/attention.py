@@ -36,9 +36,9 @@ def paged_attention_forward(
     layer = module.layer_idx
     if meta.decode_only:  # one opaque op: what torch.compile and CUDA graphs wrap
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        # the op gets the layer's storage itself (contiguous), and transposes inside if head-major
+        # the op gets the storage itself (contiguous), and transposes inside if head-major
         out = decode_op.paged_decode(
-            query, key, value, cache.k_store[layer], cache.v_store[layer], meta.slot_mapping,
+            query, key, value, cache.k_store, cache.v_store, layer, meta.slot_mapping,
             meta.decode_block_table, meta.decode_ctx_lens, meta.block_size, scale, cache.head_major,
         )
         return out, None

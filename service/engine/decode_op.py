@@ -27,13 +27,14 @@ def kernel_supports(block_size: int) -> bool:
     return block_size >= 16 and block_size & (block_size - 1) == 0
 
 
-@torch.library.custom_op("tandem::paged_decode", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("tandem::paged_decode", mutates_args=("k_store", "v_store"))
 def paged_decode(
     query: torch.Tensor,  # [1, H, B, D]
     key: torch.Tensor,  # [1, Hkv, B, D]
     value: torch.Tensor,
-    k_cache: torch.Tensor,  # [slots, Hkv, D], or [Hkv, slots, D] when head_major
-    v_cache: torch.Tensor,
+    k_store: torch.Tensor,  # every layer's cache: [L, slots, Hkv, D], or [L, Hkv, slots, D] when head_major
+    v_store: torch.Tensor,
+    layer: int,
     slot_mapping: torch.Tensor,  # [B] where each new K/V goes
     block_table: torch.Tensor,  # [B, max_blocks] int32
     ctx_lens: torch.Tensor,  # [B] int32, context including the new token
@@ -41,7 +42,14 @@ def paged_decode(
     scale: float,
     head_major: bool = False,
 ) -> torch.Tensor:
-    """-> [1, B, H, D] attention output of each sequence's single query."""
+    """-> [1, B, H, D] attention output of each sequence's single query.
+
+    The op takes the whole cache and the layer, not the layer's view: once a process has compiled
+    for a second cache shape, Dynamo makes the cache's sizes symbolic, and Inductor then passed
+    every layer's view at layer 0's offset (torch 2.13 on CPU; reproduced in
+    test_engines_of_different_caches_in_one_process).
+    """
+    k_cache, v_cache = k_store[layer], v_store[layer]
     if head_major:  # the same [slots, Hkv, D] indexing over the head-major storage
         k_cache, v_cache = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
     q = query[0].transpose(0, 1)  # [B, H, D]
@@ -75,8 +83,9 @@ def _(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    layer: int,
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
     ctx_lens: torch.Tensor,
