@@ -53,21 +53,21 @@ SHAPES = {  # as hf_cb_anchor.py
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
+# the server's CUDA defaults over the benchmark's spec: compiled decode forward, fused projections,
+# cuBLASLt preferred for the GEMMs
+SERVER_CUDA = {"compile_decode": True, "fuse_projections": True, "blas_library": "cublaslt"}
 # Tandem variants: name -> engine settings over the benchmark's spec (sync loop, CUDA graphs)
 VARIANTS = {
     "sync": {},
     "async": {"step_loop": "async"},
     "eager": {"cuda_graphs": False},
-    # the server's CUDA defaults: compiled decode forward, fused projections
-    "compiled": {"step_loop": "async", "compile_decode": True, "fuse_projections": True},
-    "compiled_sync": {"compile_decode": True, "fuse_projections": True},
-    "compiled_unfused": {"step_loop": "async", "compile_decode": True},
-    # the same over a head-major (HND) KV cache: each head's cache blocks contiguous
-    "compiled_hnd": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
-                     "kv_layout": "HND"},
-    # the same with Inductor's coordinate-descent tuning of its generated kernels
-    "compiled_tuned": {"step_loop": "async", "compile_decode": True, "fuse_projections": True,
-                       "compile_tuning": True},
+    "compiled": {**SERVER_CUDA, "step_loop": "async"},  # what the server runs on CUDA
+    "compiled_sync": SERVER_CUDA,
+    "compiled_unfused": {**SERVER_CUDA, "step_loop": "async", "fuse_projections": False},
+    # over a head-major (HND) KV cache: each head's cache blocks contiguous
+    "compiled_hnd": {**SERVER_CUDA, "step_loop": "async", "kv_layout": "HND"},
+    # with PyTorch's own pick of GEMM library (cuBLAS) instead of cuBLASLt
+    "compiled_cublas": {**SERVER_CUDA, "step_loop": "async", "blas_library": "default"},
 }
 MUST_NOT_IMPORT = ("pydantic_settings", "grpc", "tandem.service.settings", "tandem.service.engine.factory")
 

@@ -56,6 +56,11 @@ class ServerSettings(BaseSettings):
         description="CUDA: Q/K/V and gate/up projections run as one GEMM each (the weights are "
         "concatenated at start-up, in place of the separate ones).",
     )
+    blas_library: Literal["default", "cublas", "cublaslt"] = Field(
+        "cublaslt",
+        description="CUDA: the library PyTorch's GEMMs prefer (default = PyTorch's own pick, cuBLAS); "
+        "cuBLASLt took 0.24 ms off an 8B decode step at batch 32 on the H200.",
+    )
     step_loop: Literal["auto", "sync", "async"] = Field(
         "auto", description="async: prepare step N+1 while the device runs step N; auto = async on CUDA."
     )

@@ -92,17 +92,22 @@ def test_cuda_compiled_graphs_match_generate(family, fuse):
 
 
 
-def test_cuda_tuned_compile_matches_generate():
-    """Inductor's coordinate-descent tuning (bench variant compiled_tuned) changes block sizes of
-    the generated kernels, not what they compute."""
+def test_cuda_cublaslt_engine_matches_generate():
+    """`blas_library=cublaslt` makes PyTorch prefer cuBLASLt for the engine's GEMMs (captured in the
+    graphs); the tokens stay the untouched twin's."""
     model, twin = _tiny_cuda("llama"), _tiny_cuda("llama")
     arrivals = _arrivals(SamplingParams(max_tokens=24))
-    core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
-                     max_num_seqs=8, cuda_graphs=True, step_loop="async", compile_backend="inductor",
-                     fuse_projections=True, compile_tuning=True)
-    result = run(core, arrivals)
+    try:
+        core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
+                         max_num_seqs=8, cuda_graphs=True, step_loop="async", compile_backend="inductor",
+                         fuse_projections=True, blas_library="cublaslt")
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        result = run(core, arrivals)
+    finally:
+        torch.backends.cuda.preferred_blas_library("default")
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
+
 
 @pytest.mark.parametrize("compile_backend", [None, "inductor"], ids=["graphs", "compiled-graphs"])
 def test_cuda_head_major_cache_matches_generate(compile_backend):

@@ -37,9 +37,9 @@ class EngineConfig:
     kv_layout: str = "NHD"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
-    # Inductor's coordinate-descent tuning of its generated kernels' block sizes (norms, rotary,
-    # activations): longer compiles; off until measured on the H200 (bench variant compiled_tuned)
-    compile_tuning: bool = False
+    # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");
+    # a process-wide choice (torch.backends.cuda.preferred_blas_library), made when the core is built
+    blas_library: str = "default"
 
 
 def build_core(
@@ -50,6 +50,8 @@ def build_core(
         log.info("fused %d groups of projections", fuse_projections(model))
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(config.blas_library)
     shape = CacheShape.of(model.config)
     capacity = config.num_blocks * config.block_size
     model_len = config.max_model_len or getattr(
@@ -79,7 +81,6 @@ def build_core(
         max_num_batched_tokens=config.max_num_batched_tokens,
         compile_decode=config.compile_decode,
         compile_backend=config.compile_backend,
-        compile_tuning=config.compile_tuning,
     )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")

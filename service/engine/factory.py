@@ -48,6 +48,7 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
         compile_decode=settings.compile and device.type == "cuda",
         fuse_projections=settings.fuse_projections and device.type == "cuda",
         kv_layout=settings.kv_cache_layout,
+        blas_library=settings.blas_library,
     )
     core = build_core(model, config, loaded.eos_token_ids)
     limits = Limits(

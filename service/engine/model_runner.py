@@ -109,7 +109,6 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         compile_decode: bool = False,
         compile_backend: str = "inductor",
-        compile_tuning: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -139,10 +138,7 @@ class ModelRunner:
         self.decode_forward = model
         if compile_decode:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # options apply to this compile only (Inductor's config stays as it is for others)
-            tuned = compile_tuning and compile_backend == "inductor"
-            options = {"coordinate_descent_tuning": True} if tuned else None
-            self.decode_forward = torch.compile(model, backend=compile_backend, options=options)
+            self.decode_forward = torch.compile(model, backend=compile_backend)
         max_blocks = -(-max_model_len // bs)
         self.slots = [
             StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, device, cache.scratch_block, bs)
