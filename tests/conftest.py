@@ -23,7 +23,13 @@ TINY = dict(
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    """SmolLM2-135M-Instruct de-quantized once into the user cache (reused across runs)."""
+    """SmolLM2-135M-Instruct de-quantized once into the user cache (reused across runs).
+
+    TANDEM_TEST_MODEL_DIR names a transformers directory to use instead, for hosts without the
+    embedded model's package (the GPU tests need only its tokenizer, for the tiny models).
+    """
+    if os.environ.get("TANDEM_TEST_MODEL_DIR"):
+        return Path(os.environ["TANDEM_TEST_MODEL_DIR"])
     cache = Path(os.environ.get("TANDEM_TEST_CACHE", default_cache_dir()))
     return convert_gguf(default_gguf_path(), cache)
 

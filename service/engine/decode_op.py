@@ -46,8 +46,8 @@ def paged_decode(
 
     The op takes the whole cache and the layer, not the layer's view: once a process has compiled
     for a second cache shape, Dynamo makes the cache's sizes symbolic, and Inductor then passed
-    every layer's view at layer 0's offset (torch 2.13 on CPU; reproduced in
-    test_engines_of_different_caches_in_one_process).
+    every layer's view at layer 0's offset (seen on the H200 with torch 2.11, reproduced on CPU
+    with torch 2.13 by test_engines_of_different_caches_in_one_process).
     """
     k_cache, v_cache = k_store[layer], v_store[layer]
     if head_major:  # the same [slots, Hkv, D] indexing over the head-major storage

@@ -27,36 +27,6 @@ def _slots(block, pos, BLOCK_SIZE: tl.constexpr, OFFSET_I64: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(k_ptr, v_ptr, table_row, pos, end, head_off, stride_ks, BLOCK_SIZE: tl.constexpr,
-               OFFSET_I64: tl.constexpr):
-    """K and V of a tile of positions (zeros from `end` on); each finds its block in the table."""
-    live = pos < end
-    block = tl.load(table_row + pos // BLOCK_SIZE, mask=live, other=0)
-    off = _slots(block, pos, BLOCK_SIZE, OFFSET_I64)[:, None] * stride_ks + head_off
-    k = tl.load(k_ptr + off, mask=live[:, None], other=0.0)
-    v = tl.load(v_ptr + off, mask=live[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, pos, ctx_len, new_k, new_v, m, lsum, acc, scale, STORE_NEW: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """One tile of the online softmax: -> the running max, sum and weighted values."""
-    if STORE_NEW:  # the step's own K/V from registers (the cache write may not be visible yet)
-        is_new = (pos == ctx_len - 1)[:, None]
-        k = tl.where(is_new, new_k[None, :], k)
-        v = tl.where(is_new, new_v[None, :], v)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [GROUP_PAD, TILE]
-    s = tl.where((pos < ctx_len)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    lsum = lsum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-    return m_new, lsum, acc
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -115,8 +85,6 @@ def _decode_split_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
     )
     new_pos = ctx_len - 1
-    new_k = tl.zeros([HEAD_DIM], k_ptr.dtype.element_ty)
-    new_v = tl.zeros([HEAD_DIM], v_ptr.dtype.element_ty)
     if STORE_NEW:
         # the step's own K/V: the one program whose tiles hold its position writes it to the cache
         # (no other program reads that slot this step) and uses it from registers
@@ -129,13 +97,27 @@ def _decode_split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    table_row = table_ptr + b * stride_tb
-    head_off = kvh * stride_kh + d[None, :]
     for tile in tl.range(first_tile, last_tile):
+        # a tile spans several cache blocks: each token finds its block through the table
         pos = tile * TILE + t
-        k, v = _load_tile(k_ptr, v_ptr, table_row, pos, ctx_len, head_off, stride_ks, BLOCK_SIZE, OFFSET_I64)
-        m, lsum, acc = _attend_tile(q, k, v, pos, ctx_len, new_k, new_v, m, lsum, acc, scale,
-                                    STORE_NEW, DOT_PRECISION)
+        live = pos < ctx_len
+        block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
+        slots = _slots(block, pos, BLOCK_SIZE, OFFSET_I64)
+        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+        if STORE_NEW:
+            is_new = (pos == new_pos)[:, None]
+            k = tl.where(is_new, new_k[None, :], k)
+            v = tl.where(is_new, new_v[None, :], v)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [GROUP_PAD, TILE]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        m = m_new
     if NUM_SPLITS == 1:  # the whole context in one program: the output, with no merge launch
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
