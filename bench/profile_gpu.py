@@ -3,8 +3,10 @@
 1. the steady decode step of the real engine (CUDA graphs, compiled or not), profiled with
    torch.profiler: every kernel of a few steps, grouped by kind (GEMM, decode attention, fused
    Triton element-wise, copies), against the wall time of the step and its bandwidth roofline;
-2. the linear layers alone at the step's batch size: achieved bandwidth of each weight read;
-3. the paged decode attention kernel alone at the step's context length, per split count.
+2. the GEMMs of a step alone at its batch size, with cuBLAS and cuBLASLt: achieved bandwidth of
+   each weight read;
+3. the paged decode attention kernel alone (--attention B:CTX,...), per cache layout, tile, warps
+   and split count.
 
     python bench/profile_gpu.py [--shape 8b] [--requests 32] [--prompt 640] [--steps 8]
                                 [--engine compiled] [--trace steps.json] [--out results.json]
@@ -115,9 +117,8 @@ def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> li
     """The GEMMs of a decode step (the engine's fused Q/K/V and gate/up, o, down, LM head) alone at
     `batch` rows, with each cuBLAS backend: time and share of the copy bandwidth. Each call reads
     a different copy of the weight, as in a step (no weight served from L2)."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q_out, kv_out = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    c, cache = model.config, CacheShape.of(model.config)
+    q_out, kv_out = c.num_attention_heads * cache.head_dim, cache.num_kv_heads * cache.head_dim
     shapes = {"qkv_proj (fused)": (q_out + 2 * kv_out, c.hidden_size), "o_proj": (c.hidden_size, q_out),
               "gate_up_proj (fused)": (2 * c.intermediate_size, c.hidden_size),
               "down_proj": (c.hidden_size, c.intermediate_size), "lm_head": (c.vocab_size, c.hidden_size)}
@@ -168,21 +169,22 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     }
     table = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, heads, shape.head_dim, dtype=dt, device=dev)
-    new_k = torch.randn(batch, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
+    q = torch.randn(batch, heads, dim, dtype=dt, device=dev)
+    new_k = torch.randn(batch, heads_kv, dim, dtype=dt, device=dev)
     new_v = torch.randn_like(new_k)
     last = (context - 1) // block
     slots = table[:, last].long() * block + (context - 1) % block
     new_kv = (new_k, new_v, slots)
-    splits_default = num_splits_for(batch, shape.num_kv_heads, num_sms(dev.index or 0))
+    splits_default = num_splits_for(batch, heads_kv, num_sms(dev.index or 0))
     chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
     split_counts = sorted({max(1, splits_default // 2), splits_default, min(32, 2 * splits_default)})
-    nbytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    nbytes = 2 * batch * context * heads_kv * dim * dt.itemsize
     rows = []
     for layout, (k, v) in caches.items():
         # Triton's own pipelining (num_stages 2, 3) and 16-token tiles lost every point of the
         # previous sweep (docs/benchmarks.md): not tried again
-        for tile, stages in ((32, 1), (64, 1)):
+        stages = NUM_STAGES
+        for tile in (32, 64):
             for warps in (4, 8):
                 for splits in split_counts:
                     def call(k=k, v=v, tile=tile, stages=stages, warps=warps, splits=splits) -> None:

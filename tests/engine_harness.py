@@ -46,8 +46,7 @@ def make_core(
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
         compile_decode=compile_backend is not None, compile_backend=compile_backend or "inductor",
-        fuse_projections=fuse_projections, kv_layout=kv_layout,
-        blas_library=blas_library,
+        fuse_projections=fuse_projections, kv_layout=kv_layout, blas_library=blas_library,
     )
     return build_core(model, config, eos)
 

@@ -73,10 +73,10 @@ def _arrivals(params: SamplingParams, seed: int = 1) -> list[Arrival]:
 
 
 def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None, fuse: bool = False,
-          layout: str = "NHD"):
+          layout: str = "NHD", blas: str = "default"):
     return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
                      max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend,
-                     fuse_projections=fuse, kv_layout=layout)
+                     fuse_projections=fuse, kv_layout=layout, blas_library=blas)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
@@ -91,16 +91,13 @@ def test_cuda_compiled_graphs_match_generate(family, fuse):
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
 
 
-
 def test_cuda_cublaslt_engine_matches_generate():
     """`blas_library=cublaslt` makes PyTorch prefer cuBLASLt for the engine's GEMMs (captured in the
     graphs); the tokens stay the untouched twin's."""
     model, twin = _tiny_cuda("llama"), _tiny_cuda("llama")
     arrivals = _arrivals(SamplingParams(max_tokens=24))
     try:
-        core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
-                         max_num_seqs=8, cuda_graphs=True, step_loop="async", compile_backend="inductor",
-                         fuse_projections=True, blas_library="cublaslt")
+        core = _core(model, graphs=True, compile_backend="inductor", fuse=True, blas="cublaslt")
         assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
         result = run(core, arrivals)
     finally:

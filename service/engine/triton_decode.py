@@ -212,9 +212,12 @@ def paged_decode_attention(
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
     group = h // kv_heads
-    part_out = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    if num_splits > 1:  # each split's partial output, max and sum, for the merge
+        part_out = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:  # unused pointers: the kernel writes `out` itself
+        part_out = part_ml = out
     if new_kv is not None:
         new_k, new_v, slot_mapping = new_kv
         if new_k.stride(-1) != 1 or new_v.stride(-1) != 1:
