@@ -68,6 +68,8 @@ VARIANTS = {
     "compiled_hnd": {**SERVER_CUDA, "step_loop": "async", "kv_layout": "HND"},
     # with PyTorch's own pick of GEMM library (cuBLAS) instead of cuBLASLt
     "compiled_cublas": {**SERVER_CUDA, "step_loop": "async", "blas_library": "default"},
+    # with the rotary embedding left in the model code (two element-wise kernels per layer)
+    "compiled_rotary_unfolded": {**SERVER_CUDA, "step_loop": "async", "fold_rotary": False},
 }
 MUST_NOT_IMPORT = ("pydantic_settings", "grpc", "tandem.service.settings", "tandem.service.engine.factory")
 

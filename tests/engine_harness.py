@@ -42,11 +42,13 @@ def make_core(
     fuse_projections: bool = False,
     kv_layout: str = "NHD",
     blas_library: str = "default",
+    fold_rotary: bool = True,
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
         compile_decode=compile_backend is not None, compile_backend=compile_backend or "inductor",
         fuse_projections=fuse_projections, kv_layout=kv_layout, blas_library=blas_library,
+        fold_rotary=fold_rotary,
     )
     return build_core(model, config, eos)
 

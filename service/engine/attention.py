@@ -40,6 +40,7 @@ def paged_attention_forward(
         out = decode_op.paged_decode(
             query, key, value, cache.k_store, cache.v_store, layer, meta.slot_mapping,
             meta.decode_block_table, meta.decode_ctx_lens, meta.block_size, scale, cache.head_major,
+            *((meta.rotary.inv_freq, meta.rotary.scaling) if meta.rotary is not None else ()),
         )
         return out, None
     k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, Hkv, D] in either layout

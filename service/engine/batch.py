@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention_ref import causal_mask, decode_mask
+from .deferred_rotary import DecodeRotary
 from .scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # [B] int32
     # no prefills: every token is a decode, rows in order (the decode op, CUDA graphs, compile)
     decode_only: bool = False
+    # decode-only steps of the decode model: Q and K come unrotated, the decode op rotates them
+    rotary: DecodeRotary | None = None
 
 
 @dataclass

@@ -40,6 +40,9 @@ class EngineConfig:
     # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");
     # a process-wide choice (torch.backends.cuda.preferred_blas_library), made when the core is built
     blas_library: str = "default"
+    # decode steps: the decode attention op applies the rotary embedding to Q and K as it loads them,
+    # instead of two element-wise kernels per layer (deferred_rotary.py; where the model allows)
+    fold_rotary: bool = True
 
 
 def build_core(
@@ -81,6 +84,7 @@ def build_core(
         max_num_batched_tokens=config.max_num_batched_tokens,
         compile_decode=config.compile_decode,
         compile_backend=config.compile_backend,
+        fold_rotary=config.fold_rotary,
     )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .batch import AttentionMetadata, carry_over
+from .deferred_rotary import DecodeRotary
 from .kv_cache import KVCache
 from .sampler import sample
 from .step_buffers import StepBuffers
@@ -29,9 +30,15 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, forward: Callable[..., object], cache: KVCache, slots: list[StepBuffers], max_batch: int
+        self,
+        forward: Callable[..., object],
+        cache: KVCache,
+        slots: list[StepBuffers],
+        max_batch: int,
+        rotary: DecodeRotary | None = None,
     ) -> None:
-        self.forward = forward  # the model, or its torch.compile'd form
+        self.forward = forward  # the decode model, or its torch.compile'd form
+        self.rotary = rotary  # where the decode model leaves the rotary embedding to the op
         self.cache = cache
         self.slots = slots
         self.buckets = buckets_up_to(max_batch)
@@ -57,6 +64,7 @@ class DecodeGraphs:
             decode_only=True,
             decode_block_table=dev.block_table,
             decode_ctx_lens=dev.ctx_lens,
+            rotary=self.rotary,
         )
         out = self.forward(
             input_ids=carry_over(dev.input_ids, dev.carry, prev.tokens)[None],

@@ -2,9 +2,10 @@
 
 A decode-only step (one new token per sequence, rows in order) needs no packing metadata, so
 its attention fits a fixed signature of tensors. Registering it as a torch custom op that
-declares the caches it mutates lets `torch.compile` fuse everything around it (norms, rotary,
+declares the caches it mutates lets `torch.compile` fuse everything around it (norms,
 activations) while the op itself stays ours: Triton reading K/V in place on CUDA, the plain
-torch gather on CPU (the reference the kernel is tested against).
+torch gather on CPU (the reference the kernel is tested against). The op also applies the
+rotary embedding of the step's query and key where the model leaves it (deferred_rotary.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import torch
 
 from .attention_ref import decode_attention, decode_mask
+from .deferred_rotary import DecodeRotary, rotate
 
 
 @functools.cache
@@ -41,8 +43,13 @@ def paged_decode(
     block_size: int,
     scale: float,
     head_major: bool = False,
+    inv_freq: torch.Tensor | None = None,
+    rope_scaling: float = 1.0,
 ) -> torch.Tensor:
     """-> [1, B, H, D] attention output of each sequence's single query.
+
+    With `inv_freq` ([D // 2] float32; deferred_rotary.py), query and key come unrotated and the
+    op rotates them at each sequence's position (its context length - 1), as the model would have.
 
     The op takes the whole cache and the layer, not the layer's view: once a process has compiled
     for a second cache shape, Dynamo makes the cache's sizes symbolic, and Inductor then passed
@@ -54,6 +61,7 @@ def paged_decode(
         k_cache, v_cache = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
+    rotary = DecodeRotary(inv_freq, rope_scaling) if inv_freq is not None else None
     if q.is_cuda and kernel_supports(block_size):
         from .triton_decode import num_splits_for, paged_decode_attention
 
@@ -62,9 +70,12 @@ def paged_decode(
         splits = num_splits_for(q.shape[0], k_cache.shape[1], num_sms(q.device.index or 0))
         out = paged_decode_attention(
             q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits,
-            new_kv=(new_k, new_v, slot_mapping),
+            new_kv=(new_k, new_v, slot_mapping), rotary=rotary,
         )
     else:
+        if rotary is not None:
+            positions = ctx_lens - 1
+            q, new_k = rotate(q, positions, rotary), rotate(new_k, positions, rotary)
         k_cache.index_copy_(0, slot_mapping, new_k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, new_v.to(v_cache.dtype))
         width = -(-int(ctx_lens.max()) // block_size)
@@ -92,5 +103,7 @@ def _(
     block_size: int,
     scale: float,
     head_major: bool = False,
+    inv_freq: torch.Tensor | None = None,
+    rope_scaling: float = 1.0,
 ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])

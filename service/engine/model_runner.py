@@ -21,6 +21,7 @@ import torch
 
 from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
 from .decode_op import kernel_supports, num_sms
+from .deferred_rotary import defer_rotary
 from .kv_cache import KVCache
 from .sampler import SampleOutput, sample
 from .scheduler import ScheduledChunk
@@ -109,6 +110,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         compile_decode: bool = False,
         compile_backend: str = "inductor",
+        fold_rotary: bool = True,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -134,11 +136,16 @@ class ModelRunner:
             from .triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
 
             self.decode_kernel = DecodeKernel.for_batch
-        # decode-only steps run the compiled forward (fused norms, rotary, activations)
-        self.decode_forward = model
+        # decode-only steps run the decode model: the model, but for its rotary embedding, which
+        # the decode op applies where the model family allows it (deferred_rotary.py)
+        self.decode_model, self.decode_rotary = (
+            defer_rotary(model, cache.shape.head_dim) if fold_rotary else (model, None)
+        )
+        # ... compiled, where asked: norms, activations and residuals fused around the op
+        self.decode_forward = self.decode_model
         if compile_decode:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.decode_forward = torch.compile(model, backend=compile_backend)
+            self.decode_forward = torch.compile(self.decode_model, backend=compile_backend)
         max_blocks = -(-max_model_len // bs)
         self.slots = [
             StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, device, cache.scratch_block, bs)
@@ -150,7 +157,9 @@ class ModelRunner:
         if cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.decode_forward, cache, self.slots, max_num_seqs)
+            self.graphs = DecodeGraphs(
+                self.decode_forward, cache, self.slots, max_num_seqs, self.decode_rotary
+            )
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs (warm-up time, before the server reports SERVING)."""
@@ -230,6 +239,8 @@ class ModelRunner:
             kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
         meta = build_attention_metadata(batch, dev, self.block_size, self.sliding_window, kernel)
         meta.kv_cache = self.cache
+        if meta.decode_only:
+            meta.rotary = self.decode_rotary
         input_ids = carry_over(dev.input_ids, dev.carry, prev_tokens)[None]
         forward = self.decode_forward if meta.decode_only else self.model
         out = forward(

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .deferred_rotary import DecodeRotary
+
 
 @triton.jit
 def _slots(block, pos, BLOCK_SIZE: tl.constexpr, OFFSET_I64: tl.constexpr):
@@ -24,6 +26,19 @@ def _slots(block, pos, BLOCK_SIZE: tl.constexpr, OFFSET_I64: tl.constexpr):
     if OFFSET_I64:
         block = block.to(tl.int64)
     return block * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def _rotary(inv_freq_ptr, rope_scaling, pos, d, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """cos and sin of each dimension at `pos` as transformers computes them (fp32 angle, rounded to
+    the model's dtype), and rotate-half's partner dimension and sign: x * cos + sign * x[pair] * sin."""
+    half: tl.constexpr = HEAD_DIM // 2
+    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % half)
+    cos = (tl.cos(angle) * rope_scaling).to(DTYPE).to(tl.float32)
+    sin = (tl.sin(angle) * rope_scaling).to(DTYPE).to(tl.float32)
+    pair = (d + half) % HEAD_DIM
+    sign = tl.where(d < half, -1.0, 1.0)
+    return cos, sin, pair, sign
 
 
 @triton.jit
@@ -36,10 +51,12 @@ def _decode_split_kernel(
     new_k_ptr,
     new_v_ptr,
     slot_ptr,
+    inv_freq_ptr,
     part_out_ptr,
     part_ml_ptr,
     out_ptr,
     scale,
+    rope_scaling,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -64,6 +81,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     STORE_NEW: tl.constexpr,
+    ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OFFSET_I64: tl.constexpr,
 ):
@@ -81,14 +99,24 @@ def _decode_split_kernel(
     t = tl.arange(0, TILE)
     heads = kvh * GROUP + g
     g_ok = g < GROUP
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
-    )
     new_pos = ctx_len - 1
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
+    if ROTARY:  # Q (and below, the new K) rotated at the new token's position
+        dtype = q_ptr.dtype.element_ty
+        cos, sin, pair, sign = _rotary(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
+        q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
+        q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
     if STORE_NEW:
         # the step's own K/V: the one program whose tiles hold its position writes it to the cache
         # (no other program reads that slot this step) and uses it from registers
-        new_k = tl.load(new_k_ptr + b * stride_nkb + kvh * stride_nkh + d).to(k_ptr.dtype.element_ty)
+        new_k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
+        new_k = tl.load(new_k_row + d)
+        if ROTARY:
+            k_pair = tl.load(new_k_row + pair)
+            new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
+            new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
+        new_k = new_k.to(k_ptr.dtype.element_ty)
         new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
         owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
         new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
@@ -197,6 +225,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rotary: DecodeRotary | None = None,
     tile: int | None = None,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
@@ -206,6 +235,7 @@ def paged_decode_attention(
     `new_kv` = (key [B, Hkv, D], value, slot_mapping [B]): the step's own K/V, written into the
     cache at `slot_mapping` by the kernel itself (the last context position of each sequence),
     instead of by a separate copy beforehand.
+    `rotary`: q and the new key come unrotated; the kernel rotates them at position ctx_len - 1.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()  # any batch and head strides will do (no copy of the model's layout)
@@ -233,10 +263,12 @@ def paged_decode_attention(
         new_k,
         new_v,
         slot_mapping,
+        rotary.inv_freq if rotary is not None else ctx_lens,  # unused pointer without rotary
         part_out,
         part_ml,
         out,
         scale,
+        rotary.scaling if rotary is not None else 1.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -261,6 +293,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=tile or tile_for(block_size),
         STORE_NEW=new_kv is not None,
+        ROTARY=rotary is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches stay exact
         # 32-bit address arithmetic unless a cache's elements outgrow it
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
