@@ -26,7 +26,7 @@ from torch import nn
 
 # RoPE types whose inverse frequencies are fixed once the model is built ("dynamic" and friends
 # recompute them from the sequence length, which the op does not know)
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 @dataclass(frozen=True)
