@@ -48,7 +48,7 @@ class ServerSettings(BaseSettings):
     )
     compile: bool = Field(
         True,
-        description="CUDA: decode steps run a torch.compile'd forward (fused norms, rotary, activations); "
+        description="CUDA: decode steps run a torch.compile'd forward (fused norms, residuals, activations); "
         "adds compile time to start-up (about 100 s for an 8B model).",
     )
     fuse_projections: bool = Field(
