@@ -3,7 +3,9 @@
 Each program takes one (sequence, KV head, context split) and walks that split of the sequence's
 context one tile of tokens at a time (several cache blocks, found through the block table), for
 all the query heads that share the KV head (grouped-query attention reads each K/V tile once).
-In a decode step the kernel also writes the step's new K/V into the cache: one launch, not three.
+In a decode step the kernel also writes the step's new K/V into the cache: one launch, not three;
+where the decode model leaves the rotary embedding to it, it rotates Q and the new K as it loads
+them (deferred_rotary.py).
 A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
 No gather copy of K/V, no host sync: the launch depends only on the batch size, so it can be
 captured in a CUDA graph.
