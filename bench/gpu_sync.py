@@ -54,8 +54,10 @@ SHAPES = {  # as hf_cb_anchor.py
                  num_key_value_heads=2, vocab_size=512),
 }
 # the server's CUDA defaults over the benchmark's spec: compiled decode forward, fused projections,
-# cuBLASLt preferred for the GEMMs
-SERVER_CUDA = {"compile_decode": True, "fuse_projections": True, "blas_library": "cublaslt"}
+# cuBLASLt preferred for the GEMMs, the rotary embedding in the decode kernel
+SERVER_CUDA = {
+    "compile_decode": True, "fuse_projections": True, "blas_library": "cublaslt", "fold_rotary": True,
+}
 # Tandem variants: name -> engine settings over the benchmark's spec (sync loop, CUDA graphs)
 VARIANTS = {
     "sync": {},

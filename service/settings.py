@@ -56,6 +56,12 @@ class ServerSettings(BaseSettings):
         description="CUDA: Q/K/V and gate/up projections run as one GEMM each (the weights are "
         "concatenated at start-up, in place of the separate ones).",
     )
+    fold_rotary: bool = Field(
+        True,
+        description="CUDA: the decode kernel applies the rotary embedding to Q and K as it loads them, "
+        "instead of two element-wise kernels per layer (where the model's RoPE type allows it); "
+        "0.17 ms off an 8B decode step at batch 32 on the H200.",
+    )
     blas_library: Literal["default", "cublas", "cublaslt"] = Field(
         "cublaslt",
         description="CUDA: the library PyTorch's GEMMs prefer (default = PyTorch's own pick, cuBLAS); "

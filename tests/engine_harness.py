@@ -42,7 +42,7 @@ def make_core(
     fuse_projections: bool = False,
     kv_layout: str = "NHD",
     blas_library: str = "default",
-    fold_rotary: bool = True,
+    fold_rotary: bool = True,  # the decode model's path (the server's on CUDA) unless a test says not
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,

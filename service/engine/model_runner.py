@@ -110,7 +110,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         compile_decode: bool = False,
         compile_backend: str = "inductor",
-        fold_rotary: bool = True,
+        fold_rotary: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
