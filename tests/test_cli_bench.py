@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,10 @@ def test_tandem_bench_gpu_smoke_writes_table_json_and_timeline(tmp_path):
     assert result["benchmark"] == "gpu_sync" and result["smoke"] is True
     assert result["tandem"]["tokens"] == result["workload"]["requests"] * result["workload"]["new_tokens"]
     assert result["roofline"]["copy_bandwidth_TBps"] > 0
+    # the steady decode's share: mean roofline step over the median measured step
+    roof, tandem = result["roofline"], result["tandem"]
+    expected = roof["step_ms_mean"] / tandem["step_ms"]["median"]
+    assert 0 < tandem["median_step_of_roofline_step"] == pytest.approx(expected, abs=1e-4)
     assert result["imported_server_only_modules"] == []
     overhead = result["tracing_overhead"]
     assert set(overhead) == {"engine", "tracing_off", "steps_traced_1pct", "steps_traced_100pct"}
