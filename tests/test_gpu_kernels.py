@@ -72,7 +72,7 @@ def _check_kernel(
     scale = head_dim**-0.5
     new_kv = None
     ref_k, ref_v = k_cache, v_cache
-    ref_q = rotate(q, lens - 1, rotary) if rotary is not None else q
+    ref_q = rotate(lens - 1, rotary, q)[0] if rotary is not None else q
     if store_new:  # [B, Hkv, D] views of [Hkv, B, D], strided as the model hands them over
         new_shape = (kv_heads, batch, head_dim)
         new_k = torch.randn(new_shape, device="cuda", dtype=dtype, generator=g).transpose(0, 1)
@@ -81,7 +81,7 @@ def _check_kernel(
         slots = table[torch.arange(batch, device="cuda"), last // block_size].long() * block_size
         slots += last % block_size
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
-        ref_k.index_copy_(0, slots, rotate(new_k, last, rotary) if rotary is not None else new_k)
+        ref_k.index_copy_(0, slots, rotate(last, rotary, new_k)[0] if rotary is not None else new_k)
         ref_v.index_copy_(0, slots, new_v)
         new_kv = (new_k, new_v, slots)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -43,7 +43,7 @@ class EngineConfig:
     # decode steps: the decode attention op applies the rotary embedding to Q and K as it loads them,
     # instead of two element-wise kernels per layer (deferred_rotary.py; where the model allows).
     # The server turns it on for CUDA (0.17 ms of an 8B step at batch 32 on the H200); on the CPU
-    # the op's eager rotation is slower than the model's (SmolLM2: 74.5 vs 80.2 tokens/s)
+    # the op's eager rotation shows no gain (SmolLM2: within run-to-run noise, docs/architecture.md)
     fold_rotary: bool = False
 
 

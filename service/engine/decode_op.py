@@ -16,6 +16,7 @@ import torch
 
 from .attention_ref import decode_attention, decode_mask
 from .deferred_rotary import DecodeRotary, rotate
+from .kv_cache import slot_major
 
 
 @functools.cache
@@ -56,9 +57,8 @@ def paged_decode(
     every layer's view at layer 0's offset (seen on the H200 with torch 2.11, reproduced on CPU
     with torch 2.13 by test_engines_of_different_caches_in_one_process).
     """
-    k_cache, v_cache = k_store[layer], v_store[layer]
-    if head_major:  # the same [slots, Hkv, D] indexing over the head-major storage
-        k_cache, v_cache = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
+    # the same [slots, Hkv, D] indexing over either storage
+    k_cache, v_cache = slot_major(k_store, head_major)[layer], slot_major(v_store, head_major)[layer]
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     rotary = DecodeRotary(inv_freq, rope_scaling) if inv_freq is not None else None
@@ -74,8 +74,7 @@ def paged_decode(
         )
     else:
         if rotary is not None:
-            positions = ctx_lens - 1
-            q, new_k = rotate(q, positions, rotary), rotate(new_k, positions, rotary)
+            q, new_k = rotate(ctx_lens - 1, rotary, q, new_k)
         k_cache.index_copy_(0, slot_mapping, new_k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, new_v.to(v_cache.dtype))
         width = -(-int(ctx_lens.max()) // block_size)

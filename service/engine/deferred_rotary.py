@@ -94,13 +94,13 @@ def defer_rotary(model: nn.Module, head_dim: int) -> tuple[nn.Module, DecodeRota
     return decode_model, DecodeRotary(inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)))
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: DecodeRotary) -> torch.Tensor:
-    """x [B, H, D] rotated at each row's position [B], with transformers' arithmetic: fp32 angles,
-    cos/sin in x's dtype, then x * cos + rotate_half(x) * sin in x's dtype."""
-    angles = positions.float()[:, None] * rotary.inv_freq.to(x.device)[None, :]
+def rotate(positions: torch.Tensor, rotary: DecodeRotary, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each x [B, H, D] (one dtype) rotated at its row's position [B], with transformers'
+    arithmetic: fp32 angles, cos/sin in x's dtype (computed once for all of them), then
+    x * cos + rotate_half(x) * sin in x's dtype."""
+    angles = positions.float()[:, None] * rotary.inv_freq.to(positions.device)[None, :]
     angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [B, 1, D]
-    cos = (angles.cos() * rotary.scaling).to(x.dtype)
-    sin = (angles.sin() * rotary.scaling).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    cos = (angles.cos() * rotary.scaling).to(xs[0].dtype)
+    sin = (angles.sin() * rotary.scaling).to(xs[0].dtype)
+    half = xs[0].shape[-1] // 2
+    return tuple(x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin for x in xs)

@@ -34,6 +34,11 @@ class CacheShape:
 LAYOUTS = ("NHD", "HND")
 
 
+def slot_major(store: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """[layer, slot, head, dim] view of a cache's storage in either layout."""
+    return store.transpose(1, 2) if head_major else store
+
+
 class KVCache:
     def __init__(
         self,
@@ -55,9 +60,8 @@ class KVCache:
         dims = (layers, slots, heads, dim) if layout == "NHD" else (layers, heads, slots, dim)
         self.k_store = torch.zeros(dims, dtype=dtype, device=device)
         self.v_store = torch.zeros(dims, dtype=dtype, device=device)
-        # [layer, slot, head, dim] whatever the storage
-        self.k = self.k_store.transpose(1, 2) if self.head_major else self.k_store
-        self.v = self.v_store.transpose(1, 2) if self.head_major else self.v_store
+        self.k = slot_major(self.k_store, self.head_major)
+        self.v = slot_major(self.v_store, self.head_major)
 
     @property
     def head_major(self) -> bool:

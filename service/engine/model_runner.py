@@ -138,14 +138,14 @@ class ModelRunner:
             self.decode_kernel = DecodeKernel.for_batch
         # decode-only steps run the decode model: the model, but for its rotary embedding, which
         # the decode op applies where the model family allows it (deferred_rotary.py)
-        self.decode_model, self.decode_rotary = (
+        decode_model, self.decode_rotary = (
             defer_rotary(model, cache.shape.head_dim) if fold_rotary else (model, None)
         )
         # ... compiled, where asked: norms, activations and residuals fused around the op
-        self.decode_forward = self.decode_model
+        self.decode_forward = decode_model
         if compile_decode:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.decode_forward = torch.compile(self.decode_model, backend=compile_backend)
+            self.decode_forward = torch.compile(decode_model, backend=compile_backend)
         max_blocks = -(-max_model_len // bs)
         self.slots = [
             StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, device, cache.scratch_block, bs)
