@@ -40,6 +40,7 @@ from common import (
     same_outputs,
     write_json,
 )
+from gemm_floor import workload_floor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.service.engine.core_builder import EngineConfig, build_core
@@ -53,10 +54,11 @@ SHAPES = {  # as hf_cb_anchor.py
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
-# the server's CUDA defaults over the benchmark's spec: compiled decode forward, fused projections,
-# cuBLASLt preferred for the GEMMs, the rotary embedding in the decode kernel
+# the server's CUDA defaults over the benchmark's spec: compiled decode and prefill forwards, fused
+# projections, cuBLASLt preferred for the GEMMs, the rotary embedding in the decode kernel
 SERVER_CUDA = {
     "compile_decode": True, "fuse_projections": True, "blas_library": "cublaslt", "fold_rotary": True,
+    "compile_prefill": True,
 }
 # Tandem variants: name -> engine settings over the benchmark's spec (sync loop, CUDA graphs)
 VARIANTS = {
@@ -72,6 +74,8 @@ VARIANTS = {
     "compiled_cublas": {**SERVER_CUDA, "step_loop": "async", "blas_library": "default"},
     # with the rotary embedding left in the model code (two element-wise kernels per layer)
     "compiled_rotary_unfolded": {**SERVER_CUDA, "step_loop": "async", "fold_rotary": False},
+    # with prefill and mixed steps run by the model eagerly (the decode steps compiled as above)
+    "compiled_eager_prefill": {**SERVER_CUDA, "step_loop": "async", "compile_prefill": False},
 }
 MUST_NOT_IMPORT = ("pydantic_settings", "grpc", "tandem.service.settings", "tandem.service.engine.factory")
 
@@ -244,11 +248,13 @@ def main() -> None:
     chosen = a.engines.split(",") if device.type == "cuda" else ["sync"]
     runs = {}
     cores = {}
+    cores_config = {}
     for name in chosen:
         start = time.perf_counter()
         # fusing changes a model in place: that variant gets a twin of its own (same seed, same weights)
         own = build_model(shape, device, dtype) if VARIANTS[name].get("fuse_projections") else model
-        cores[name] = build_core(own, dataclasses.replace(spec, **VARIANTS[name]))
+        cores_config[name] = dataclasses.replace(spec, **VARIANTS[name])
+        cores[name] = build_core(own, cores_config[name])
         print(f"engine {name}: built (capture, compile) in {time.perf_counter() - start:.1f} s", flush=True)
         label = "tandem" if name == "sync" else f"tandem_{name}"
         runs[label] = with_gpu_busy(
@@ -297,10 +303,17 @@ def main() -> None:
         release_hf(hf_model)
 
     roof = roofline(weight_bytes, kv_per_token, bandwidth, a.requests, a.prompt, a.new)
+    # what the GEMMs alone allow, on the model the first engine runs (fused where it fuses)
+    floor = workload_floor(cores[chosen[0]].runner.model, kv_per_token, bandwidth, a.requests, a.prompt,
+                           a.new, a.max_num_seqs, a.max_num_batched_tokens)
+    if floor is not None:
+        floor["of_roofline"] = round(roof["seconds"] / floor["seconds"], 4)
     rows, report = [], {}
     for name, r in results.items():
         fraction = roof["seconds"] / r.seconds
         report[name] = {**r.summary(), "fraction_of_roofline": round(fraction, 4)}
+        if floor is not None:
+            report[name]["fraction_of_gemm_floor"] = round(floor["seconds"] / r.seconds, 4)
         median = r.step_ms["median"] if r.step_ms else None  # transformers has no steps of ours
         step_fraction = roof["step_ms_mean"] / median if median and roof["step_ms_mean"] else None
         if step_fraction is not None:
@@ -308,12 +321,17 @@ def main() -> None:
         rows.append([name, r.tokens, round(r.seconds, 2), round(r.tok_s, 1),
                      round(1e3 * r.seconds / r.steps, 2) if r.steps else "-", f"{fraction:.1%}",
                      f"{step_fraction:.1%}" if step_fraction is not None else "-",
+                     f"{floor['seconds'] / r.seconds:.1%}" if floor is not None else "-",
                      f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-",
                      f"{r.engine_idle:.1%}" if r.engine_idle is not None else "-", r.warmup_seconds])
     rows.append(["roofline (decode)", a.requests * max(1, a.new - 1), roof["seconds"], roof["tok_s"],
-                 f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "100%", "-", "-", "-"])
-    first = next(iter(report))
-    report[first]["engine"] = spec.__dict__
+                 f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "100%", "-", "-", "-", "-"])
+    if floor is not None:
+        rows.append(["GEMM floor (GEMMs + K/V reads only)", a.requests * max(1, a.new - 1), floor["seconds"],
+                     floor["tok_s"], floor["decode_gemm_ms_per_step"], f"{floor['of_roofline']:.1%}", "-",
+                     "100%", "-", "-", "-"])
+    for name in chosen:  # each engine's own settings (the variant over the benchmark's spec)
+        report["tandem" if name == "sync" else f"tandem_{name}"]["engine"] = cores_config[name].__dict__
     if "transformers" in results:
         report["transformers"]["continuous_batching_config"] = hf_config
         report["transformers"]["attn_implementation"] = "paged|sdpa"
@@ -333,6 +351,7 @@ def main() -> None:
         "environment": env,
         "model_build_seconds": round(build_s, 1),
         "roofline": roof,
+        "gemm_floor": floor,
         "decode_graph_vram": vram,
         **extra,
         **report,
@@ -340,7 +359,8 @@ def main() -> None:
     }
     write_json(out_path, result)
     print(markdown_table(["engine", "tokens", "seconds", "tokens/s", "ms/step", "of roofline",
-                          "median step of roofline step", "GPU busy", "engine idle", "warm-up s"], rows))
+                          "median step of roofline step", "of GEMM floor", "GPU busy", "engine idle",
+                          "warm-up s"], rows))
     if "ratio_tandem_over_transformers" in report:
         print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
               f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")

@@ -25,6 +25,7 @@ from pathlib import Path
 import _repo
 import torch
 from common import blocks_for, copy_bandwidth, environment, markdown_table, write_json
+from gemm_floor import time_linear, timed
 from gpu_sync import VARIANTS, build_model
 
 from tandem.service.engine.core_builder import EngineConfig, build_core
@@ -48,23 +49,6 @@ def kernel_kind(name: str) -> str:
     if "argmax" in n or "reduce" in n:
         return "reductions (sampling)"
     return "other"
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Seconds per call, from a CUDA graph of `reps` calls (no launch gaps)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (5 * reps)
 
 
 def profile_steps(core, prompts: list[list[int]], steps: int, trace: Path) -> dict:
@@ -127,22 +111,16 @@ def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> li
     preferred = torch.backends.cuda.preferred_blas_library()
     for name, (out_f, in_f) in shapes.items():
         nbytes = out_f * in_f * dt.itemsize
-        copies = [torch.randn(out_f, in_f, dtype=dt, device=dev) for _ in range(-(-(256 << 20) // nbytes))]
         x = torch.randn(batch, in_f, dtype=dt, device=dev)
         row = {"linear": name, "shape": [out_f, in_f]}
         for backend in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(backend)
-            seconds = _time_over_copies(x, copies)
+            seconds = time_linear(x, out_f, in_f)
             row[f"us_{backend}"] = round(1e6 * seconds, 1)
             row[f"of_bandwidth_{backend}"] = round(nbytes / seconds / bandwidth, 3)
         rows.append(row)
     torch.backends.cuda.preferred_blas_library(preferred)
     return rows
-
-
-def _time_over_copies(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    turn = iter(range(10**9))
-    return timed(lambda: torch.nn.functional.linear(x, weights[next(turn) % len(weights)]))
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwidth: float) -> list[dict]:

@@ -51,6 +51,11 @@ class ServerSettings(BaseSettings):
         description="CUDA: decode steps run a torch.compile'd forward (fused norms, residuals, activations); "
         "adds compile time to start-up (about 100 s for an 8B model).",
     )
+    compile_prefill: bool = Field(
+        True,
+        description="CUDA, with --compile: prefill and mixed steps run a torch.compile'd forward as well "
+        "(one graph for every token count; their attention stays eager), compiled during warm-up.",
+    )
     fuse_projections: bool = Field(
         True,
         description="CUDA: Q/K/V and gate/up projections run as one GEMM each (the weights are "

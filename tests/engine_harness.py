@@ -43,12 +43,15 @@ def make_core(
     kv_layout: str = "NHD",
     blas_library: str = "default",
     fold_rotary: bool = True,  # the decode model's path (the server's on CUDA) unless a test says not
+    compile_prefill: bool = False,  # with compile_backend: prefill and mixed steps compiled too
+    compile_decode: bool | None = None,  # default: whenever compile_backend is given
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
-        compile_decode=compile_backend is not None, compile_backend=compile_backend or "inductor",
+        compile_decode=compile_backend is not None if compile_decode is None else compile_decode,
+        compile_backend=compile_backend or "inductor",
         fuse_projections=fuse_projections, kv_layout=kv_layout, blas_library=blas_library,
-        fold_rotary=fold_rotary,
+        fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
     )
     return build_core(model, config, eos)
 

@@ -31,6 +31,14 @@ def test_tandem_bench_gpu_smoke_writes_table_json_and_timeline(tmp_path):
     roof, tandem = result["roofline"], result["tandem"]
     expected = roof["step_ms_mean"] / tandem["step_ms"]["median"]
     assert 0 < tandem["median_step_of_roofline_step"] == pytest.approx(expected, abs=1e-4)
+    # the GEMM floor: the workload's GEMMs timed alone plus its K/V reads; shares of it and of it
+    floor, new = result["gemm_floor"], result["workload"]["new_tokens"]
+    parts = floor["prefill_seconds"] + (new - 1) * floor["decode_gemm_ms_per_step"] / 1e3
+    assert floor["decode_gemm_ms_per_step"] > 0 and floor["prefill_steps"] >= 1
+    assert floor["seconds"] == pytest.approx(parts + floor["decode_kv_read_seconds"], rel=0.01, abs=2e-4)
+    assert floor["of_roofline"] == pytest.approx(roof["seconds"] / floor["seconds"], rel=0.01, abs=1e-4)
+    assert tandem["fraction_of_gemm_floor"] == pytest.approx(floor["seconds"] / tandem["seconds"], rel=0.05)
+    assert tandem["engine"]["step_loop"] == "sync"  # each engine reports its own settings
     assert result["imported_server_only_modules"] == []
     overhead = result["tracing_overhead"]
     assert set(overhead) == {"engine", "tracing_off", "steps_traced_1pct", "steps_traced_100pct"}
@@ -71,3 +79,20 @@ def test_tandem_bench_gpu_profile_runs_the_profiler_script():
                          timeout=300, env={**env, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 1 and "needs a CUDA device" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_gemm_floor_counts_every_gemm_weight_once(monkeypatch):
+    """The floor's GEMMs are the engine's: fused projections are one weight of the summed rows."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from gemm_floor import linear_shapes
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tandem.service.engine.fused_projections import fuse_projections
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    q, kv, up = (64, 64), (32, 64), (128, 64)
+    assert linear_shapes(model) == ({q: 4, kv: 4, up: 4, (64, 128): 2}, (512, 64))
+    fuse_projections(model)
+    assert linear_shapes(model) == ({(128, 64): 2, (64, 64): 2, (256, 64): 2, (64, 128): 2}, (512, 64))

@@ -110,6 +110,59 @@ def test_compiled_decode_forward_matches_generate(tiny_models, loop):
         assert counters["stats"]["unique_graphs"] > before
 
 
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_compiled_prefill_matches_generate_without_recompiling(tiny_models, loop):
+    """Prefill and mixed steps through torch.compile, with a graph break at their attention:
+    chunked prompts over a cached prefix, lone one-token prompts, decodes mixed with prompts (in
+    the async loop, with carried tokens), preemption. The start-up warm-up compiles the frames;
+    no step of the run compiles another."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # frames cached by earlier tests would hide what this engine compiles
+    model = tiny_models["qwen3"]  # its Q/K norms are in the compiled stretches too
+    before = counters["frames"]["ok"]
+    core = make_core(model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96,
+                     step_loop=loop, compile_backend="aot_eager", compile_decode=False, compile_prefill=True)
+    warmed = counters["frames"]["ok"]
+    assert warmed > before  # the warm-up compiled the prefill forward
+    vocab = model.config.vocab_size
+    arrivals = _arrivals(vocab, [30, 1, 41, 9, 17, 26, 1, 5], [0, 0, 1, 1, 2, 4, 5, 9], max_new=24, seed=12)
+    result = run(core, arrivals)
+    assert result.preemptions > 0
+    _check(model, arrivals, result, eos=None)
+    assert counters["frames"]["ok"] == warmed  # e.g. carried inputs of another tensor kind recompiled
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_packed_prompt_chunks_match_generate(tiny_models, loop, monkeypatch):
+    """The CUDA prefill path that packs every prompt chunk of a step into one variable-length
+    flash-attention call, run on the CPU with the reference math in place of the kernel: the
+    packing (query rows, context slots of fresh and continued chunks, offsets) must give the
+    model's own tokens through chunked prompts over cached prefixes, mixed steps and preemption."""
+    from tandem.service.engine import varlen_prefill
+    from tandem.service.engine.attention_ref import varlen_causal_attention
+
+    calls = []
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        calls.append((len(cu_q) - 1, max_q, max_k))
+        assert cu_q.dtype == cu_k.dtype == torch.int32  # FlashAttention-2 takes nothing else
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        return varlen_causal_attention(q, k, v, cu_q, cu_k, scale)
+
+    monkeypatch.setattr(varlen_prefill, "flash_varlen", reference)
+    model = tiny_models["llama"]
+    vocab = model.config.vocab_size
+    arrivals = _arrivals(vocab, [30, 22, 41, 9, 17, 26], [0, 0, 1, 1, 2, 4], max_new=24, seed=13)
+    core = make_core(model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96,
+                     step_loop=loop)
+    core.runner.varlen_prefill = True  # what a CUDA device with FlashAttention-2 gets
+    result = run(core, arrivals)
+    assert result.preemptions > 0
+    assert any(n > 1 for n, _, _ in calls) and any(k > q for _, q, k in calls)  # packed, and continued
+    _check(model, arrivals, result, eos=None)
+
+
 def test_fused_projections_compiled_async_matches_unfused_generate(tiny_models):
     """An engine over a fused copy (Qwen2: biased Q/K/V) gives the unfused model's greedy tokens."""
     import copy

@@ -73,10 +73,11 @@ def _arrivals(params: SamplingParams, seed: int = 1) -> list[Arrival]:
 
 
 def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None, fuse: bool = False,
-          layout: str = "NHD", blas: str = "default"):
+          layout: str = "NHD", blas: str = "default", compile_prefill: bool = False):
     return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
                      max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend,
-                     fuse_projections=fuse, kv_layout=layout, blas_library=blas)
+                     fuse_projections=fuse, kv_layout=layout, blas_library=blas,
+                     compile_prefill=compile_prefill)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
@@ -89,6 +90,41 @@ def test_cuda_compiled_graphs_match_generate(family, fuse):
     result = run(_core(model, graphs=True, compile_backend="inductor", fuse=fuse), arrivals)
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_compiled_prefill_matches_generate(family):
+    """The server's CUDA engine: prefill and mixed steps through Inductor too (symbolic token
+    count, eager attention), compiled by the start-up warm-up; no step of the run compiles again."""
+    from torch._dynamo.utils import counters
+
+    model, twin = _tiny_cuda(family), _tiny_cuda(family)
+    arrivals = _arrivals(SamplingParams(max_tokens=24))
+    core = _core(model, graphs=True, compile_backend="inductor", fuse=True, compile_prefill=True)
+    assert core.runner.prefill_compiled
+    warmed = counters["frames"]["ok"]
+    result = run(core, arrivals)
+    assert counters["frames"]["ok"] == warmed
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
+
+
+def test_cuda_packed_prompt_chunks_match_per_chunk_attention():
+    """A bf16 model (FlashAttention-2 takes half precision): the packed prompt path, one
+    variable-length flash call per layer (the CUDA default), gives the tokens of the per-chunk
+    SDPA path through chunked prompts continued over cached prefixes, mixed steps and preemption."""
+    model = _tiny_cuda("llama").to(torch.bfloat16)
+    arrivals = _arrivals(SamplingParams(max_tokens=24))
+    tokens, preempted = {}, {}
+    for packed in (True, False):
+        core = make_core(model, num_blocks=10, block_size=16, max_num_batched_tokens=64, max_model_len=160,
+                         max_num_seqs=8, cuda_graphs=True, step_loop="async")
+        assert core.runner.varlen_prefill  # chosen by default on this device
+        core.runner.varlen_prefill = packed
+        result = run(core, arrivals)
+        tokens[packed], preempted[packed] = result.tokens, result.preemptions
+    assert preempted[True] > 0
+    assert tokens[True] == tokens[False]
 
 
 def test_cuda_cublaslt_engine_matches_generate():

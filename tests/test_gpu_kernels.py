@@ -134,3 +134,29 @@ def test_kernel_addresses_blocks_past_two_billion_elements():
     ref = decode_attention(q.float(), k_cache[slots_of].float(), v_cache[slots_of].float(),
                            pos[None, :] < lens[:, None], head_dim**-0.5)
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (4, 2, 64), (14, 2, 64), (8, 8, 128)])
+def test_flash_varlen_matches_reference(dtype, heads, kv_heads, head_dim):
+    """The packed prompt path's kernel (PyTorch's FlashAttention-2, variable length) against one
+    SDPA per chunk in fp32: fresh chunks (queries = the whole context) and continued ones (queries
+    = the last positions of a longer context), grouped-query heads read as they are."""
+    from tandem.service.engine.attention_ref import varlen_causal_attention
+    from tandem.service.engine.varlen_prefill import flash_varlen, varlen_supported
+
+    assert varlen_supported(torch.device("cuda"), dtype, heads, kv_heads, head_dim)
+    torch.manual_seed(heads * head_dim)
+    chunks = [(128, 128), (7, 7), (1, 1), (33, 300), (64, 65), (200, 1000), (1, 517)]  # (queries, context)
+    cu_q = torch.tensor([0] + [q for q, _ in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    cu_k = torch.tensor([0] + [k for _, k in chunks], dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
+    q = torch.randn(int(cu_q[-1]), heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    scale = head_dim**-0.5
+    out = flash_varlen(q, k, v, cu_q, cu_k, max(c for c, _ in chunks), max(c for _, c in chunks), scale)
+    ref = varlen_causal_attention(q.float(), k.float(), v.float(), cu_q, cu_k, scale)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for i, (q0, q1) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:], strict=False)):
+        err = ((out[q0:q1].float() - ref[q0:q1]).abs().max() / ref[q0:q1].abs().max()).item()
+        assert err < tol, f"chunk {i} {chunks[i]}: relative error {err}"

@@ -32,9 +32,8 @@ def paged_attention_forward(
     if tandem_meta is None:
         raise RuntimeError("tandem_paged attention needs the engine's metadata (tandem_meta=...)")
     meta = tandem_meta
-    cache = meta.kv_cache
-    layer = module.layer_idx
     if meta.decode_only:  # one opaque op: what torch.compile and CUDA graphs wrap
+        cache, layer = meta.kv_cache, module.layer_idx
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         # the op gets the storage itself (contiguous), and transposes inside if head-major
         out = decode_op.paged_decode(
@@ -43,6 +42,22 @@ def paged_attention_forward(
             *((meta.rotary.inv_freq, meta.rotary.scaling) if meta.rotary is not None else ()),
         )
         return out, None
+    return _attend_mixed(module, query, key, value, meta, scaling), None
+
+
+# A graph break for the compiled prefill forward (model_runner.py): the walk over the step's
+# prompts stays eager, so one graph with a symbolic token count serves every batch composition
+# instead of one compilation per mix of prompt lengths
+@torch.compiler.disable
+def _attend_mixed(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    meta: AttentionMetadata, scaling: float | None,
+) -> torch.Tensor:
+    """Prefill and mixed steps: write the new K/V, then attend decode rows and prompt chunks.
+
+    Reads the layer index here, past the graph break, so that it is no guard of the compiled
+    frames (one compilation for every layer)."""
+    cache, layer = meta.kv_cache, module.layer_idx
     k_cache, v_cache = cache.k[layer], cache.v[layer]  # [slots, Hkv, D] in either layout
     new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_v = value[0].transpose(0, 1)
@@ -65,6 +80,10 @@ def paged_attention_forward(
             vd = v_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)
             od = decode_attention(qd, kd, vd, meta.decode_mask, scaling)
         out.index_copy_(0, meta.decode_token_idx, od)
+    if meta.varlen is not None:  # CUDA: every prompt chunk in one call
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        chunks = meta.varlen.attend(q.transpose(0, 1), k_cache, v_cache, scale)
+        out.index_copy_(0, meta.varlen.q_index, chunks)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         qp = q[:, rows].unsqueeze(0)  # [1, H, n, D]
@@ -77,7 +96,7 @@ def paged_attention_forward(
             qp, kp, vp, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scaling, enable_gqa=True
         )
         out[rows] = op[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def register() -> str:

@@ -37,3 +37,22 @@ def decode_attention(
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)
+
+
+def varlen_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Packed chunks, q [Tq, H, D], k/v [Tk, Hkv, D]: chunk i's queries q[cu_q[i]:cu_q[i+1]] are the
+    last positions of its context k[cu_k[i]:cu_k[i+1]] (causal from the bottom right). What the
+    variable-length flash kernel computes (varlen_prefill.py), one SDPA call per chunk."""
+    out = torch.empty_like(q)
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    for q0, q1, k0, k1 in zip(qs[:-1], qs[1:], ks[:-1], ks[1:], strict=True):
+        n, length = q1 - q0, k1 - k0
+        mask = causal_mask(torch.arange(length - n, length, device=q.device), length, None)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out

@@ -15,6 +15,7 @@ import torch
 from .attention_ref import causal_mask, decode_mask
 from .deferred_rotary import DecodeRotary
 from .scheduler import ScheduledChunk
+from .varlen_prefill import VarlenPrefill
 
 if TYPE_CHECKING:
     from .step_buffers import DeviceBatch
@@ -48,6 +49,8 @@ class AttentionMetadata:
     decode_only: bool = False
     # decode-only steps of the decode model: Q and K come unrotated, the decode op rotates them
     rotary: DecodeRotary | None = None
+    # CUDA: every prompt chunk in one variable-length flash-attention call (then `prefills` is empty)
+    varlen: VarlenPrefill | None = None
 
 
 @dataclass
@@ -172,8 +175,12 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None = None,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
+    varlen: bool = False,
 ) -> AttentionMetadata:
-    """Attention metadata of an eagerly run step, from its uploaded inputs (`dev`)."""
+    """Attention metadata of an eagerly run step, from its uploaded inputs (`dev`).
+
+    `varlen`: the prompt chunks go to one variable-length flash-attention call (CUDA, no sliding
+    window); otherwise each chunk gets its own segment, attended by SDPA."""
     device = dev.input_ids.device
     meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size)
     if batch.decode_block_table is not None:
@@ -192,6 +199,14 @@ def build_attention_metadata(
             meta.decode_blocks = dev.block_table.long().flatten()
             width = dev.block_table.shape[1] * block_size
             meta.decode_mask = decode_mask(dev.ctx_lens.long(), width, sliding_window)
+    if varlen and batch.prefills and not sliding_window:
+        segments = [
+            (q_start, q_len, batch.slot_mapping[q_start : q_start + q_len] if blocks is None
+             else _slots_of(torch.tensor(blocks, dtype=torch.int64), ctx_len, block_size))
+            for q_start, q_len, ctx_len, blocks in batch.prefills
+        ]
+        meta.varlen = VarlenPrefill.build(segments, device)
+        return meta
     for q_start, q_len, ctx_len, blocks in batch.prefills:
         seg = PrefillSegment(q_start, q_len, ctx_len)
         fresh = blocks is None

@@ -16,6 +16,7 @@ from .engine_core import EngineCore
 from .fused_projections import fuse_projections
 from .kv_cache import CacheShape, KVCache
 from .model_runner import ModelRunner
+from .sampling_params import GenerationRequest, SamplingParams
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class EngineConfig:
     # The server turns it on for CUDA (0.17 ms of an 8B step at batch 32 on the H200); on the CPU
     # the op's eager rotation shows no gain (SmolLM2: within run-to-run noise, docs/architecture.md)
     fold_rotary: bool = False
+    # prefill and mixed steps run a torch.compile'd forward too (symbolic token count; attention
+    # eager), compiled at start-up by a short warm-up. The server turns it on for CUDA
+    compile_prefill: bool = False
 
 
 def build_core(
@@ -87,7 +91,24 @@ def build_core(
         compile_decode=config.compile_decode,
         compile_backend=config.compile_backend,
         fold_rotary=config.fold_rotary,
+        compile_prefill=config.compile_prefill,
     )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
-    return EngineCore(runner, scheduler, max_model_len, eos_token_ids, lambda updates: None, async_loop)
+    core = EngineCore(runner, scheduler, max_model_len, eos_token_ids, lambda updates: None, async_loop)
+    if config.compile_prefill:
+        compile_prefill_shapes(core)
+    return core
+
+
+def compile_prefill_shapes(core: EngineCore) -> None:
+    """Compile the prefill forward at start-up rather than on the first requests: a lone one-token
+    prompt (a size the compiler specialises on), then two prompts (the graph with a symbolic token
+    count that every later prefill and mixed step reuses)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for prompts in ([[0]], [[0, 0], [0, 0, 0]]):
+        for i, prompt in enumerate(prompts):
+            core.add(GenerationRequest(f"compile-prefill-{i}", prompt, params))
+        core.drain_inbox(block=False)
+        while core.scheduler.has_work:
+            core.step()

@@ -46,6 +46,7 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
         cuda_graphs=settings.cuda_graphs,
         step_loop=settings.step_loop,
         compile_decode=settings.compile and device.type == "cuda",
+        compile_prefill=settings.compile and settings.compile_prefill and device.type == "cuda",
         fuse_projections=settings.fuse_projections and device.type == "cuda",
         fold_rotary=settings.fold_rotary and device.type == "cuda",
         kv_layout=settings.kv_cache_layout,

@@ -26,6 +26,7 @@ from .kv_cache import KVCache
 from .sampler import SampleOutput, sample
 from .scheduler import ScheduledChunk
 from .step_buffers import DeviceBatch, StepBuffers
+from .varlen_prefill import varlen_supported
 
 
 @dataclass
@@ -111,6 +112,7 @@ class ModelRunner:
         compile_decode: bool = False,
         compile_backend: str = "inductor",
         fold_rotary: bool = False,
+        compile_prefill: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -131,6 +133,11 @@ class ModelRunner:
         bs = cache.block_size
         self.in_place_decode = device.type == "cuda" and not self.sliding_window and kernel_supports(bs)
         self.num_sms = num_sms(device.index or 0) if device.type == "cuda" else 0
+        # prompt chunks of a step in one flash-attention call, where this PyTorch and device can
+        self.varlen_prefill = not self.sliding_window and varlen_supported(
+            device, cache.k_store.dtype, text_config.num_attention_heads, cache.shape.num_kv_heads,
+            cache.shape.head_dim,
+        )
         self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
         if self.in_place_decode:
             from .triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
@@ -143,9 +150,16 @@ class ModelRunner:
         )
         # ... compiled, where asked: norms, activations and residuals fused around the op
         self.decode_forward = decode_model
-        if compile_decode:
+        if compile_decode or compile_prefill:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        if compile_decode:
             self.decode_forward = torch.compile(decode_model, backend=compile_backend)
+        # prefill and mixed steps, compiled where asked: one graph per stretch between attention
+        # calls (their attention stays eager, attention.py), with a symbolic token count
+        self.prefill_forward = model
+        self.prefill_compiled = compile_prefill
+        if compile_prefill:
+            self.prefill_forward = torch.compile(model, backend=compile_backend, dynamic=True)
         max_blocks = -(-max_model_len // bs)
         self.slots = [
             StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, device, cache.scratch_block, bs)
@@ -237,20 +251,33 @@ class ModelRunner:
         kernel = None
         if self.decode_kernel is not None and batch.decode_token_idx:
             kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
-        meta = build_attention_metadata(batch, dev, self.block_size, self.sliding_window, kernel)
+        meta = build_attention_metadata(
+            batch, dev, self.block_size, self.sliding_window, kernel, varlen=self.varlen_prefill
+        )
         meta.kv_cache = self.cache
         if meta.decode_only:
             meta.rotary = self.decode_rotary
-        input_ids = carry_over(dev.input_ids, dev.carry, prev_tokens)[None]
-        forward = self.decode_forward if meta.decode_only else self.model
+        input_ids = carry_over(dev.input_ids, dev.carry, prev_tokens)
+        if input_ids is not dev.input_ids:  # in the slot's buffer, as without carries: one kind of
+            input_ids = dev.input_ids.copy_(input_ids)  # tensor for the compiled forward's guards
+        input_ids = input_ids[None]
+        keep = 0 if meta.decode_only else dev.logits_indices
+        if self.prefill_compiled and not meta.decode_only and len(keep) < 2:
+            # 0 and 1 rows are sizes the compiler specialises on: pad to 2 (row 0, dropped
+            # below) so that no step with one prompt or none sampling compiles another graph;
+            # padded in the slot's own buffer, so the tensor is of the same kind as unpadded ones
+            rows = self.slots[s].dev["logits_indices"]
+            rows[len(keep) : 2].zero_()
+            keep = rows[:2]
+        forward = self.decode_forward if meta.decode_only else self.prefill_forward
         out = forward(
             input_ids=input_ids,
             position_ids=dev.positions[None],
-            logits_to_keep=0 if meta.decode_only else dev.logits_indices,
+            logits_to_keep=keep,
             use_cache=False,
             tandem_meta=meta,
         )
-        sampled = sample(out.logits[0], st)
+        sampled = sample(out.logits[0, : len(tokens)], st)
         tokens.copy_(sampled.tokens)
         return sampled
 

@@ -1,0 +1,101 @@
+"""The GEMM floor of a workload: its run time if the model's GEMMs were all the device did.
+
+The bandwidth roofline assumes every step only reads memory. A large batch is compute-bound in its
+GEMMs instead, and the prefill always is, so the roofline can be out of reach of any engine. This
+measures what the GEMM library itself attains: each weight shape of the model (the engine's, so
+fused projections count as one) is timed alone at the step's row count, every call reading another
+copy of the weight (none served from L2). The floor of a workload adds up, per step, its GEMMs
+and, for decode steps, the K/V read at the copy bandwidth; norms, activations, attention compute,
+sampling and launch gaps count as free. roofline seconds / floor seconds is then the highest share
+of the roofline that the device's GEMMs allow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+
+def timed(fn: Callable[[], object], reps: int = 20, cuda: bool = True) -> float:
+    """Seconds per call; on CUDA from a graph of `reps` calls (no launch gaps)."""
+    fn()
+    if not cuda:  # the CPU smoke run: a plain loop
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (5 * reps)
+
+
+def time_linear(x: torch.Tensor, out_features: int, in_features: int, l2_bytes: int = 256 << 20) -> float:
+    """Seconds of x @ W.T for a [out, in] weight, each call reading another copy of W."""
+    nbytes = out_features * in_features * x.element_size()
+    copies = [torch.randn(out_features, in_features, dtype=x.dtype, device=x.device)
+              for _ in range(-(-l2_bytes // nbytes))]
+    turn = iter(range(10**9))
+    return timed(lambda: torch.nn.functional.linear(x, copies[next(turn) % len(copies)]), cuda=x.is_cuda)
+
+
+def linear_shapes(model: torch.nn.Module) -> tuple[Counter, tuple[int, int]]:
+    """Each [out, in] GEMM weight shape of the model with its count, the LM head apart (it runs on
+    the sampled rows only). Any module's own 2-D `weight` but an embedding's is a GEMM's, so
+    fused projections (one weight for Q/K/V) count once, as the engine runs them."""
+    head = model.get_output_embeddings()
+    shapes: Counter = Counter()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None or weight.dim() != 2 or module is head or isinstance(module, torch.nn.Embedding):
+            continue
+        shapes[tuple(weight.shape)] += 1
+    return shapes, tuple(head.weight.shape)
+
+
+def forward_gemm_seconds(model: torch.nn.Module, rows: int, sampled: int) -> float:
+    """One forward's GEMMs alone: every linear at `rows` rows, the LM head at `sampled`."""
+    p = next(model.parameters())
+    shapes, head = linear_shapes(model)
+    total = 0.0
+    for (out_f, in_f), count in shapes.items():
+        total += count * time_linear(torch.randn(rows, in_f, dtype=p.dtype, device=p.device), out_f, in_f)
+    return total + time_linear(torch.randn(sampled, head[1], dtype=p.dtype, device=p.device), *head)
+
+
+def workload_floor(
+    model: torch.nn.Module, kv_per_token: int, bandwidth: float, requests: int, prompt: int, new: int,
+    max_num_seqs: int, max_num_batched_tokens: int,
+) -> dict | None:
+    """Floor of `requests` prompts of `prompt` tokens, each decoding `new` tokens, all at once:
+    prefill in chunks of the step budget, then `new - 1` decode steps of every request. None when
+    the requests do not fit in one batch (the floor would depend on the scheduling of waves)."""
+    if requests > max_num_seqs:
+        return None
+    prompt_tokens = requests * prompt
+    chunk = min(max_num_batched_tokens, prompt_tokens)
+    chunks = -(-prompt_tokens // chunk)
+    prefill = chunks * forward_gemm_seconds(model, chunk, max(1, chunk // prompt))
+    decode_gemm = forward_gemm_seconds(model, requests, requests)
+    kv_read = sum(requests * (prompt + j) * kv_per_token / bandwidth for j in range(1, new))
+    decode = (new - 1) * decode_gemm + kv_read
+    return {
+        "prefill_steps": chunks,
+        "prefill_tokens_per_step": chunk,
+        "prefill_seconds": round(prefill, 4),
+        "decode_gemm_ms_per_step": round(1e3 * decode_gemm, 3),
+        "decode_kv_read_seconds": round(kv_read, 4),
+        "seconds": round(prefill + decode, 4),
+        "tok_s": round(requests * max(1, new - 1) / (prefill + decode), 1),
+    }

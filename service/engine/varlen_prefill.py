@@ -1,0 +1,84 @@
+"""All prompt chunks of a step in one flash-attention call per layer (CUDA).
+
+The reference path attends each prompt chunk with its own SDPA call: 32 prompts of an 8B step make
+1,024 small launches and their copies, milliseconds of GPU and tens of milliseconds of Python. Here
+each layer gathers the chunks' context K/V from the paged cache (their new K/V are already written
+there) into one packed tensor and runs FlashAttention-2's variable-length kernel over all of them,
+causal from the bottom right, so a chunk that continues a cached prefix sees that prefix too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VarlenPrefill:
+    """A step's prompt chunks, packed: queries by batch index, keys by cache slot."""
+
+    q_index: torch.Tensor  # [Tq] int64 packed index of every chunk's query tokens, chunk by chunk
+    kv_slots: torch.Tensor  # [Tk] int64 cache slot of every chunk's context, chunk by chunk
+    cu_q: torch.Tensor  # [n + 1] int32 offsets of each chunk's queries in q_index
+    cu_k: torch.Tensor  # [n + 1] int32 offsets of each chunk's context in kv_slots
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(
+        cls, segments: list[tuple[int, int, torch.Tensor]], device: torch.device
+    ) -> VarlenPrefill:
+        """`segments`: (q_start, q_len, context slots [ctx_len] on the host) of each chunk."""
+        q_index = torch.cat([torch.arange(s, s + n) for s, n, _ in segments])
+        kv_slots = torch.cat([slots for _, _, slots in segments])
+        q_lens = [n for _, n, _ in segments]
+        k_lens = [len(slots) for _, _, slots in segments]
+        lens = torch.tensor([[0, 0], *zip(q_lens, k_lens, strict=True)], dtype=torch.int32)
+        cu = lens.cumsum(0, dtype=torch.int32)  # the kernel takes int32 offsets only
+        host = torch.cat([q_index, kv_slots])
+        cu = cu.t().contiguous()
+        if device.type == "cuda":  # from pageable memory the copy would wait for the device
+            host, cu = host.pin_memory(), cu.pin_memory()
+        on_device = host.to(device, non_blocking=True)
+        cu = cu.to(device, non_blocking=True)
+        return cls(on_device[: len(q_index)], on_device[len(q_index) :], cu[0], cu[1], max(q_lens),
+                   max(k_lens))
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [T, H, D] of the whole step -> [Tq, H, D] outputs of the chunks' queries."""
+        qp = q.index_select(0, self.q_index)
+        kp = k_cache.index_select(0, self.kv_slots)
+        vp = v_cache.index_select(0, self.kv_slots)
+        return flash_varlen(qp, kp, vp, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
+
+
+def flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: int, max_k: int, scale: float,
+) -> torch.Tensor:
+    """PyTorch's bundled FlashAttention-2, variable-length and causal (bottom-right aligned);
+    grouped-query K/V are read as they are. The aten op, whose signature has held since
+    PyTorch 2.3, where the public wrapper (torch.nn.attention.varlen) still changes."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+    )
+    return out[0]
+
+
+def varlen_supported(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+                     ) -> bool:
+    """Whether this PyTorch and device run the kernel for this model: tried once, on a tiny input."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        q = torch.zeros(3, heads, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(3, kv_heads, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+        flash_varlen(q, k, k, cu, cu, 2, 2, 1.0)
+        torch.cuda.synchronize(device)
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
+        return False
+    return True
