@@ -38,6 +38,8 @@ def kernel_kind(name: str) -> str:
     n = name.lower()
     if "_decode_split" in n or "_merge_kernel" in n:
         return "decode attention"
+    if "flash" in n:  # before the GEMM names: FlashAttention's kernels carry "cutlass" in theirs
+        return "prefill attention (FlashAttention)"
     if any(k in n for k in ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")):
         return "GEMM (cuBLAS)"
     if n.startswith("triton_tem_"):

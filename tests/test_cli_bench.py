@@ -96,3 +96,17 @@ def test_gemm_floor_counts_every_gemm_weight_once(monkeypatch):
     assert linear_shapes(model) == ({q: 4, kv: 4, up: 4, (64, 128): 2}, (512, 64))
     fuse_projections(model)
     assert linear_shapes(model) == ({(128, 64): 2, (64, 64): 2, (256, 64): 2, (64, 128): 2}, (512, 64))
+
+
+def test_profile_sorts_kernels_by_kind(monkeypatch):
+    """The GPU profile's grouping: FlashAttention's kernels (their names carry "cutlass") are the
+    prefill's attention, not GEMMs."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from profile_gpu import kernel_kind
+
+    flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, cutlass::"
+    assert kernel_kind(flash) == "prefill attention (FlashAttention)"
+    assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "GEMM (cuBLAS)"
+    assert kernel_kind("_decode_split_kernel") == "decode attention"
+    silu = "triton_poi_fused__unsafe_view_mul_silu_split_with_sizes_2"
+    assert kernel_kind(silu) == "fused element-wise (Triton)"

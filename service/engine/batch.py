@@ -15,7 +15,7 @@ import torch
 from .attention_ref import causal_mask, decode_mask
 from .deferred_rotary import DecodeRotary
 from .scheduler import ScheduledChunk
-from .varlen_prefill import VarlenPrefill
+from .varlen_prefill import VarlenPrefill, upload
 
 if TYPE_CHECKING:
     from .step_buffers import DeviceBatch
@@ -211,7 +211,7 @@ def build_attention_metadata(
         seg = PrefillSegment(q_start, q_len, ctx_len)
         fresh = blocks is None
         if not fresh:
-            table = torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True)
+            table = upload(torch.tensor(blocks, dtype=torch.int64), device)
             seg.slots = _slots_of(table, ctx_len, block_size)
         if not fresh or (sliding_window and q_len > sliding_window):
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)

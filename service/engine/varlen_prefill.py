@@ -36,12 +36,8 @@ class VarlenPrefill:
         k_lens = [len(slots) for _, _, slots in segments]
         lens = torch.tensor([[0, 0], *zip(q_lens, k_lens, strict=True)], dtype=torch.int32)
         cu = lens.cumsum(0, dtype=torch.int32)  # the kernel takes int32 offsets only
-        host = torch.cat([q_index, kv_slots])
-        cu = cu.t().contiguous()
-        if device.type == "cuda":  # from pageable memory the copy would wait for the device
-            host, cu = host.pin_memory(), cu.pin_memory()
-        on_device = host.to(device, non_blocking=True)
-        cu = cu.to(device, non_blocking=True)
+        on_device = upload(torch.cat([q_index, kv_slots]), device)
+        cu = upload(cu.t().contiguous(), device)
         return cls(on_device[: len(q_index)], on_device[len(q_index) :], cu[0], cu[1], max(q_lens),
                    max(k_lens))
 
@@ -53,6 +49,14 @@ class VarlenPrefill:
         kp = k_cache.index_select(0, self.kv_slots)
         vp = v_cache.index_select(0, self.kv_slots)
         return flash_varlen(qp, kp, vp, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor onto the device, queued on the current stream. Through pinned memory
+    on CUDA: the host itself stages a copy from pageable memory before the call returns."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def flash_varlen(
