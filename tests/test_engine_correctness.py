@@ -9,7 +9,10 @@ import torch
 from engine_harness import Arrival, hf_greedy, make_core, run
 from transformers import AutoModelForCausalLM
 
+from tandem.service.engine.factory import build_engine
 from tandem.service.engine.sampling_params import SamplingParams
+from tandem.service.models.loader import load_model
+from tandem.service.settings import ServerSettings
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -204,3 +207,14 @@ def test_engines_of_different_caches_in_one_process(tiny_models):
         core = make_core(copy.deepcopy(model), num_blocks=num_blocks, block_size=block_size,
                          compile_backend="inductor", kv_layout=layout)
         _check(model, arrivals, run(core, arrivals), eos=None)
+
+
+def test_server_runs_prompts_through_the_plain_model_on_cpu(tiny_model_dir):
+    """The compiled prefill and the packed prompt chunks are CUDA's: the CPU server's engine runs
+    prefill steps through the model itself (nothing compiled at start-up, no C++ toolchain needed)
+    and attends each prompt chunk on its own."""
+    loaded = load_model(str(tiny_model_dir("llama")), "tiny", torch.device("cpu"))
+    settings = ServerSettings(num_kv_blocks=64, block_size=4, compile=True, compile_prefill=True)
+    runner = build_engine(loaded, settings).core.runner
+    assert not runner.prefill_compiled and runner.prefill_forward is loaded.model
+    assert not runner.varlen_prefill
