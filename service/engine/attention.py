@@ -65,11 +65,11 @@ def _attend_mixed(
     v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))
 
     q = query[0]  # [H, T, D]
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling  # the CUDA kernels want it resolved
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
     if meta.decode_token_idx is not None:
         qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)  # [B, H, D]
         if meta.decode_kernel is not None:  # CUDA: read K/V in place
-            scale = q.shape[-1] ** -0.5 if scaling is None else scaling
             od = meta.decode_kernel(
                 qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
             )
@@ -81,7 +81,6 @@ def _attend_mixed(
             od = decode_attention(qd, kd, vd, meta.decode_mask, scaling)
         out.index_copy_(0, meta.decode_token_idx, od)
     if meta.varlen is not None:  # CUDA: every prompt chunk in one call
-        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
         chunks = meta.varlen.attend(q.transpose(0, 1), k_cache, v_cache, scale)
         out.index_copy_(0, meta.varlen.q_index, chunks)
     for seg in meta.prefills:

@@ -157,7 +157,6 @@ class ModelRunner:
         # prefill and mixed steps, compiled where asked: one graph per stretch between attention
         # calls (their attention stays eager, attention.py), with a symbolic token count
         self.prefill_forward = model
-        self.prefill_compiled = compile_prefill
         if compile_prefill:
             self.prefill_forward = torch.compile(model, backend=compile_backend, dynamic=True)
         max_blocks = -(-max_model_len // bs)
@@ -174,6 +173,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.decode_forward, cache, self.slots, max_num_seqs, self.decode_rotary
             )
+
+    @property
+    def prefill_compiled(self) -> bool:
+        return self.prefill_forward is not self.model
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs (warm-up time, before the server reports SERVING)."""
