@@ -87,20 +87,15 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     start, first_step, busy_before = time.perf_counter(), core.steps, core.busy_seconds
     for rid, prompt in zip(ids, prompts, strict=True):
         core.add(GenerationRequest(rid, list(prompt), params))
-    core.drain_inbox(block=False)
     step_times = []
-    launched = None  # the asynchronous loop's step in flight
-    while core.scheduler.has_work or launched is not None:
+    while core.has_work:
         before, step_start = core.steps, time.perf_counter()
-        if core.async_loop:
-            updates, launched = core.step_ahead(launched)
-        else:
-            updates = core.step()
+        updates = core.run_once()
         for update in updates:
             if update.error:
                 raise RuntimeError(f"{update.request_id}: {update.error}")
             outputs[update.request_id] += update.new_token_ids
-        if core.steps == before and launched is None:
+        if core.steps == before and not core.step_in_flight:
             raise RuntimeError("the scheduler scheduled nothing while work was pending")
         step_times.append(1e3 * (time.perf_counter() - step_start))
     sync(device)

@@ -110,7 +110,6 @@ def main() -> None:
     params = SamplingParams(max_tokens=a.new, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add(GenerationRequest(f"p{i}", p, params))
-    core.drain_inbox(block=False)
     for _ in range(a.new // 2):  # the prefill step, then decodes
         core.step()
     n = 20

@@ -58,7 +58,6 @@ def profile_steps(core, prompts: list[list[int]], steps: int, trace: Path) -> di
     params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add(GenerationRequest(f"p{i}", list(p), params))
-    core.drain_inbox(block=False)
     launched = None
     for _ in range(20):  # prefill and the first decodes
         _, launched = core.step_ahead(launched)

@@ -92,6 +92,25 @@ class ServerSettings(BaseSettings):
         4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
     )
     warmup: bool = Field(True, description="Run a short generation before health turns SERVING.")
+    api_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="gRPC front processes, all on `port` (SO_REUSEPORT) and all feeding the one engine "
+        "process; more when one front cannot keep up with the engine's tokens.",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="A stream sends once this many new tokens wait (1 = each token as soon as it can; "
+        "tokens that wait while a stream is still sending always go out together).",
+    )
+    stream_interval_ms: float = Field(
+        0.0,
+        ge=0,
+        description="... and once this many milliseconds have passed since the stream's last message; "
+        "the first token and the last are never held back.",
+    )
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM: how long running streams may finish before the server stops."
     )

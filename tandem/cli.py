@@ -41,12 +41,10 @@ def _settings_from(args: argparse.Namespace, settings_cls: type) -> object:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tandem.service.server.app import serve
+    from tandem.service.runtime.supervisor import serve
     from tandem.service.settings import ServerSettings
 
-    settings = _settings_from(args, ServerSettings)
-    asyncio.run(serve(settings))
-    return 0
+    return serve(_settings_from(args, ServerSettings), args.log_level)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -141,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=(args.log_level or "INFO").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from tandem.service.runtime.child import LOG_FORMAT  # the standard library only
+
+    logging.basicConfig(level=(args.log_level or "INFO").upper(), format=LOG_FORMAT)
     return args.func(args)
 
 

@@ -61,20 +61,15 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
     pending = sorted(arrivals, key=lambda a: a.at_step)
     seqs = {}
     step = 0
-    launched = None
-    while (pending or core.scheduler.has_work or launched) and step < max_steps:
+    while (pending or core.has_work) and step < max_steps:
         while pending and pending[0].at_step <= step:
             a = pending.pop(0)
             core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params))
             result.tokens[a.request_id] = []
-        core.drain_inbox(block=False)
         for s in core.scheduler.waiting:
             seqs[s.request_id] = s
         result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))
-        if core.async_loop:
-            updates, launched = core.step_ahead(launched)
-        else:
-            updates = core.step()
+        updates = core.run_once()
         for u in updates:
             result.tokens[u.request_id] += u.new_token_ids
             if u.finish_reason is not None:

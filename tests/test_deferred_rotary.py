@@ -107,4 +107,4 @@ def test_server_leaves_rotary_in_the_model_on_cpu(tiny_model_dir):
     model's own (docs/architecture.md), so the server's CPU engine keeps the model's."""
     loaded = load_model(str(tiny_model_dir("llama")), "tiny", torch.device("cpu"))
     settings = ServerSettings(num_kv_blocks=64, block_size=4, fold_rotary=True)
-    assert build_engine(loaded, settings).core.runner.decode_rotary is None
+    assert build_engine(loaded, settings)[0].runner.decode_rotary is None

@@ -230,6 +230,6 @@ def test_server_runs_prompts_through_the_plain_model_on_cpu(tiny_model_dir):
     and attends each prompt chunk on its own."""
     loaded = load_model(str(tiny_model_dir("llama")), "tiny", torch.device("cpu"))
     settings = ServerSettings(num_kv_blocks=64, block_size=4, compile=True, compile_prefill=True)
-    runner = build_engine(loaded, settings).core.runner
+    runner = build_engine(loaded, settings)[0].runner
     assert not runner.prefill_compiled and runner.prefill_forward is loaded.model
     assert not runner.varlen_prefill

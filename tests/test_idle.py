@@ -1,4 +1,4 @@
-from tandem.service.telemetry.idle import IdleTracker
+from tandem.service.engine.timing import IdleTracker
 
 
 def test_idle_fraction_over_a_sliding_window():

@@ -15,9 +15,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from transformers import AutoModelForCausalLM
 
 from tandem.service.engine.sampling_params import SamplingParams
+from tandem.service.engine.timing import StepTiming
 from tandem.service.telemetry.cost import TokenWindow
 from tandem.service.telemetry.metrics import STEP_DURATION_BUCKETS, ServerMetrics
-from tandem.service.telemetry.steps import StepRecorder, StepTiming
+from tandem.service.telemetry.steps import StepRecorder
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ The server's factory, the benchmarks and the tests all build their cores here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from .kv_cache import CacheShape, KVCache
 from .model_runner import ModelRunner
 from .sampling_params import GenerationRequest, SamplingParams
 from .scheduler import Scheduler
+from .timing import StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,14 @@ class EngineConfig:
     # prefill and mixed steps run a torch.compile'd forward too (symbolic token count; attention
     # eager), compiled at start-up by a short warm-up. The server turns it on for CUDA
     compile_prefill: bool = False
+    idle_window_s: float = 60.0  # the sliding window of the engine's idle fraction
 
 
 def build_core(
-    model: torch.nn.Module, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()
+    model: torch.nn.Module,
+    config: EngineConfig,
+    eos_token_ids: frozenset[int] = frozenset(),
+    step_observer: Callable[[StepTiming], None] | None = None,
 ) -> EngineCore:
     model.set_attn_implementation(register())
     if config.fuse_projections:
@@ -95,9 +101,12 @@ def build_core(
     )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
-    core = EngineCore(runner, scheduler, max_model_len, eos_token_ids, lambda updates: None, async_loop)
+    core = EngineCore(
+        runner, scheduler, max_model_len, eos_token_ids, async_loop, idle_window_s=config.idle_window_s
+    )
     if config.compile_prefill:
         compile_prefill_shapes(core)
+    core.step_observer = step_observer  # after the compile warm-up: its steps are not traffic
     return core
 
 
@@ -111,6 +120,5 @@ def compile_prefill_shapes(core: EngineCore) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i, prompt in enumerate([[0, 0], [0, 0, 0]]):
         core.add(GenerationRequest(f"compile-prefill-{i}", prompt, params))
-    core.drain_inbox(block=False)
     while core.scheduler.has_work:
         core.step()

@@ -1,42 +1,25 @@
-"""The engine core thread: admit, schedule, run a step, hand results back; repeat."""
+"""The engine core: admit, schedule, run a step, hand the step's new tokens back; repeat.
+
+Driven by one thread (the engine process's loop, a benchmark, a test) that calls `add`, `abort` and
+`run_once` in turn; nothing in it is shared with another thread.
+"""
 
 from __future__ import annotations
 
 import logging
-import queue
 import random
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..telemetry.idle import IdleTracker
-from ..telemetry.steps import StepTiming
 from .model_runner import LaunchedStep, ModelRunner, StepResult
+from .outputs import EngineStats, SeqUpdate, TokenLogprob
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import FinishReason, Sequence
+from .sequence import Sequence
+from .timing import IdleTracker, StepTiming
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenLogprob:
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class SeqUpdate:
-    """What one step did for one request, handed to the front."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-    stop_token: int | None = None
-    error: str | None = None
-    scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
 
 
 @dataclass
@@ -49,16 +32,6 @@ class InFlight:
     scheduled: float = 0.0  # wall clock when its scheduling began (step observer)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_usage: float
-    kv_blocks_total: int
-    kv_blocks_free: int
-    idle_fraction: float
-
-
 class EngineCore:
     def __init__(
         self,
@@ -66,32 +39,47 @@ class EngineCore:
         scheduler: Scheduler,
         max_model_len: int,
         eos_token_ids: frozenset[int],
-        on_updates: Callable[[list[SeqUpdate]], None],
         async_loop: bool = False,
         step_observer: Callable[[StepTiming], None] | None = None,
+        idle_window_s: float = 60.0,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.on_updates = on_updates
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self.steps = 0
         self.async_loop = async_loop  # prepare step N+1 while the device runs step N
+        self.step_observer = step_observer  # called once per finished step
+        self.steps = 0
+        self._launched: InFlight | None = None  # the asynchronous loop's step in flight
         self._last_end = 0.0
         self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
-        self.idle = IdleTracker()
-        self.step_observer = step_observer  # called on the engine thread once per finished step
+        self.idle = IdleTracker(idle_window_s)
+        self.generated_tokens = 0  # handed back to requests (an extra token that is dropped is not)
+        self.prompt_tokens = 0  # of requests that got their first token
         self._observer_failed = False
 
-    # -- called from any thread ----------------------------------------------------------------
     def add(self, request: GenerationRequest) -> None:
-        self._inbox.put(("add", request))
+        self.scheduler.add(self._new_sequence(request))
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False if it is not here (any more)."""
+        return self.scheduler.abort(request_id) is not None
+
+    @property
+    def step_in_flight(self) -> bool:
+        """The asynchronous loop has launched a step whose tokens the host has not seen yet."""
+        return self._launched is not None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.step_in_flight
+
+    def run_once(self) -> list[SeqUpdate]:
+        """One turn of the configured step loop; the new tokens of the step that finished in it."""
+        if self.async_loop:
+            updates, self._launched = self.step_ahead(self._launched)
+            return updates
+        return self.step() if self.scheduler.has_work else []
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
@@ -104,51 +92,9 @@ class EngineCore:
             idle_fraction=self.idle.idle_fraction(),
         )
 
-    @property
-    def alive(self) -> bool:
-        """False once the engine thread has stopped or died (the liveness probe reads this)."""
-        return self._thread is None or self._thread.is_alive()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._inbox.put(("wake", None))
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    # -- the engine thread -----------------------------------------------------------------------
-    def _loop(self) -> None:
-        launched: InFlight | None = None
-        while not self._stopping.is_set():
-            self.drain_inbox(block=not self.scheduler.has_work and launched is None)
-            if self.async_loop:
-                updates, launched = self.step_ahead(launched)
-            elif self.scheduler.has_work:
-                updates = self.step()
-            else:
-                continue
-            if updates:
-                self.on_updates(updates)
-
-    def drain_inbox(self, block: bool) -> None:
-        """Admit queued requests and apply aborts (the thread does this before every step)."""
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, payload = item
-            if kind == "add":
-                self.scheduler.add(self._new_sequence(payload))
-            elif kind == "abort":
-                self.scheduler.abort(payload)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+    def reset_counters(self) -> None:
+        """Start counting tokens afresh (after a warm-up, which is not traffic)."""
+        self.generated_tokens = self.prompt_tokens = 0
 
     def _new_sequence(self, req: GenerationRequest) -> Sequence:
         p = req.params
@@ -164,7 +110,7 @@ class EngineCore:
         )
 
     def step(self) -> list[SeqUpdate]:
-        """One synchronous step. Public so tests can drive the engine without the thread."""
+        """One synchronous step."""
         t0 = time.time()
         out = self.scheduler.schedule()
         if not out.chunks:
@@ -188,7 +134,7 @@ class EngineCore:
 
         The scheduler treats tokens still in flight as known (carried over on the device), so the
         CPU prepares the next batch while the device computes; the host waits once per step, for
-        the previous step's tokens. Public so tests can drive it without the thread.
+        the previous step's tokens.
         """
         nxt = None
         t0 = time.time()
@@ -276,6 +222,9 @@ class EngineCore:
             update = SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token)
             update.scheduled_at = seq.scheduled_at
             updates.append(update)
+            if seq.num_output == 1:
+                self.prompt_tokens += seq.prompt_len
+        self.generated_tokens += len(updates)
         return updates
 
     def _fail(self, out: SchedulerOutput, message: str) -> list[SeqUpdate]:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from ..models.loader import LoadedModel
 from ..settings import ServerSettings
-from .async_engine import AsyncEngine
 from .core_builder import EngineConfig, build_core
+from .engine_core import EngineCore
 from .kv_cache import CacheShape, KVCache
+from .timing import StepTiming
 from .validation import Limits
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,12 @@ def _num_blocks(settings: ServerSettings, shape: CacheShape, dtype: torch.dtype,
     return KVCache.blocks_for_budget(shape, settings.block_size, dtype, budget)
 
 
-def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
+def build_engine(
+    loaded: LoadedModel,
+    settings: ServerSettings,
+    step_observer: Callable[[StepTiming], None] | None = None,
+) -> tuple[EngineCore, Limits]:
+    """The server's engine core for `loaded`, and the request limits it sets."""
     model = loaded.model
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -51,8 +58,9 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
         fold_rotary=settings.fold_rotary and device.type == "cuda",
         kv_layout=settings.kv_cache_layout,
         blas_library=settings.blas_library,
+        idle_window_s=settings.telemetry_window_s,
     )
-    core = build_core(model, config, loaded.eos_token_ids)
+    core = build_core(model, config, loaded.eos_token_ids, step_observer)
     limits = Limits(
         vocab_size=model.config.get_text_config().vocab_size,
         max_model_len=core.max_model_len,
@@ -60,4 +68,4 @@ def build_engine(loaded: LoadedModel, settings: ServerSettings) -> AsyncEngine:
         max_stop_strings=settings.max_stop_strings,
         max_stop_string_chars=settings.max_stop_string_chars,
     )
-    return AsyncEngine(core, loaded.tokenizer, limits, settings.max_waiting_requests)
+    return core, limits

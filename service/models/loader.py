@@ -30,6 +30,7 @@ class LoadedModel:
     name: str  # served model name
     source: str  # where it came from, for model info
     eos_token_ids: frozenset[int]
+    path: Path  # the transformers directory loaded (for a GGUF file: its converted copy)
 
 
 def default_cache_dir() -> Path:
@@ -126,4 +127,4 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     model = model.to(device).eval()
-    return LoadedModel(model, tokenizer, served, origin, _eos_ids(model, tokenizer))
+    return LoadedModel(model, tokenizer, served, origin, _eos_ids(model, tokenizer), path)

@@ -1,27 +1,34 @@
-"""What the gRPC servicers share: the engine, the tokenizer and the served model's identity."""
+"""What a front's servicers share: the served model, its tokenizer and limits, and admission.
+
+`ModelContext` is the one place a request is admitted: readiness, model name, prompt encoding and
+checks, the engine's own request id; the servicers only map their API's fields onto it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.async_engine import AsyncEngine
-from ..engine.errors import ErrorKind, RequestError
+from ..engine.errors import ErrorKind, RequestError, invalid
+from ..engine.sampling_params import SamplingParams
+from ..engine.validation import Limits, validate_prompt
+from .engine_client import EngineClient, GenerationChunk
 
 
 @dataclass
 class ModelContext:
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: PreTrainedTokenizerBase
+    limits: Limits
     name: str
     source: str
     architecture: str
     dtype: str
     device: str
     eos_token_ids: list[int]
-    is_ready: Callable[[], bool] = lambda: True  # health: loaded, warmed up and not draining
+    is_ready: Callable[[], bool] = lambda: True  # health: engine warm, tokenizer loaded, not draining
 
     @property
     def has_chat_template(self) -> bool:
@@ -40,6 +47,8 @@ class ModelContext:
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is not ready (warming up or draining)")
 
     def encode_text(self, text: str) -> list[int]:
+        if not text:
+            raise invalid("prompt is empty")
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -52,6 +61,20 @@ class ModelContext:
         except Exception as exc:  # template errors (e.g. roles out of order) are the caller's
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        """Admit a request (RequestError if it is not) and stream its chunks. `request_id`: the
+        client's own, refused while another request of this front uses it."""
+        validate_prompt(prompt_ids, self.limits)
+        return self.engine.generate(prompt_ids, params, self.tokenizer, request_id)
+
+    async def generate_all(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerationChunk:
+        validate_prompt(prompt_ids, self.limits)
+        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, request_id)
 
 
 class ContextHolder:

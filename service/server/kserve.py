@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +28,7 @@ from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .context import ContextHolder, ModelContext
 from .errors import abort, abort_if_too_large
 from .kserve_tensors import bytes_output, read_inputs
+from .servicer import Servicer
 
 INPUTS = (  # name, KServe datatype, model-config type, optional
     ("text_input", "BYTES", mc.TYPE_STRING, False),
@@ -71,17 +72,16 @@ def _number(d: dict, key: str, kind: type) -> object:
 SERVICE = "inference.GRPCInferenceService"
 
 
-class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
+class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
-        self, holder: ContextHolder, telemetry: RequestTelemetry, max_message_bytes: int | None = None
+        self,
+        holder: ContextHolder,
+        telemetry: RequestTelemetry,
+        max_message_bytes: int | None = None,
+        is_live: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.holder = holder
-        self.telemetry = telemetry
-        self.max_message_bytes = max_message_bytes
-
-    @property
-    def ctx(self) -> ModelContext:
-        return self.holder.get()
+        super().__init__(holder, telemetry, max_message_bytes)
+        self.is_live = is_live  # False once the engine process is gone
 
     def _ready(self) -> bool:
         return self.holder.ctx is not None and self.holder.ctx.is_ready()
@@ -90,7 +90,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=True)
+        return pb.ServerLiveResponse(live=self.is_live())
 
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
@@ -164,8 +164,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             prompt = raw_prompt.decode() if isinstance(raw_prompt, bytes) else str(raw_prompt)
         except UnicodeDecodeError as exc:
             raise invalid("text_input is not valid UTF-8") from exc
-        if not prompt:
-            raise invalid("prompt is empty")
         sp_raw = _scalar(values, "sampling_parameters", b"{}")
         try:
             sp = json.loads(sp_raw or b"{}")
@@ -188,7 +186,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             max_tokens = _number(sp, "max_tokens", int)
         prompt_ids = ctx.encode_text(prompt)
         params = resolve_params(
-            ctx.engine.limits,
+            ctx.limits,
             len(prompt_ids),
             temperature=_number(sp, "temperature", float),
             top_p=_number(sp, "top_p", float),
@@ -218,7 +216,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _trace(self, context: grpc.aio.ServicerContext, method: str) -> RequestTrace:
         # Triton's LLM tensors carry a raw prompt: a text completion
-        return self.telemetry.request(context.invocation_metadata(), f"{SERVICE}/{method}", "text_completion")
+        return self.trace(context, f"{SERVICE}/{method}", "text_completion")
 
     async def _texts(
         self, request: pb.ModelInferRequest, trace: RequestTrace
@@ -229,7 +227,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         trace.admitted(request.id, len(prompt_ids), req.params, req.stream)
         # request.id only correlates responses on the client's stream (echoed in _response); it is not
         # unique across clients, so the engine gets its own id
-        stream = await ctx.engine.generate(prompt_ids, req.params)
+        stream = ctx.generate(prompt_ids, req.params)
         prefix = "" if req.exclude_input else req.prompt
         if req.stream:
             async for chunk in stream:
@@ -251,7 +249,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                 ctx = self._model(request.model_name)
                 req, prompt_ids = self._parse(ctx, request)
                 trace.admitted(request.id, len(prompt_ids), req.params, stream=False)
-                done = await ctx.engine.generate_all(prompt_ids, req.params)
+                done = await ctx.generate_all(prompt_ids, req.params)
                 trace.chunk(done)
         except RequestError as err:
             await abort(context, err)

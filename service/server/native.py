@@ -10,14 +10,14 @@ import grpc
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-from ..engine.async_engine import GenerationChunk
 from ..engine.errors import RequestError, invalid
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
 from ..engine.validation import resolve_params
-from ..telemetry.requests import RequestTelemetry, RequestTrace
-from .context import ContextHolder, ModelContext
+from ..telemetry.requests import RequestTrace
+from .engine_client import GenerationChunk
 from .errors import abort, abort_if_too_large
+from .servicer import Servicer
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -31,23 +31,10 @@ def _messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-class TandemServicer(pb_grpc.TandemServicer):
-    def __init__(
-        self, holder: ContextHolder, telemetry: RequestTelemetry, max_message_bytes: int | None = None
-    ) -> None:
-        self.holder = holder
-        self.telemetry = telemetry
-        self.max_message_bytes = max_message_bytes
-
-    @property
-    def ctx(self) -> ModelContext:
-        return self.holder.get()
-
+class TandemServicer(Servicer, pb_grpc.TandemServicer):
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
         if which == "text":
-            if not request.text:
-                raise invalid("prompt is empty")
             return self.ctx.encode_text(request.text)
         if which == "chat":
             return self.ctx.encode_chat(_messages(request.chat))
@@ -58,7 +45,7 @@ class TandemServicer(pb_grpc.TandemServicer):
     def _params(self, request: pb.GenerateRequest, prompt_len: int) -> SamplingParams:
         s, st, lp = request.sampling, request.stopping, request.logprobs
         return resolve_params(
-            self.ctx.engine.limits,
+            self.ctx.limits,
             prompt_len,
             temperature=s.temperature if s.HasField("temperature") else None,
             top_p=s.top_p if s.HasField("top_p") else None,
@@ -83,7 +70,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
     ) -> RequestTrace:
         operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
-        return self.telemetry.request(context.invocation_metadata(), f"tandem.v1.Tandem/{method}", operation)
+        return self.trace(context, f"tandem.v1.Tandem/{method}", operation)
 
     def _token(self, token_id: int) -> str:
         return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -123,7 +110,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             with self._trace(request, context, "Generate") as trace:
                 prompt, params = self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=False)
-                merged = await self.ctx.engine.generate_all(prompt, params, request_id)
+                merged = await self.ctx.generate_all(prompt, params, request.request_id or None)
                 trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
@@ -139,7 +126,7 @@ class TandemServicer(pb_grpc.TandemServicer):
             with self._trace(request, context, "GenerateStream") as trace:
                 prompt, params = self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=True)
-                async for chunk in await self.ctx.engine.generate(prompt, params, request_id):
+                async for chunk in self.ctx.generate(prompt, params, request.request_id or None):
                     trace.chunk(chunk)
                     yield self._response(request_id, chunk)
         except RequestError as err:
@@ -165,7 +152,7 @@ class TandemServicer(pb_grpc.TandemServicer):
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         try:
-            limits = self.ctx.engine.limits
+            limits = self.ctx.limits
         except RequestError as err:
             await abort(context, err)
         return pb.ModelInfo(
@@ -182,7 +169,7 @@ class TandemServicer(pb_grpc.TandemServicer):
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
         try:
-            s = self.ctx.engine.core.stats()
+            s = await self.ctx.engine.load()
         except RequestError as err:
             await abort(context, err)
         return pb.Load(

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from ..engine.engine_core import EngineStats
+from ..engine.outputs import EngineStats
+from ..ipc.messages import RequestRecord
 from .cost import TokenWindow, cost_per_million_tokens
 
 # Bucket boundaries of the OpenTelemetry GenAI semantic conventions (gen-ai-metrics)
@@ -46,10 +47,12 @@ class ServerMetrics:
         self.tokens = tokens
         self.price_per_gpu_hour = price_per_gpu_hour
         self.num_gpus = num_gpus
-        # what the gauges read when collected (EngineCore.stats); None until the model has loaded
-        self.engine_stats: Callable[[], EngineStats] | None = None
+        # what the gauges read when collected: the engine's latest report (None before the first)
+        self.engine_stats: Callable[[], EngineStats | None] = lambda: None
         self.generation_tokens = meter.create_counter(
-            "tandem_generation_tokens", unit="{token}", description="Tokens generated and sent to clients."
+            "tandem_generation_tokens",
+            unit="{token}",
+            description="Tokens the engine generated for requests.",
         )
         self.prompt_tokens = meter.create_counter(
             "tandem_prompt_tokens",
@@ -106,11 +109,21 @@ class ServerMetrics:
 
     def _gauge(self, meter: Meter, name: str, unit: str, description: str, field: str) -> None:
         def observe(_: CallbackOptions) -> Iterable[Observation]:
-            if self.engine_stats is None:
-                return []
-            return [Observation(getattr(self.engine_stats(), field))]
+            stats = self.engine_stats()
+            return [] if stats is None else [Observation(getattr(stats, field))]
 
         meter.create_observable_gauge(name, callbacks=[observe], unit=unit, description=description)
+
+    def record_request(self, record: RequestRecord) -> None:
+        """The latency histograms of one finished request, as its front saw it."""
+        attrs = {"gen_ai.operation.name": record.operation, "gen_ai.request.model": record.model}
+        if record.time_to_first_token is not None:
+            self.time_to_first_token.record(record.time_to_first_token, attrs)
+        if record.time_per_output_token is not None:
+            self.time_per_output_token.record(record.time_per_output_token, attrs)
+        self.request_duration.record(
+            record.duration, attrs if record.error is None else {**attrs, "error.type": record.error}
+        )
 
     def cost_per_million_tokens(self) -> float | None:
         return cost_per_million_tokens(self.price_per_gpu_hour, self.num_gpus, self.tokens.tokens_per_hour())

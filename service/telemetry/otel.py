@@ -1,4 +1,4 @@
-"""OpenTelemetry for the server: providers, exporters and the recorders built on them.
+"""OpenTelemetry for the server: the meter and tracer providers and their exporters.
 
 Export follows the standard OTEL_* variables (endpoint, headers, TLS, sampler, resource,
 OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER = none) plus the TANDEM_ settings. Without an OTLP
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 
-from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -18,12 +17,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from ..engine.engine_core import EngineCore
 from ..settings import ServerSettings
-from .cost import TokenWindow
-from .metrics import ServerMetrics
-from .requests import RequestTelemetry
-from .steps import StepRecorder
 
 log = logging.getLogger(__name__)
 SCOPE = "tandem"
@@ -47,50 +41,28 @@ def _resource() -> Resource:
     return resource
 
 
-class Telemetry:
-    """Everything the server records; `shutdown()` flushes what is still buffered."""
+def meter_provider(settings: ServerSettings) -> MeterProvider:
+    """The pod's meters: read by /metrics (when `metrics_port` is set) and exported over OTLP when
+    a collector is configured. Only the supervisor keeps meters: one set for the whole pod."""
+    readers: list[MetricReader] = []
+    if settings.metrics_port:
+        readers.append(PrometheusMetricReader())  # feeds prometheus-client's registry: /metrics
+    otlp = _exports(settings, "metrics")
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-    def __init__(self, settings: ServerSettings) -> None:
-        resource = _resource()
-        readers: list[MetricReader] = []
-        if settings.metrics_port:
-            readers.append(PrometheusMetricReader())  # feeds prometheus-client's registry: /metrics
-        if _exports(settings, "metrics"):
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=settings.otlp_endpoint)))
+    log.info("telemetry: OTLP metrics %s", "on" if otlp else "off")
+    return MeterProvider(metric_readers=readers, resource=_resource())
 
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=settings.otlp_endpoint)))
-        self.meter_provider = MeterProvider(metric_readers=readers, resource=resource)
-        self.tracer_provider: TracerProvider | None = None
-        tracer: trace.Tracer = trace.NoOpTracer()
-        if _exports(settings, "traces"):
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            self.tracer_provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER
-            self.tracer_provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint))
-            )
-            tracer = self.tracer_provider.get_tracer(SCOPE)
-        self.tokens = TokenWindow(settings.telemetry_window_s)
-        self.metrics = ServerMetrics(
-            self.meter_provider.get_meter(SCOPE), self.tokens, settings.price_per_gpu_hour, settings.num_gpus
-        )
-        self.requests = RequestTelemetry(tracer, self.metrics)
-        self.steps = StepRecorder(tracer, self.metrics.step_duration, settings.step_trace_sample_rate)
-        self.window_s = settings.telemetry_window_s
-        log.info(
-            "telemetry: OTLP traces %s, OTLP metrics %s",
-            "on" if self.tracer_provider else "off",
-            "on" if len(readers) > int(bool(settings.metrics_port)) else "off",
-        )
+def tracer_provider(settings: ServerSettings) -> TracerProvider | None:
+    """Spans exported over OTLP (sampler: OTEL_TRACES_SAMPLER); None = no export, no spans built.
+    Each process that makes spans has its own (the fronts: requests; the supervisor: steps)."""
+    if not _exports(settings, "traces"):
+        return None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    def watch(self, core: EngineCore, model: str) -> None:
-        """Start recording the engine that serves `model` (once it has loaded)."""
-        core.idle.window_s = self.window_s  # idle fraction and cost share one window
-        core.step_observer = self.steps
-        self.metrics.engine_stats = core.stats
-        self.requests.model = model
-
-    def shutdown(self) -> None:
-        if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+    provider = TracerProvider(resource=_resource())
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
+    return provider

@@ -1,26 +1,35 @@
-"""Per-request telemetry: the server span `generate {model}` with children queue/prefill/decode,
-GenAI attributes, the TTFT/TPOT/duration histograms and the token counters.
+"""Per-request telemetry in a front: the server span `generate {model}` with children
+queue/prefill/decode and GenAI attributes, and a record of the request for the pod's latency
+histograms (kept by the supervisor, which serves /metrics for every front).
 
 A servicer opens one `RequestTrace` per generation (`with telemetry.request(...) as rt`), tells it
-the admitted request and hands it every chunk it sends; the chunks carry the times the engine front
-saw (`RequestTimes`), from which the child spans and the latency histograms are made.
+the admitted request and hands it every chunk it sends; the chunks carry the times the front saw
+(`RequestTimes`), from which the child spans and the request's record are made once it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
+from typing import TYPE_CHECKING
 
+import zmq
 from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from ..engine.async_engine import GenerationChunk
 from ..engine.errors import RequestError
 from ..engine.sampling_params import SamplingParams
-from .metrics import ServerMetrics
-from .request_times import RequestTimes
+from ..engine.timing import RequestTimes
+from ..ipc import messages as m
+from ..ipc import sockets
+from ..settings import ServerSettings
+from .otel import SCOPE, tracer_provider
+
+if TYPE_CHECKING:  # the front's chunk type: server/ imports telemetry, never the other way
+    from ..server.engine_client import GenerationChunk
 
 
 def _ns(seconds: float) -> int:
@@ -28,10 +37,28 @@ def _ns(seconds: float) -> int:
 
 
 class RequestTelemetry:
-    def __init__(self, tracer: trace.Tracer, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        tracer: trace.Tracer,
+        record: Callable[[m.RequestRecord], None],
+        provider: TracerProvider | None = None,
+    ) -> None:
         self.tracer = tracer
-        self.metrics = metrics
+        self.record = record  # where a finished request's record goes
+        self.provider = provider
         self.model = ""  # the served model's name, known once it has loaded
+
+    @classmethod
+    def for_front(cls, settings: ServerSettings, endpoints: sockets.Endpoints) -> RequestTelemetry:
+        """Spans exported by this front; records sent to the supervisor's metrics."""
+        provider = tracer_provider(settings)
+        tracer = provider.get_tracer(SCOPE) if provider else trace.NoOpTracer()
+        to_supervisor = sockets.push(zmq.Context.instance(), endpoints.supervisor)
+        return cls(tracer, lambda record: to_supervisor.send(m.encode(record)), provider)
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
 
     def request(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, rpc_method: str, operation: str
@@ -57,7 +84,6 @@ class RequestTrace:
         operation: str,
     ) -> None:
         self.telemetry = telemetry
-        self.metrics = telemetry.metrics
         self.model = telemetry.model
         self.started = time.time()
         service, _, method = rpc_method.rpartition("/")
@@ -79,7 +105,6 @@ class RequestTrace:
         self.completion_tokens = 0
         self.times: RequestTimes | None = None
         self.finish_reason: str | None = None
-        self._prompt_counted = False
 
     def admitted(self, request_id: str, prompt_tokens: int, params: SamplingParams, stream: bool) -> None:
         self.prompt_tokens = prompt_tokens
@@ -102,12 +127,6 @@ class RequestTrace:
     def chunk(self, chunk: GenerationChunk) -> None:
         """A chunk about to be sent to the client (for unary calls: the merged result)."""
         self.times = chunk.times
-        if chunk.token_ids:
-            if not self._prompt_counted:
-                self.metrics.prompt_tokens.add(chunk.prompt_tokens)
-                self._prompt_counted = True
-            self.metrics.generation_tokens.add(len(chunk.token_ids))
-            self.metrics.tokens.add(len(chunk.token_ids))
         self.completion_tokens = chunk.completion_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason.value
@@ -121,16 +140,13 @@ class RequestTrace:
         ended = time.time()
         error = None if exc is None else _error_type(exc)
         self._phases(ended)
-        model_attrs = {"gen_ai.operation.name": self.operation, "gen_ai.request.model": self.model}
+        record = m.RequestRecord(self.operation, self.model, ended - self.started, error=error)
         if error is None and self.times is not None and self.times.first_token is not None:
             first, last = self.times.first_token, self.times.last_token or self.times.first_token
-            self.metrics.time_to_first_token.record(first - self.started, model_attrs)
+            record.time_to_first_token = first - self.started
             if self.completion_tokens > 1:
-                self.metrics.time_per_output_token.record(
-                    (last - first) / (self.completion_tokens - 1), model_attrs
-                )
-        duration_attrs = model_attrs if error is None else {**model_attrs, "error.type": error}
-        self.metrics.request_duration.record(ended - self.started, duration_attrs)
+                record.time_per_output_token = (last - first) / (self.completion_tokens - 1)
+        self.telemetry.record(record)
         span = self.span
         span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
         span.set_attribute("gen_ai.response.model", self.model)

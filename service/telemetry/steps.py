@@ -1,53 +1,24 @@
 """Engine-step spans and stage durations: what one step spent in each stage of the step loop.
 
-The engine hands a `StepTiming` to its `step_observer` once per finished step. On CPU the stages
-come from host clocks; on CUDA the h2d/compute/d2h bounds are meant to come from stream events,
-converted to wall clock without extra synchronisation.
+The engine hands a `StepTiming` to its `step_observer` once per finished step and its process
+reports them to the supervisor, which records them here. On CPU the stages come from host clocks;
+on CUDA the h2d/compute/d2h bounds come from stream events, converted to wall clock without extra
+synchronisation.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Histogram
 
+from ..engine.timing import Interval, StepTiming
+
 log = logging.getLogger(__name__)
-
-STAGES = ("prepare", "h2d", "compute", "d2h")
-Interval = tuple[float, float]  # (start, end), wall clock: time.time() seconds
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """One finished engine step. A stage that did not run on its own (e.g. h2d on CPU) is None."""
-
-    prepare: Interval | None = None  # CPU: scheduling and batch building
-    h2d: Interval | None = None
-    compute: Interval | None = None  # forward + sample
-    d2h: Interval | None = None
-    batch_size: int = 0  # sequences in the step
-    num_tokens: int = 0  # tokens computed (prefill chunks + decodes)
-    slot: int | None = None  # input slot of the asynchronous loop
-    graph_bucket: int | None = None  # CUDA-graph batch-size bucket replayed, None = eager
-
-    def stages(self) -> Iterator[tuple[str, Interval]]:
-        for name in STAGES:
-            interval = getattr(self, name)
-            if interval is not None:
-                yield name, interval
-
-    @property
-    def bounds(self) -> Interval | None:
-        intervals = [i for _, i in self.stages()]
-        if not intervals:
-            return None
-        return min(s for s, _ in intervals), max(e for _, e in intervals)
-
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
@@ -70,7 +41,7 @@ class StepRecorder:
         self._failed = False
 
     def __call__(self, timing: StepTiming) -> None:
-        # runs on the engine thread: telemetry must never take a step down with it
+        # telemetry must never take the pod down with it
         try:
             self._record(timing)
         except Exception:

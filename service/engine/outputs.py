@@ -1,0 +1,41 @@
+"""What the engine core hands back: each step's new tokens per request, and its load.
+
+Plain records with no torch in them: they cross to the front processes as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ErrorKind
+from .sequence import FinishReason
+
+
+@dataclass
+class TokenLogprob:
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SeqUpdate:
+    """What one step did for one request, handed to the front."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token: int | None = None
+    error: str | None = None  # the request failed: it ends here, with `error_kind`'s status
+    error_kind: ErrorKind = ErrorKind.INTERNAL
+    scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    idle_fraction: float

@@ -1,0 +1,95 @@
+"""The engine's timing records: when a step ran and its stages, when a request reached its milestones,
+and the share of a window the device spent idle. Telemetry reads these; the engine imports no telemetry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+STAGES = ("prepare", "h2d", "compute", "d2h")
+Interval = tuple[float, float]  # (start, end), wall clock: time.time() seconds
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One finished engine step. A stage that did not run on its own (e.g. h2d on CPU) is None."""
+
+    prepare: Interval | None = None  # CPU: scheduling and batch building
+    h2d: Interval | None = None
+    compute: Interval | None = None  # forward + sample
+    d2h: Interval | None = None
+    batch_size: int = 0  # sequences in the step
+    num_tokens: int = 0  # tokens computed (prefill chunks + decodes)
+    slot: int | None = None  # input slot of the asynchronous loop
+    graph_bucket: int | None = None  # CUDA-graph batch-size bucket replayed, None = eager
+
+    def stages(self) -> Iterator[tuple[str, Interval]]:
+        for name in STAGES:
+            interval = getattr(self, name)
+            if interval is not None:
+                yield name, interval
+
+    @property
+    def bounds(self) -> Interval | None:
+        intervals = [i for _, i in self.stages()]
+        if not intervals:
+            return None
+        return min(s for s, _ in intervals), max(e for _, e in intervals)
+
+
+@dataclass
+class RequestTimes:
+    """When the front saw a request's milestones, wall clock (time.time() seconds); None = not yet."""
+
+    arrival: float  # the front accepted the request and sent it to the engine
+    scheduled: float | None = None  # the first engine step that computed any of its prompt began
+    first_token: float | None = None  # the front handed its first generated token on
+    last_token: float | None = None  # ... and its last one so far
+
+
+class IdleTracker:
+    """Share of the last `window_s` seconds with no step in flight, from the steps' busy intervals.
+
+    The busy time of the window is kept as a running sum, so a reading costs only the intervals
+    that straddle the window's edges, however many steps a second the engine runs.
+    """
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._busy: deque[Interval] = deque()  # (start, end) of steps, oldest first
+        self._total = 0.0  # sum of the lengths in `_busy`
+        self._lock = threading.Lock()
+
+    def record(self, start: float, end: float) -> None:
+        with self._lock:
+            self._busy.append((start, end))
+            self._total += end - start
+            self._trim(end)
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._busy and self._busy[0][1] <= horizon:
+            start, end = self._busy.popleft()
+            self._total -= end - start
+
+    def idle_fraction(self, now: float | None = None) -> float:
+        """1.0 = nothing ran in the window."""
+        now = self.clock() if now is None else now
+        horizon = now - self.window_s
+        with self._lock:
+            self._trim(now)
+            busy = self._total
+            for start, _end in self._busy:  # the oldest ones may begin before the window
+                if start >= horizon:
+                    break
+                busy -= horizon - start
+            for start, end in reversed(self._busy):  # a reading in the past: steps after `now`
+                if end <= now:
+                    break
+                busy -= end - max(start, now)
+        return min(1.0, max(0.0, 1.0 - busy / self.window_s))

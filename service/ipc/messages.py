@@ -1,0 +1,103 @@
+"""What crosses the pod's process boundaries: one msgpack frame per message, typed by msgspec.
+
+    front      ──Submit / Abort / LoadQuery──▶  engine      (one PULL socket, every front PUSHes to it)
+    engine     ──EngineReady / StepOutputs / LoadReply──▶  front k   (its own PULL socket)
+    supervisor ──EngineGone──▶ front k,  ──Shutdown──▶ engine
+    engine     ──EngineReady / StepReport──▶  supervisor,   front ──RequestRecord──▶  supervisor
+
+The engine's own records (SamplingParams, SeqUpdate, EngineStats, StepTiming, Limits) travel as they
+are: msgspec encodes and decodes dataclasses, so the engine needs no wire types of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from ..engine.outputs import EngineStats, SeqUpdate
+from ..engine.sampling_params import SamplingParams
+from ..engine.timing import StepTiming
+from ..engine.validation import Limits
+
+
+class Submit(msgspec.Struct, tag=True):
+    request_id: str  # the front's own id, unique in the pod (a client's id is only echoed)
+    front: int  # which front's socket gets its outputs
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class LoadQuery(msgspec.Struct, tag=True):
+    front: int
+    query: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class ModelInfo(msgspec.Struct):
+    name: str
+    source: str
+    architecture: str
+    dtype: str
+    device: str
+    eos_token_ids: list[int]
+    tokenizer_path: str  # where the fronts load the model's tokenizer from
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    model: ModelInfo
+    limits: Limits
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    """Every new token of one engine step for one front's requests."""
+
+    updates: list[SeqUpdate]
+
+
+class LoadReply(msgspec.Struct, tag=True):
+    query: int
+    stats: EngineStats
+
+
+class EngineGone(msgspec.Struct, tag=True):
+    reason: str
+
+
+class StepReport(msgspec.Struct, tag=True):
+    """The engine's telemetry since its last report: finished steps, tokens, the load right now."""
+
+    timings: list[StepTiming]
+    generated_tokens: int
+    prompt_tokens: int
+    stats: EngineStats
+
+
+class RequestRecord(msgspec.Struct, tag=True):
+    """One finished request as a front saw it: what the GenAI latency histograms record."""
+
+    operation: str
+    model: str
+    duration: float
+    time_to_first_token: float | None = None
+    time_per_output_token: float | None = None
+    error: str | None = None
+
+
+ToEngine = Union[Submit, Abort, LoadQuery, Shutdown]  # noqa: UP007 - msgspec takes the typing form
+ToFront = Union[EngineReady, StepOutputs, LoadReply, EngineGone]  # noqa: UP007
+ToSupervisor = Union[EngineReady, StepReport, RequestRecord]  # noqa: UP007
+
+encoder = msgspec.msgpack.Encoder()
+encode = encoder.encode
+
+
+def decoder(kind: object) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)

@@ -1,0 +1,27 @@
+"""What every process the supervisor starts does first: log as the pod does, leave Ctrl-C to the
+supervisor, and never outlive it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+PARENT_CHECK_S = 1.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent:  # the supervisor is gone (killed): nobody will stop us
+            os._exit(1)
+
+
+def init_child(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    # a terminal's Ctrl-C reaches the whole process group: the supervisor alone decides what it means
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()

@@ -1,0 +1,187 @@
+"""The engine process: load the model, build and warm up the engine, then serve the fronts.
+
+It shares no interpreter with the gRPC fronts or the metrics endpoint. Requests, aborts and load
+queries arrive on one socket from every front; each step's new tokens go back as one message per
+front that has requests in the step, and a report of the step (timings, tokens, load) goes to the
+supervisor. When no step runs the engine waits on its socket, reporting its load every so often.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import zmq
+
+from ..engine.engine_core import EngineCore
+from ..engine.errors import ErrorKind
+from ..engine.factory import build_engine, resolve_device
+from ..engine.outputs import SeqUpdate
+from ..engine.sampling_params import GenerationRequest
+from ..engine.timing import StepTiming
+from ..engine.validation import Limits, resolve_params
+from ..ipc import messages as m
+from ..ipc import sockets
+from ..models.loader import LoadedModel, load_model
+from ..settings import ServerSettings
+from .child import init_child
+
+log = logging.getLogger("tandem.engine")
+IDLE_REPORT_S = 0.5  # an idle engine still reports its load (and that it lives) this often
+
+
+def _warm_up(core: EngineCore, limits: Limits) -> None:
+    """One short generation, so the first request does not pay for lazy initialisation."""
+    prompt = [0] * min(8, limits.max_model_len - 2)
+    params = resolve_params(limits, len(prompt), max_tokens=2, ignore_eos=True)
+    core.add(GenerationRequest("warm-up", prompt, params))
+    while core.has_work:
+        core.run_once()
+
+
+def _model_info(loaded: LoadedModel, device: str) -> m.ModelInfo:
+    model = loaded.model
+    return m.ModelInfo(
+        name=loaded.name,
+        source=loaded.source,
+        architecture=(model.config.architectures or [type(model).__name__])[0],
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        device=device,
+        eos_token_ids=sorted(loaded.eos_token_ids),
+        tokenizer_path=str(loaded.path),
+    )
+
+
+class EngineService:
+    """The engine process's loop: commands in, one output message per step and front out."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        timings: list[StepTiming],
+        max_waiting: int,
+        inbox: zmq.Socket,
+        fronts: list[zmq.Socket],
+        supervisor: zmq.Socket,
+    ) -> None:
+        self.core = core
+        self.timings = timings  # the core's step observer appends to it
+        self.max_waiting = max_waiting
+        self.inbox = inbox
+        self.fronts = fronts
+        self.supervisor = supervisor
+        self.decoder = m.decoder(m.ToEngine)
+        self.front_of: dict[str, int] = {}  # request id -> the front that sent it
+        self._reported = (core.generated_tokens, core.prompt_tokens)
+        self._last_report = 0.0
+        self._stopping = False
+
+    def run(self) -> None:
+        while not self._stopping:
+            self._receive(block=not self.core.has_work)
+            if self._stopping:
+                break
+            updates = self.core.run_once()
+            if updates:
+                self._send_outputs(updates)
+            self._report()
+        log.info("engine stopped")
+
+    def _receive(self, block: bool) -> None:
+        if block and not self.inbox.poll(IDLE_REPORT_S * 1000):
+            self._report(idle=True)
+            return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame))
+
+    def _handle(self, msg: object) -> None:
+        core = self.core
+        if isinstance(msg, m.Submit):
+            # the only place that sees every front's requests, so the queue bound is kept here
+            if len(core.scheduler.waiting) >= self.max_waiting:
+                error = SeqUpdate(
+                    msg.request_id,
+                    [],
+                    error="the request queue is full; retry later",
+                    error_kind=ErrorKind.RESOURCE_EXHAUSTED,
+                )
+                self._send(self.fronts[msg.front], m.StepOutputs([error]))
+                return
+            self.front_of[msg.request_id] = msg.front
+            core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params))
+        elif isinstance(msg, m.Abort):
+            for request_id in msg.request_ids:
+                if self.front_of.pop(request_id, None) is not None:
+                    core.abort(request_id)
+        elif isinstance(msg, m.LoadQuery):
+            self._send(self.fronts[msg.front], m.LoadReply(msg.query, core.stats()))
+        elif isinstance(msg, m.Shutdown):
+            self._stopping = True
+
+    def _send_outputs(self, updates: list[SeqUpdate]) -> None:
+        by_front: dict[int, list[SeqUpdate]] = defaultdict(list)
+        front_of = self.front_of
+        for update in updates:
+            front = front_of.get(update.request_id)
+            if front is None:  # aborted meanwhile
+                continue
+            by_front[front].append(update)
+            if update.finish_reason is not None or update.error is not None:
+                del front_of[update.request_id]
+        for front, batch in by_front.items():
+            self._send(self.fronts[front], m.StepOutputs(batch))
+
+    def _report(self, idle: bool = False) -> None:
+        core = self.core
+        counted = (core.generated_tokens, core.prompt_tokens)
+        now = time.monotonic()
+        if not self.timings and counted == self._reported and now - self._last_report < IDLE_REPORT_S:
+            return
+        report = m.StepReport(
+            self.timings[:],
+            counted[0] - self._reported[0],
+            counted[1] - self._reported[1],
+            core.stats(),
+        )
+        self.timings.clear()
+        self._reported, self._last_report = counted, now
+        self._send(self.supervisor, report)
+
+    @staticmethod
+    def _send(sock: zmq.Socket, msg: object) -> None:
+        sock.send(m.encode(msg), copy=False)
+
+
+def engine_main(
+    settings: ServerSettings, endpoints: sockets.Endpoints, num_fronts: int, log_level: str
+) -> None:
+    """The engine process's entry point (spawned by the supervisor)."""
+    init_child(log_level)
+    ctx = zmq.Context()
+    inbox = sockets.pull(ctx, endpoints.engine)
+    fronts = [sockets.push(ctx, endpoints.front(i)) for i in range(num_fronts)]
+    supervisor = sockets.push(ctx, endpoints.supervisor)
+    t0 = time.perf_counter()
+    device = resolve_device(settings.device)
+    loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
+    timings: list[StepTiming] = []
+    core, limits = build_engine(loaded, settings, step_observer=timings.append)
+    if settings.warmup:
+        _warm_up(core, limits)
+    timings.clear()  # the warm-up is not traffic
+    core.reset_counters()
+    ready = m.EngineReady(_model_info(loaded, str(device)), limits)
+    for sock in (*fronts, supervisor):
+        EngineService._send(sock, ready)
+    log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)
+    try:
+        EngineService(core, timings, settings.max_waiting_requests, inbox, fronts, supervisor).run()
+    finally:
+        for sock in (inbox, *fronts, supervisor):
+            sock.close()
+        ctx.term()

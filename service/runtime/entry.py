@@ -1,0 +1,19 @@
+"""The targets the supervisor starts its processes with: each imports its process's code only once it
+runs there, so the supervisor itself never loads torch, transformers or the gRPC servicers."""
+
+from __future__ import annotations
+
+from ..ipc.sockets import Endpoints
+from ..settings import ServerSettings
+
+
+def engine(settings: ServerSettings, endpoints: Endpoints, num_fronts: int, log_level: str) -> None:
+    from .engine_process import engine_main
+
+    engine_main(settings, endpoints, num_fronts, log_level)
+
+
+def front(settings: ServerSettings, index: int, endpoints: Endpoints, log_level: str) -> None:
+    from ..server.front import front_main
+
+    front_main(settings, index, endpoints, log_level)

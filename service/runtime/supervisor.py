@@ -1,0 +1,186 @@
+"""`tandem serve`: the pod's main process. It starts the engine process and the gRPC front processes,
+serves the pod's one metrics endpoint from what they report, and decides how the pod ends.
+
+- SIGTERM / SIGINT: every front drains (NOT_SERVING, running streams finish, at most
+  `drain_timeout_s`), then the engine stops; exit status 0. Before the model is ready nothing is
+  waited for: the load is abandoned.
+- The engine process dies: the fronts turn NOT_SERVING and end their streams with UNAVAILABLE, and
+  the pod exits with status 1, so that Kubernetes restarts it. A front that dies ends the pod too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from ..ipc import messages as m
+from ..ipc import sockets
+from ..settings import ServerSettings
+from ..telemetry.http import MetricsServer
+from ..telemetry.pod import PodTelemetry
+from . import entry
+
+log = logging.getLogger("tandem.serve")
+STOP_WAIT_S = 10.0  # how long a process that was told to stop may take before it is killed
+ENGINE_GONE_WAIT_S = 5.0  # fronts ending their streams after the engine died
+
+
+def _reserve_port(host: str) -> tuple[socket.socket, int]:
+    """A free port, held (bound, not listening) for the pod's life so that all fronts can share it."""
+    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    holder = socket.socket(family, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind((host, 0))
+    return holder, holder.getsockname()[1]
+
+
+def _stop(proc: BaseProcess, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        log.warning("%s did not stop in %.0f s; killing it", proc.name, timeout)
+        proc.kill()
+        proc.join()
+
+
+class Supervisor:
+    def __init__(self, settings: ServerSettings, log_level: str) -> None:
+        self.settings = settings
+        self.log_level = log_level
+        self.folder = tempfile.mkdtemp(prefix="tandem-")
+        self.endpoints = sockets.Endpoints(self.folder)
+        self.telemetry = PodTelemetry(settings)
+        self.zmq = zmq.Context()
+        self.inbox = sockets.pull(self.zmq, self.endpoints.supervisor)
+        self.stop_requested = threading.Event()
+        self.engine: BaseProcess | None = None
+        self.fronts: list[BaseProcess] = []
+        self.metrics_server: MetricsServer | None = None
+        self._port_holder: socket.socket | None = None
+
+    # -- what the engine and fronts report ------------------------------------------------------
+    def _receive(self) -> None:
+        decoder = m.decoder(m.ToSupervisor)
+        while True:
+            try:
+                frame = self.inbox.recv(copy=False)
+            except zmq.ContextTerminated:  # close(): the pod is ending
+                self.inbox.close()
+                return
+            self.telemetry.record(decoder.decode(frame))
+
+    def _engine_alive(self) -> bool:
+        return self.engine is not None and self.engine.is_alive()
+
+    # -- processes --------------------------------------------------------------------------------
+    def start(self) -> None:
+        s = self.settings
+        if s.port == 0:
+            self._port_holder, port = _reserve_port(s.host)
+            s = self.settings = s.model_copy(update={"port": port})
+        threading.Thread(target=self._receive, name="tandem-telemetry", daemon=True).start()
+        if s.metrics_port:
+            self.metrics_server = MetricsServer(s.host, s.metrics_port, self._engine_alive)
+            self.metrics_server.start()
+            log.info("metrics on http://%s:%d/metrics", s.host, self.metrics_server.port)
+        spawn = multiprocessing.get_context("spawn")  # CUDA and grpc both forbid fork after start-up
+        self.engine = spawn.Process(
+            target=entry.engine,
+            args=(s, self.endpoints, s.api_processes, self.log_level),
+            name="tandem-engine",
+        )
+        self.fronts = [
+            spawn.Process(
+                target=entry.front, args=(s, i, self.endpoints, self.log_level), name=f"tandem-front-{i}"
+            )
+            for i in range(s.api_processes)
+        ]
+        for proc in (self.engine, *self.fronts):
+            proc.start()
+        log.info(
+            "engine process %d, %d front process(es) on port %d", self.engine.pid, len(self.fronts), s.port
+        )
+
+    def run(self) -> int:
+        """Wait for a stop signal or a child's end; return the pod's exit status."""
+        assert self.engine is not None
+        children = {proc.sentinel: proc for proc in (self.engine, *self.fronts)}
+        while not self.stop_requested.is_set():
+            ended = multiprocessing.connection.wait(list(children), timeout=0.2)
+            if not ended:
+                continue
+            proc = children[ended[0]]
+            if proc is self.engine:
+                return self._engine_died()
+            log.error("%s exited with code %s; stopping the pod", proc.name, proc.exitcode)
+            self._stop_all()
+            return 1
+        self._stop_all()
+        return 0
+
+    def _stop_all(self) -> None:
+        """Drain every front, then stop the engine."""
+        for front in self.fronts:
+            if front.is_alive():
+                front.terminate()  # SIGTERM: the front drains
+        for front in self.fronts:
+            _stop(front, self.settings.drain_timeout_s + STOP_WAIT_S)
+        assert self.engine is not None
+        if not self.engine.is_alive():
+            return
+        if not self.telemetry.engine_ready:
+            log.info("stopped before the model was ready; not waiting for the load")
+            self.engine.terminate()
+            _stop(self.engine, STOP_WAIT_S)
+            return
+        to_engine = sockets.push(self.zmq, self.endpoints.engine)
+        to_engine.send(m.encode(m.Shutdown()))
+        _stop(self.engine, STOP_WAIT_S)
+        to_engine.close()
+
+    def _engine_died(self) -> int:
+        assert self.engine is not None
+        code = self.engine.exitcode
+        reason = f"exit code {code}" if code is not None and code >= 0 else f"killed by signal {-(code or 0)}"
+        when = "" if self.telemetry.engine_ready else " before the model was ready"
+        log.error("the engine process ended%s (%s); failing its streams and stopping the pod", when, reason)
+        for i, front in enumerate(self.fronts):
+            if front.is_alive():
+                to_front = sockets.push(self.zmq, self.endpoints.front(i))
+                to_front.send(m.encode(m.EngineGone(reason)))
+                to_front.close()
+        for front in self.fronts:
+            _stop(front, ENGINE_GONE_WAIT_S)
+        return 1
+
+    def close(self) -> None:
+        for proc in (*self.fronts, *([self.engine] if self.engine else [])):
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        self.zmq.term()  # the receiving thread closes its socket
+        self.telemetry.shutdown()
+        if self._port_holder is not None:
+            self._port_holder.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def serve(settings: ServerSettings, log_level: str = "INFO") -> int:
+    supervisor = Supervisor(settings, log_level)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: supervisor.stop_requested.set())
+    try:
+        supervisor.start()
+        return supervisor.run()
+    finally:
+        supervisor.close()

@@ -1,0 +1,170 @@
+"""A gRPC front process: the native and KServe APIs, health and reflection, feeding the engine process.
+
+The gRPC server is up first with health NOT_SERVING; it turns SERVING once the engine reports ready
+and the front has loaded the model's tokenizer. SIGTERM (sent by the supervisor) starts a drain:
+health turns NOT_SERVING at once, new generations get UNAVAILABLE, running streams may finish for
+`drain_timeout_s`, then the front stops. If the engine process goes away, health turns NOT_SERVING,
+every stream ends with UNAVAILABLE and the front stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from transformers import AutoTokenizer
+
+from tandem.kserve import grpc_service_pb2, grpc_service_pb2_grpc
+from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+from ..ipc import sockets
+from ..runtime.child import init_child
+from ..settings import ServerSettings
+from ..telemetry.requests import RequestTelemetry
+from .background import in_daemon_thread
+from .context import ContextHolder, ModelContext
+from .engine_client import EngineClient, StreamInterval
+from .kserve import KServeServicer
+from .native import TandemServicer
+
+log = logging.getLogger("tandem.front")
+
+SERVICE_NAMES = (
+    tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name,
+    grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+class FrontServer:
+    def __init__(self, settings: ServerSettings, index: int, endpoints: sockets.Endpoints) -> None:
+        self.settings = settings
+        self.index = index
+        self.endpoints = endpoints
+        self.holder = ContextHolder()
+        self.health = health_aio.HealthServicer()
+        self.draining = False
+        self.serving = False
+        self.server: grpc.aio.Server | None = None
+        self.client: EngineClient | None = None
+        self.telemetry = RequestTelemetry.for_front(settings, endpoints)
+        self._tasks: list[asyncio.Task] = []
+
+    def _ready(self) -> bool:
+        return self.serving and not self.draining
+
+    def _live(self) -> bool:
+        return self.client is not None and not self.client.gone.done()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", *SERVICE_NAMES[:2]):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        s = self.settings
+        self.client = EngineClient(
+            self.endpoints, self.index, StreamInterval(s.stream_interval, s.stream_interval_ms / 1000)
+        )
+        limit = s.max_message_bytes
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        )
+        tandem_pb2_grpc.add_TandemServicer_to_server(
+            TandemServicer(self.holder, self.telemetry, limit), self.server
+        )
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            KServeServicer(self.holder, self.telemetry, limit, is_live=self._live), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(SERVICE_NAMES, self.server)
+        # every front binds the same port (grpc sets SO_REUSEPORT): the kernel spreads connections
+        port = self.server.add_insecure_port(f"{s.host}:{s.port}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        if self.index == 0:
+            log.info("gRPC listening on %s:%d (NOT_SERVING until the model is warm)", s.host, port)
+        self._tasks = [asyncio.create_task(self.client.run()), asyncio.create_task(self._become_ready())]
+
+    async def _become_ready(self) -> None:
+        assert self.client is not None
+        ready = await self.client.ready
+        info = ready.model
+        tokenizer = await in_daemon_thread(
+            AutoTokenizer.from_pretrained, info.tokenizer_path, name="tokenizer"
+        )
+        self.telemetry.model = info.name
+        self.holder.ctx = ModelContext(
+            engine=self.client,
+            tokenizer=tokenizer,
+            limits=ready.limits,
+            name=info.name,
+            source=info.source,
+            architecture=info.architecture,
+            dtype=info.dtype,
+            device=info.device,
+            eos_token_ids=info.eos_token_ids,
+            is_ready=self._ready,
+        )
+        if self.draining or self.client.gone.done():
+            return
+        self.serving = True
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while self.client is not None and self.client.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+
+    async def engine_gone(self) -> None:
+        """The engine process went away: its streams have failed with UNAVAILABLE; stop serving."""
+        assert self.client is not None
+        await self.client.gone
+        self.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.server is not None:
+            await self.server.stop(grace=None)
+        if self.client is not None:
+            self.client.close()
+        self.telemetry.shutdown()  # flushes spans still buffered
+
+
+async def serve_front(settings: ServerSettings, index: int, endpoints: sockets.Endpoints) -> int:
+    front = FrontServer(settings, index, endpoints)
+    await front.start()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(front.drain()))
+    assert front.server is not None and front.client is not None
+    stopped = asyncio.create_task(front.server.wait_for_termination())
+    gone = asyncio.create_task(front.engine_gone())
+    try:
+        await stopped
+    finally:
+        gone_first = front.client.gone.done()
+        gone.cancel()
+        await front.close()
+    return 1 if gone_first else 0
+
+
+def front_main(settings: ServerSettings, index: int, endpoints: sockets.Endpoints, log_level: str) -> None:
+    """A front process's entry point (spawned by the supervisor)."""
+    init_child(log_level)
+    raise SystemExit(asyncio.run(serve_front(settings, index, endpoints)))

@@ -1,0 +1,58 @@
+"""The pod's metrics, kept by the supervisor from what the engine and the fronts report.
+
+The engine reports each step (stage timings, tokens generated, its load right after the step) and,
+when idle, its load every so often; each front reports every request it finished. From these come
+the one /metrics endpoint of the pod (and the OTLP metrics), however many fronts there are, and the
+sampled `step` spans.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+
+from ..engine.outputs import EngineStats
+from ..ipc import messages as m
+from ..settings import ServerSettings
+from .cost import TokenWindow
+from .metrics import ServerMetrics
+from .otel import SCOPE, meter_provider, tracer_provider
+from .steps import StepRecorder
+
+
+class PodTelemetry:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.meter_provider = meter_provider(settings)
+        self.tracer_provider = tracer_provider(settings)
+        tracer = self.tracer_provider.get_tracer(SCOPE) if self.tracer_provider else trace.NoOpTracer()
+        self.tokens = TokenWindow(settings.telemetry_window_s)
+        self.metrics = ServerMetrics(
+            self.meter_provider.get_meter(SCOPE), self.tokens, settings.price_per_gpu_hour, settings.num_gpus
+        )
+        self.metrics.engine_stats = self._engine_stats
+        self.steps = StepRecorder(tracer, self.metrics.step_duration, settings.step_trace_sample_rate)
+        self.stats: EngineStats | None = None  # the engine's latest report
+        self.engine_ready = False
+
+    def _engine_stats(self) -> EngineStats | None:
+        return self.stats
+
+    def record(self, msg: object) -> None:
+        """One message from the engine or a front (on the supervisor's receiving thread)."""
+        if isinstance(msg, m.StepReport):
+            for timing in msg.timings:
+                self.steps(timing)
+            if msg.generated_tokens:
+                self.tokens.add(msg.generated_tokens)
+                self.metrics.generation_tokens.add(msg.generated_tokens)
+            if msg.prompt_tokens:
+                self.metrics.prompt_tokens.add(msg.prompt_tokens)
+            self.stats = msg.stats
+        elif isinstance(msg, m.RequestRecord):
+            self.metrics.record_request(msg)
+        elif isinstance(msg, m.EngineReady):
+            self.engine_ready = True
+
+    def shutdown(self) -> None:
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
