@@ -75,6 +75,12 @@ class ServerSettings(BaseSettings):
     step_loop: Literal["auto", "sync", "async"] = Field(
         "auto", description="async: prepare step N+1 while the device runs step N; auto = async on CUDA."
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Threads of the engine's CPU tensor work (torch.set_num_threads); unset = on CPU the "
+        "cores left to it beside the front processes (at least 1), on CUDA PyTorch's default.",
+    )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step (decodes + prefill chunks)."

@@ -68,6 +68,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it runs
     "gpu": "gpu_sync.py",
+    "serve": "serve.py",
     "gpu-profile": "profile_gpu.py",
     "cpu": "cpu_throughput.py",
     "autoscale": "autoscale_sim.py",

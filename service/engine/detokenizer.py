@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading spaces come out right
 
 
+def _decode_stream(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> DecodeStream | None:
+    """The tokenizers library's own incremental decoder, where the tokenizer has that backend."""
+    if not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer):
+        return None
+    try:
+        return DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=True)
+    except TypeError:  # a tokenizers release whose DecodeStream takes no prompt context
+        return None
+
+
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas; never emits half a UTF-8 character."""
+    """Turns a growing list of token ids into text deltas; never emits half a UTF-8 character.
+
+    With a fast (Rust) tokenizer this is its `DecodeStream`, one call per delta whatever its length;
+    otherwise two decodes of the last few tokens per delta, in Python.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
         self.tokenizer = tokenizer
+        self._stream = _decode_stream(tokenizer, prompt_ids)
         self.tokens = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -20,6 +37,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, ids: list[int]) -> str:
+        if self._stream is not None:
+            return (self._stream.step(self.tokenizer._tokenizer, ids) or "") if ids else ""
         self.tokens.extend(ids)
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset :])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,18 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def configure_threads(settings: ServerSettings, device: torch.device) -> int:
+    """Set the engine process's intra-op threads; on CPU the fronts keep a core each, since threads
+    that wait on a descheduled sibling make every step slower (docs/benchmarks.md)."""
+    threads = settings.cpu_threads
+    if threads is None and device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores - settings.api_processes)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def _num_blocks(settings: ServerSettings, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:

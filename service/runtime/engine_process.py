@@ -16,7 +16,7 @@ import zmq
 
 from ..engine.engine_core import EngineCore
 from ..engine.errors import ErrorKind
-from ..engine.factory import build_engine, resolve_device
+from ..engine.factory import build_engine, configure_threads, resolve_device
 from ..engine.outputs import SeqUpdate
 from ..engine.sampling_params import GenerationRequest
 from ..engine.timing import StepTiming
@@ -31,7 +31,7 @@ log = logging.getLogger("tandem.engine")
 IDLE_REPORT_S = 0.5  # an idle engine still reports its load (and that it lives) this often
 
 
-def _warm_up(core: EngineCore, limits: Limits) -> None:
+def warm_up(core: EngineCore, limits: Limits) -> None:
     """One short generation, so the first request does not pay for lazy initialisation."""
     prompt = [0] * min(8, limits.max_model_len - 2)
     params = resolve_params(limits, len(prompt), max_tokens=2, ignore_eos=True)
@@ -168,11 +168,12 @@ def engine_main(
     supervisor = sockets.push(ctx, endpoints.supervisor)
     t0 = time.perf_counter()
     device = resolve_device(settings.device)
+    log.info("%d CPU threads", configure_threads(settings, device))
     loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
     timings: list[StepTiming] = []
     core, limits = build_engine(loaded, settings, step_observer=timings.append)
     if settings.warmup:
-        _warm_up(core, limits)
+        warm_up(core, limits)
     timings.clear()  # the warm-up is not traffic
     core.reset_counters()
     ready = m.EngineReady(_model_info(loaded, str(device)), limits)

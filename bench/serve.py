@@ -1,0 +1,560 @@
+"""`tandem bench serve`: load a running `tandem serve` (or one it starts) the way users do, and the
+engine core alone with the same model, settings and requests, in the same run.
+
+Fixed-concurrency sweeps (`--concurrency 1,32,256`: that many streams, each sending its requests one
+after another) and Poisson request rates (`--request-rate 2,8`); fixed lengths or a ShareGPT-like
+mixed-length dataset (`--dataset mixed`); prompts of random token ids, every request running to its
+`max_tokens`. Streaming `GenerateStream` calls come from several client processes (`--clients`), so
+the client is never the limit. Per level: output tokens/s, TTFT, TPOT and inter-token latency
+p50/p90/p99, goodput under a TTFT/TPOT SLO, the server's own GPU idle fraction (scraped from
+/metrics while the level runs) and, the headline, the server's tokens/s over the engine alone's.
+
+    tandem bench serve --shape 8b --concurrency 1,32,256          # CUDA: random-init 8B shape
+    tandem bench serve --model DIR --dataset mixed --request-rate 4,8
+    tandem bench serve --server HOST:PORT --concurrency 64        # a server already running
+    tandem bench serve --smoke                                     # tiny model on CPU, in seconds
+
+Settings for both sides: `--set NAME=VALUE` (a server setting, as TANDEM_NAME in both environments).
+Writes JSON (`--out`), a markdown table beside it and a PNG of throughput and TPOT per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import _repo
+from serve_stats import summarize
+from serve_workload import Job, describe, jobs, poisson_arrivals
+
+VOCAB = {"tiny": 512, "1b": 49152, "8b": 49152}  # 49,152: the tokenizer's (SmolLM2's), as users' models
+SHAPES = {
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
+
+
+# -- the model ---------------------------------------------------------------------------------------
+
+
+def default_tokenizer() -> Path:
+    from tandem.service.models.default_model import default_gguf_path
+    from tandem.service.models.loader import convert_gguf, default_cache_dir
+
+    return convert_gguf(default_gguf_path(), default_cache_dir())
+
+
+def make_model(shape: str, tokenizer_dir: Path, folder: Path, device: str) -> Path:
+    """A random-initialised Llama of `shape` saved as a transformers directory, with a real tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target = folder / f"llama-{shape}"
+    if (target / "config.json").is_file():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        **SHAPES[shape],
+        vocab_size=VOCAB[shape],
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    del model
+    return target
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
+
+
+class IdleSampler:
+    """Polls the server's /metrics for tandem_gpu_idle_fraction while levels run."""
+
+    def __init__(self, url: str | None, period: float = 0.25) -> None:
+        self.url, self.period = url, period
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        while not self._stop.wait(self.period):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            for family in text_string_to_metric_families(text):
+                if family.name == "tandem_gpu_idle_fraction":
+                    self.samples.append((time.time(), family.samples[0].value))
+
+    def __enter__(self) -> IdleSampler:
+        if self.url:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def during(self, start: float, end: float) -> float | None:
+        """The median reading in the middle half of [start, end] (the window has filled by then)."""
+        lo, hi = start + (end - start) / 4, end - (end - start) / 4
+        values = sorted(v for t, v in self.samples if lo <= t <= hi)
+        return round(values[len(values) // 2], 4) if values else None
+
+
+# -- the levels ----------------------------------------------------------------------------------
+
+
+def level_jobs(a: argparse.Namespace, vocab: int, max_model_len: int) -> list[dict]:
+    """Each level's requests: the same for the server and the engine alone."""
+    levels = []
+    for c in a.concurrency:
+        count = c * a.requests_per_stream
+        levels.append(
+            {
+                "mode": "concurrency",
+                "concurrency": c,
+                "jobs": jobs(a.dataset, count, vocab, max_model_len, a.seed + c, a.prompt, a.new),
+            }
+        )
+    for rate in a.request_rate:
+        js = jobs(a.dataset, a.num_prompts, vocab, max_model_len, a.seed, a.prompt, a.new)
+        levels.append(
+            {"mode": "request_rate", "request_rate": rate, "jobs": poisson_arrivals(js, rate, a.seed)}
+        )
+    for level in levels:
+        level["jobs"] = [vars(j) for j in level["jobs"]]
+    return levels
+
+
+def run_clients(address: str, level: dict, clients: int, channels: int) -> tuple[list[dict], float, float]:
+    """One level through `clients` processes; (requests as timed, start, end) in wall clock."""
+    from serve_client import run_client
+
+    ctx = multiprocessing.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    shares: list[tuple[list, list]] = [([], []) for _ in range(clients)]
+    if level["mode"] == "concurrency":
+        c = level["concurrency"]
+        streams = [level["jobs"][i::c] for i in range(c)]
+        for i, stream in enumerate(streams):
+            shares[i % clients][0].append(stream)
+    else:
+        for i, job in enumerate(level["jobs"]):
+            shares[i % clients][1].append(job)
+    procs = [
+        ctx.Process(target=run_client, args=(address, s, r, go, channels, out)) for s, r in shares if s or r
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert out.get(timeout=120) == "ready"
+    start = time.time()
+    go.set()
+    results = [r for _ in procs for r in out.get(timeout=3600)]
+    end = time.time()
+    for p in procs:
+        p.join()
+    return results, start, end
+
+
+def engine_only(levels: list[dict], env: dict[str, str], folder: Path) -> list[dict]:
+    spec, out = folder / "engine_spec.json", folder / "engine_out.json"
+    spec.write_text(json.dumps({"levels": levels}))
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join(
+        p for p in (str(here), env.get("PYTHONPATH", "")) if p
+    )  # PYTHONSAFEPATH: no script dir
+    subprocess.run(
+        [sys.executable, str(here / "serve_engine.py"), str(spec), str(out)],
+        env={**env, "PYTHONPATH": path},
+        check=True,
+    )
+    return json.loads(out.read_text())
+
+
+def start_server(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str, str]:
+    port, metrics_port = free_port(), free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd="/")
+    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def _label(level: dict) -> str:
+    return (
+        f"{level['concurrency']} streams"
+        if level["mode"] == "concurrency"
+        else f"{level['request_rate']} req/s"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    head = [
+        "level",
+        "server tok/s",
+        "engine tok/s",
+        "server / engine",
+        "engine median step ms",
+        "TTFT p50 / p99 ms",
+        "TPOT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "tokens / message",
+        "goodput req/s",
+        "GPU idle (server)",
+        "errors",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        s, e = r["server"], r.get("engine") or {}
+
+        def pair(d: dict, key: str) -> str:
+            v = d.get(key) or {}
+            return f"{v.get('p50')} / {v.get('p99')}" if v else "-"
+
+        lines.append(
+            "| "
+            + " | ".join(
+                str(x)
+                for x in [
+                    _label(r),
+                    s.get("output_tok_s"),
+                    e.get("output_tok_s", "-"),
+                    r.get("server_over_engine", "-"),
+                    e.get("median_step_ms", "-"),
+                    pair(s, "ttft_ms"),
+                    pair(s, "tpot_ms"),
+                    pair(s, "itl_ms"),
+                    s.get("tokens_per_message"),
+                    s.get("goodput_request_s"),
+                    s.get("gpu_idle_fraction", "-"),
+                    sum(s.get("errors", {}).values()) or 0,
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    conc = [r for r in rows if r["mode"] == "concurrency"]
+    if not conc:
+        return None
+    x = [r["concurrency"] for r in conc]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(x, [r["server"].get("output_tok_s") for r in conc], "o-", label="through tandem serve")
+    if all(r.get("engine") for r in conc):
+        left.plot(x, [r["engine"]["output_tok_s"] for r in conc], "s--", label="engine core alone")
+    left.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
+    left.legend()
+    right.plot(x, [r["server"]["tpot_ms"]["p50"] for r in conc], "o-", label="TPOT p50 (server)")
+    right.plot(x, [r["server"]["tpot_ms"]["p99"] for r in conc], "o:", label="TPOT p99 (server)")
+    if all(r.get("engine") for r in conc):
+        right.plot(x, [r["engine"]["median_step_ms"] for r in conc], "s--", label="engine median step")
+    right.set(xscale="log", xlabel="concurrent streams", ylabel="ms", title="time per output token")
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--shape", choices=sorted(SHAPES), help="a random-initialised Llama of this shape")
+    where.add_argument("--model", help="a transformers model directory (or .gguf file) to serve")
+    where.add_argument("--server", help="HOST:PORT of a running server: no engine-only figure")
+    ap.add_argument("--metrics", help="with --server: its /metrics URL, for the idle fraction")
+    ap.add_argument(
+        "--tokenizer", help="with --shape: the tokenizer directory (default: the embedded model's)"
+    )
+    ap.add_argument("--concurrency", type=_ints, default=[], help="fixed-concurrency levels, e.g. 1,32,256")
+    ap.add_argument("--request-rate", type=_floats, default=[], help="Poisson request rates per second")
+    ap.add_argument("--dataset", choices=["fixed", "mixed"], default="fixed")
+    ap.add_argument("--prompt", type=int, default=128, help="fixed: prompt tokens")
+    ap.add_argument("--new", type=int, default=256, help="fixed: new tokens per request")
+    ap.add_argument(
+        "--requests-per-stream", type=int, default=2, help="concurrency levels: requests per stream"
+    )
+    ap.add_argument("--num-prompts", type=int, default=200, help="request-rate levels: requests per level")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clients", type=int, default=min(8, os.cpu_count() or 1), help="client processes")
+    ap.add_argument("--channels", type=int, default=4, help="gRPC connections per client process")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a server setting for both the server and the engine alone (repeatable)",
+    )
+    ap.add_argument("--api-processes", type=int, default=None, help="the server's gRPC front processes")
+    ap.add_argument("--no-engine-only", dest="engine_only", action="store_false")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--workdir", default=None, help="where models and logs go (default: a temporary folder)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/serve_<shape>.json)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny model on CPU, a few requests: checks the logic"
+    )
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.shape, a.model, a.server, a.device = "tiny", None, None, "cpu"
+        a.concurrency, a.request_rate = a.concurrency or [1, 4], a.request_rate or [20.0]
+        a.prompt, a.new, a.requests_per_stream, a.num_prompts = 16, 8, 1, 8
+        a.clients, a.channels = 2, 1
+    if not (a.shape or a.model or a.server):
+        ap.error("say what to serve: --shape, --model or --server")
+    if not (a.concurrency or a.request_rate):
+        a.concurrency = [1, 32, 256]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    folder = Path(a.workdir or tempfile.mkdtemp(prefix="tandem-bench-serve-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    device = a.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TANDEM_DEVICE": device, "TANDEM_TELEMETRY_WINDOW_S": "2"}
+    for item in a.set:
+        name, _, value = item.partition("=")
+        env[f"TANDEM_{name.upper().replace('-', '_')}"] = value
+    if a.api_processes:
+        env["TANDEM_API_PROCESSES"] = str(a.api_processes)
+    top = max([*a.concurrency, 1])
+    if top > 256 and "TANDEM_MAX_NUM_SEQS" not in env:
+        env["TANDEM_MAX_NUM_SEQS"] = str(top)
+
+    model_dir = None
+    if a.shape:
+        model_dir = make_model(
+            a.shape, Path(a.tokenizer) if a.tokenizer else default_tokenizer(), folder, device
+        )
+    elif a.model:
+        model_dir = Path(a.model)
+    if model_dir is not None:
+        env["TANDEM_MODEL"] = str(model_dir)
+    vocab, max_model_len = model_limits(model_dir, a.server)
+    levels = level_jobs(a, vocab, max_model_len)
+
+    engine_results = None
+    if a.engine_only and model_dir is not None:
+        print(f"engine alone: {len(levels)} levels", flush=True)
+        engine_results = engine_only(levels, env, folder)
+
+    proc, log = None, folder / "server.log"
+    if a.server:
+        address, metrics_url = a.server, a.metrics
+    else:
+        proc, address, metrics_url = start_server(env, log)
+    rows = []
+    try:
+        wait_serving(address, proc, timeout=1800)
+        print(f"server at {address} SERVING", flush=True)
+        with IdleSampler(metrics_url) as idle:
+            for i, level in enumerate(levels):
+                requests, start, end = run_clients(address, level, a.clients, a.channels)
+                row = {k: level[k] for k in ("mode", "concurrency", "request_rate") if k in level}
+                row["server"] = summarize(requests, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
+                row["server"]["gpu_idle_fraction"] = idle.during(start, end)
+                if engine_results is not None:
+                    e = engine_results[i]
+                    row["engine"] = {
+                        **summarize(e["requests"], a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3),
+                        "median_step_ms": e["median_step_ms"],
+                        "engine_idle": e["engine_idle"],
+                    }
+                    row["server_over_engine"] = round(
+                        row["server"]["output_tok_s"] / row["engine"]["output_tok_s"], 3
+                    )
+                print(
+                    f"{_label(row)}: server {row['server'].get('output_tok_s')} tok/s"
+                    + (
+                        f", engine {row['engine']['output_tok_s']} tok/s ({row['server_over_engine']:.0%})"
+                        if "engine" in row
+                        else ""
+                    ),
+                    flush=True,
+                )
+                rows.append(row)
+    finally:
+        exit_code = None
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            exit_code = proc.wait(timeout=120)
+
+    import torch
+    from common import environment  # torch's and the machine's versions
+
+    result = {
+        "benchmark": "serve",
+        "what": a.shape or a.model or a.server,
+        "environment": environment(torch.device(device)),
+        "settings": {k: v for k, v in env.items() if k.startswith("TANDEM_") and k != "TANDEM_MODEL"},
+        "workload": {
+            "dataset": a.dataset,
+            "prompt": a.prompt,
+            "new": a.new,
+            "seed": a.seed,
+            "requests_per_stream": a.requests_per_stream,
+            "clients": a.clients,
+            "channels": a.channels,
+            "levels": [
+                {**{k: v for k, v in lv.items() if k != "jobs"}, **describe_jobs(lv)} for lv in levels
+            ],
+        },
+        "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms},
+        "levels": rows,
+        "server_exit_code": exit_code,
+    }
+    out = (
+        Path(a.out)
+        if a.out
+        else (
+            Path(tempfile.gettempdir()) / "serve_smoke.json"
+            if a.smoke
+            else _repo.REPO / f"bench/results/serve_{a.shape or 'model'}.json"
+        )
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    md = table(rows)
+    out.with_suffix(".md").write_text(md + "\n")
+    png = plot(
+        rows,
+        out.with_suffix(".png"),
+        f"tandem bench serve: {result['what']} on "
+        f"{result['environment'].get('gpu', result['environment']['cpu'])}",
+    )
+    print(md)
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    return 0 if exit_code in (0, None) else 1
+
+
+def describe_jobs(level: dict) -> dict:
+    return describe([Job(**j) for j in level["jobs"]])
+
+
+def model_limits(model_dir: Path | None, server: str | None) -> tuple[int, int]:
+    """(vocabulary, context length) of the model, for prompts of valid ids that fit."""
+    if server is not None:
+        import grpc
+
+        from tandem.v1 import tandem_pb2 as pb
+        from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(server) as channel:
+            info = pb_grpc.TandemStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+        return info.vocab_size, info.max_context_length
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    return text["vocab_size"], text.get("max_position_embeddings", 2048)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

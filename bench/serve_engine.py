@@ -1,0 +1,104 @@
+"""The engine-only side of `tandem bench serve`: the same model, settings and requests through the
+engine core alone, in this process, with no front, no IPC and no client.
+
+    python bench/serve_engine.py SPEC.json OUT.json     (settings from the TANDEM_* environment)
+
+Fixed concurrency keeps that many requests in the engine, adding the next as one finishes; request
+rate adds each request at its arrival time. The core is built by the server's own factory from the
+server's own settings, so what differs from `tandem serve` is the server alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+
+import _repo  # noqa: F401  (tandem.service from this checkout)
+
+from tandem.service.engine.engine_core import EngineCore
+from tandem.service.engine.factory import build_engine, configure_threads, resolve_device
+from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+from tandem.service.models.loader import load_model
+from tandem.service.runtime.engine_process import warm_up
+from tandem.service.settings import ServerSettings
+
+
+def run_level(core: EngineCore, jobs: list[dict], concurrency: int | None) -> dict:
+    """Every request of the level through `core`; per-request times as a client records them."""
+    pending = deque(enumerate(jobs))
+    records: dict[str, dict] = {}
+    running = 0
+    step_ms: list[float] = []
+    steps0, busy0 = core.steps, core.busy_seconds
+    t0 = time.time()
+    while pending or core.has_work:
+        now = time.time()
+        while pending and (running < concurrency if concurrency else t0 + pending[0][1]["at"] <= now):
+            i, job = pending.popleft()
+            rid = f"e{i}"
+            records[rid] = {
+                "start": time.time(),
+                "first": None,
+                "end": None,
+                "tokens": 0,
+                "messages": 0,
+                "itl": [],
+                "error": None,
+                "_last": None,
+            }
+            params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True)
+            core.add(GenerationRequest(rid, job["prompt_ids"], params))
+            running += 1
+        if not core.has_work:  # request rate: nothing runs until the next arrival
+            time.sleep(max(0.0, t0 + pending[0][1]["at"] - time.time()))
+            continue
+        before, started = core.steps, time.perf_counter()
+        updates = core.run_once()
+        if core.steps > before:
+            step_ms.append(1e3 * (time.perf_counter() - started))
+        now = time.time()
+        for u in updates:
+            rec = records[u.request_id]
+            if u.error:
+                rec["error"], rec["end"] = u.error, now
+                running -= 1
+                continue
+            if rec["first"] is None:
+                rec["first"] = now
+            else:
+                rec["itl"].append(now - rec["_last"])
+            rec["_last"] = now
+            rec["tokens"] += len(u.new_token_ids)
+            rec["messages"] += 1
+            if u.finish_reason is not None:
+                rec["end"] = now
+                running -= 1
+    wall = time.time() - t0
+    step_ms.sort()
+    for rec in records.values():
+        del rec["_last"]
+    return {
+        "requests": list(records.values()),
+        "median_step_ms": round(step_ms[len(step_ms) // 2], 3) if step_ms else None,
+        "steps": core.steps - steps0,
+        "engine_idle": round(max(0.0, 1 - (core.busy_seconds - busy0) / wall), 4),
+    }
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    settings = ServerSettings()
+    device = resolve_device(settings.device)
+    configure_threads(settings, device)  # as the engine process does
+    loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
+    core, limits = build_engine(loaded, settings)
+    warm_up(core, limits)
+    results = [run_level(core, level["jobs"], level.get("concurrency")) for level in spec["levels"]]
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
