@@ -5,8 +5,10 @@
     supervisor ──EngineGone──▶ front k,  ──Shutdown──▶ engine
     engine     ──EngineReady / StepReport──▶  supervisor,   front ──RequestRecord──▶  supervisor
 
-The engine's own records (SamplingParams, SeqUpdate, EngineStats, StepTiming, Limits) travel as they
-are: msgspec encodes and decodes dataclasses, so the engine needs no wire types of its own.
+The engine's own records (SamplingParams, EngineStats, StepTiming, Limits) travel as they are: msgspec
+encodes and decodes dataclasses, so the engine needs no wire types of its own. A step's outputs, the
+one message sent hundreds of times a second, travel in columns instead (`StepOutputs`). Messages to
+a front are all array-like: msgspec decodes a union of one kind only.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Union
 
 import msgspec
 
-from ..engine.outputs import EngineStats, SeqUpdate
+from ..engine.errors import ErrorKind
+from ..engine.outputs import EngineStats, TokenLogprob
 from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import FinishReason
 from ..engine.timing import StepTiming
 from ..engine.validation import Limits
 
@@ -51,23 +55,31 @@ class ModelInfo(msgspec.Struct):
     tokenizer_path: str  # where the fronts load the model's tokenizer from
 
 
-class EngineReady(msgspec.Struct, tag=True):
+class EngineReady(msgspec.Struct, tag=True, array_like=True):
     model: ModelInfo
     limits: Limits
 
 
-class StepOutputs(msgspec.Struct, tag=True):
-    """Every new token of one engine step for one front's requests."""
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """Every new token of one engine step for one front's requests, in columns: a step makes one
+    token per request, and what only some rows have (the start of a request's first step, its end,
+    logprobs) is listed by row, so a step of hundreds of requests is a few flat arrays."""
 
-    updates: list[SeqUpdate]
+    request_ids: list[str]
+    tokens: list[int]
+    started: list[tuple[int, float]] = msgspec.field(default_factory=list)  # (row, its first step began)
+    # (row, why, the stop token id if one ended it)
+    finished: list[tuple[int, FinishReason, int | None]] = msgspec.field(default_factory=list)
+    logprobs: list[tuple[int, TokenLogprob]] = msgspec.field(default_factory=list)
+    failed: list[tuple[str, ErrorKind, str]] = msgspec.field(default_factory=list)  # request id, status, why
 
 
-class LoadReply(msgspec.Struct, tag=True):
+class LoadReply(msgspec.Struct, tag=True, array_like=True):
     query: int
     stats: EngineStats
 
 
-class EngineGone(msgspec.Struct, tag=True):
+class EngineGone(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 

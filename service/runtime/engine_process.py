@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 
 import zmq
 
@@ -73,6 +72,7 @@ class EngineService:
         self.supervisor = supervisor
         self.decoder = m.decoder(m.ToEngine)
         self.front_of: dict[str, int] = {}  # request id -> the front that sent it
+        self.started: set[str] = set()  # requests whose first token has gone out
         self._reported = (core.generated_tokens, core.prompt_tokens)
         self._last_report = 0.0
         self._stopping = False
@@ -104,19 +104,16 @@ class EngineService:
         if isinstance(msg, m.Submit):
             # the only place that sees every front's requests, so the queue bound is kept here
             if len(core.scheduler.waiting) >= self.max_waiting:
-                error = SeqUpdate(
-                    msg.request_id,
-                    [],
-                    error="the request queue is full; retry later",
-                    error_kind=ErrorKind.RESOURCE_EXHAUSTED,
-                )
-                self._send(self.fronts[msg.front], m.StepOutputs([error]))
+                why = "the request queue is full; retry later"
+                full = (msg.request_id, ErrorKind.RESOURCE_EXHAUSTED, why)
+                self._send(self.fronts[msg.front], m.StepOutputs([], [], failed=[full]))
                 return
             self.front_of[msg.request_id] = msg.front
             core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params))
         elif isinstance(msg, m.Abort):
             for request_id in msg.request_ids:
                 if self.front_of.pop(request_id, None) is not None:
+                    self.started.discard(request_id)
                     core.abort(request_id)
         elif isinstance(msg, m.LoadQuery):
             self._send(self.fronts[msg.front], m.LoadReply(msg.query, core.stats()))
@@ -124,17 +121,36 @@ class EngineService:
             self._stopping = True
 
     def _send_outputs(self, updates: list[SeqUpdate]) -> None:
-        by_front: dict[int, list[SeqUpdate]] = defaultdict(list)
-        front_of = self.front_of
-        for update in updates:
-            front = front_of.get(update.request_id)
+        by_front: dict[int, m.StepOutputs] = {}
+        front_of, started = self.front_of, self.started
+        for u in updates:
+            rid = u.request_id
+            front = front_of.get(rid)
             if front is None:  # aborted meanwhile
                 continue
-            by_front[front].append(update)
-            if update.finish_reason is not None or update.error is not None:
-                del front_of[update.request_id]
-        for front, batch in by_front.items():
-            self._send(self.fronts[front], m.StepOutputs(batch))
+            out = by_front.get(front)
+            if out is None:
+                out = by_front[front] = m.StepOutputs([], [])
+            if u.error is not None:
+                out.failed.append((rid, u.error_kind, u.error))
+                del front_of[rid]
+                started.discard(rid)
+                continue
+            row = len(out.request_ids)
+            out.request_ids.append(rid)
+            (token,) = u.new_token_ids  # a step makes one token per request
+            out.tokens.append(token)
+            if rid not in started:
+                started.add(rid)
+                out.started.append((row, u.scheduled_at))
+            if u.logprobs:
+                out.logprobs.append((row, u.logprobs[0]))
+            if u.finish_reason is not None:
+                out.finished.append((row, u.finish_reason, u.stop_token))
+                del front_of[rid]
+                started.discard(rid)
+        for front, out in by_front.items():
+            self._send(self.fronts[front], out)
 
     def _report(self, idle: bool = False) -> None:
         core = self.core

@@ -118,6 +118,7 @@ class Supervisor:
             if not ended:
                 continue
             proc = children[ended[0]]
+            proc.join(1.0)  # reaped: its exit code is known
             if proc is self.engine:
                 return self._engine_died()
             log.error("%s exited with code %s; stopping the pod", proc.name, proc.exitcode)

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from ..engine.errors import ErrorKind, RequestError
-from ..engine.outputs import EngineStats, SeqUpdate, TokenLogprob
+from ..engine.outputs import EngineStats, TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
 from ..engine.timing import RequestTimes
@@ -88,20 +88,16 @@ class RequestStream:
         self.engine_done = False  # the engine has let go of the request
 
     # -- fed by the client's receive loop ---------------------------------------------------------
-    def push(self, update: SeqUpdate) -> None:
-        if update.error is not None:
-            self._error = RequestError(update.error_kind, update.error)
-            self.engine_done = True
-        else:
-            self._ids += update.new_token_ids
-            if update.logprobs:
-                self._logprobs += update.logprobs
-            if self.times.scheduled is None:
-                self.times.scheduled = update.scheduled_at
-            if update.finish_reason is not None:
-                self._finish, self._stop_token = update.finish_reason, update.stop_token
-                self.engine_done = True
+    def token(self, token: int) -> None:
+        self._ids.append(token)
         self._event.set()
+
+    def logprob(self, logprob: TokenLogprob) -> None:
+        self._logprobs.append(logprob)
+
+    def finish(self, reason: FinishReason, stop_token: int | None) -> None:
+        self._finish, self._stop_token = reason, stop_token
+        self.engine_done = True
 
     def fail(self, error: RequestError) -> None:
         self._error = error
@@ -214,11 +210,7 @@ class EngineClient:
         while not self.gone.done():
             msg = self._decoder.decode(await self._inbox.recv(copy=False))
             if isinstance(msg, m.StepOutputs):
-                streams = self.streams
-                for update in msg.updates:
-                    stream = streams.get(update.request_id)
-                    if stream is not None:
-                        stream.push(update)
+                self._route(msg)
             elif isinstance(msg, m.LoadReply):
                 future = self._loads.pop(msg.query, None)
                 if future is not None and not future.done():
@@ -228,6 +220,26 @@ class EngineClient:
                     self.ready.set_result(msg)
             elif isinstance(msg, m.EngineGone):
                 self.engine_gone(msg.reason)
+
+    def _route(self, out: m.StepOutputs) -> None:
+        """One engine step's outputs to their streams (a stream closed meanwhile is skipped)."""
+        streams, ids = self.streams, out.request_ids
+        for rid, token in zip(ids, out.tokens, strict=True):
+            stream = streams.get(rid)
+            if stream is not None:
+                stream.token(token)
+        for row, at in out.started:
+            if (stream := streams.get(ids[row])) is not None:
+                stream.times.scheduled = at
+        for row, logprob in out.logprobs:
+            if (stream := streams.get(ids[row])) is not None:
+                stream.logprob(logprob)
+        for row, reason, stop_token in out.finished:
+            if (stream := streams.get(ids[row])) is not None:
+                stream.finish(reason, stop_token)
+        for rid, kind, message in out.failed:
+            if (stream := streams.get(rid)) is not None:
+                stream.fail(RequestError(kind, message))
 
     def engine_gone(self, reason: str) -> None:
         if self.gone.done():
