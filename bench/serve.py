@@ -133,12 +133,14 @@ def wait_serving(address: str, proc: subprocess.Popen | None, timeout: float) ->
     raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
 
 
-class IdleSampler:
-    """Polls the server's /metrics for tandem_gpu_idle_fraction while levels run."""
+class GaugeSampler:
+    """Polls the server's /metrics while levels run: its idle fraction and how many requests run."""
+
+    GAUGES = ("tandem_gpu_idle_fraction", "tandem_requests_running", "tandem_requests_waiting")
 
     def __init__(self, url: str | None, period: float = 0.25) -> None:
         self.url, self.period = url, period
-        self.samples: list[tuple[float, float]] = []
+        self.samples: list[tuple[float, str, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -151,11 +153,12 @@ class IdleSampler:
                     text = r.read().decode()
             except OSError:
                 continue
+            now = time.time()
             for family in text_string_to_metric_families(text):
-                if family.name == "tandem_gpu_idle_fraction":
-                    self.samples.append((time.time(), family.samples[0].value))
+                if family.name in self.GAUGES and family.samples:
+                    self.samples.append((now, family.name, family.samples[0].value))
 
-    def __enter__(self) -> IdleSampler:
+    def __enter__(self) -> GaugeSampler:
         if self.url:
             self._thread.start()
         return self
@@ -163,10 +166,10 @@ class IdleSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
 
-    def during(self, start: float, end: float) -> float | None:
+    def during(self, name: str, start: float, end: float) -> float | None:
         """The median reading in the middle half of [start, end] (the window has filled by then)."""
         lo, hi = start + (end - start) / 4, end - (end - start) / 4
-        values = sorted(v for t, v in self.samples if lo <= t <= hi)
+        values = sorted(v for t, n, v in self.samples if n == name and lo <= t <= hi)
         return round(values[len(values) // 2], 4) if values else None
 
 
@@ -259,6 +262,55 @@ def start_server(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str,
     return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
 
 
+def serve_levels(
+    a: argparse.Namespace,
+    levels: list[dict],
+    engine_results: list[dict] | None,
+    env: dict[str, str],
+    log: Path,
+) -> tuple[list[dict], int | str | None]:
+    """Every level through one server (started here unless --server); (rows, the server's exit code)."""
+    proc = None
+    if a.server:
+        address, metrics_url = a.server, a.metrics
+    else:
+        proc, address, metrics_url = start_server(env, log)
+    rows = []
+    try:
+        wait_serving(address, proc, timeout=1800)
+        print(f"server at {address} SERVING ({env.get('TANDEM_API_PROCESSES', '1')} front(s))", flush=True)
+        with GaugeSampler(metrics_url) as gauges:
+            for i, level in enumerate(levels):
+                requests, start, end = run_clients(address, level, a.clients, a.channels)
+                row = {k: level[k] for k in ("mode", "concurrency", "request_rate") if k in level}
+                row["server"] = summarize(requests, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
+                for gauge in GaugeSampler.GAUGES:
+                    row["server"][gauge.removeprefix("tandem_")] = gauges.during(gauge, start, end)
+                if engine_results is not None:
+                    e = engine_results[i]
+                    row["engine"] = {
+                        **summarize(e["requests"], a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3),
+                        "median_step_ms": e["median_step_ms"],
+                        "engine_idle": e["engine_idle"],
+                    }
+                    row["server_over_engine"] = round(
+                        row["server"]["output_tok_s"] / row["engine"]["output_tok_s"], 3
+                    )
+                ratio = f" ({row['server_over_engine']:.0%} of the engine alone)" if "engine" in row else ""
+                print(f"{_label(row)}: server {row['server'].get('output_tok_s')} tok/s{ratio}", flush=True)
+                rows.append(row)
+    finally:
+        code = None
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = "did not stop in 120 s after SIGTERM"
+    return rows, code
+
+
 # -- output --------------------------------------------------------------------------------------
 
 
@@ -328,19 +380,30 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     conc = [r for r in rows if r["mode"] == "concurrency"]
     if not conc:
         return None
-    x = [r["concurrency"] for r in conc]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(x, [r["server"].get("output_tok_s") for r in conc], "o-", label="through tandem serve")
-    if all(r.get("engine") for r in conc):
-        left.plot(x, [r["engine"]["output_tok_s"] for r in conc], "s--", label="engine core alone")
+    for fronts in sorted({r.get("api_processes", 1) for r in conc}):
+        mine = [r for r in conc if r.get("api_processes", 1) == fronts]
+        x = [r["concurrency"] for r in mine]
+        name = "tandem serve" + ("" if fronts == 1 else f", {fronts} fronts")
+        left.plot(x, [r["server"].get("output_tok_s") for r in mine], "o-", label=name)
+        right.plot(x, [r["server"]["tpot_ms"]["p50"] for r in mine], "o-", label=f"TPOT p50, {name}")
+    first = [r for r in conc if r.get("api_processes", 1) == conc[0].get("api_processes", 1)]
+    if all(r.get("engine") for r in first):
+        x = [r["concurrency"] for r in first]
+        left.plot(
+            x, [r["engine"]["output_tok_s"] for r in first], "s--", color="black", label="engine core alone"
+        )
+        right.plot(
+            x,
+            [r["engine"]["median_step_ms"] for r in first],
+            "s--",
+            color="black",
+            label="engine alone: median step",
+        )
     left.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
-    left.legend()
-    right.plot(x, [r["server"]["tpot_ms"]["p50"] for r in conc], "o-", label="TPOT p50 (server)")
-    right.plot(x, [r["server"]["tpot_ms"]["p99"] for r in conc], "o:", label="TPOT p99 (server)")
-    if all(r.get("engine") for r in conc):
-        right.plot(x, [r["engine"]["median_step_ms"] for r in conc], "s--", label="engine median step")
     right.set(xscale="log", xlabel="concurrent streams", ylabel="ms", title="time per output token")
-    right.legend()
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -390,7 +453,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="a server setting for both the server and the engine alone (repeatable)",
     )
-    ap.add_argument("--api-processes", type=int, default=None, help="the server's gRPC front processes")
+    ap.add_argument(
+        "--api-processes",
+        type=_ints,
+        default=[],
+        help="the server's gRPC front processes; several (1,2,4): one server each, same levels",
+    )
     ap.add_argument("--no-engine-only", dest="engine_only", action="store_false")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--workdir", default=None, help="where models and logs go (default: a temporary folder)")
@@ -424,8 +492,6 @@ def main(argv: list[str] | None = None) -> int:
     for item in a.set:
         name, _, value = item.partition("=")
         env[f"TANDEM_{name.upper().replace('-', '_')}"] = value
-    if a.api_processes:
-        env["TANDEM_API_PROCESSES"] = str(a.api_processes)
     top = max([*a.concurrency, 1])
     if top > 256 and "TANDEM_MAX_NUM_SEQS" not in env:
         env["TANDEM_MAX_NUM_SEQS"] = str(top)
@@ -447,46 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine alone: {len(levels)} levels", flush=True)
         engine_results = engine_only(levels, env, folder)
 
-    proc, log = None, folder / "server.log"
-    if a.server:
-        address, metrics_url = a.server, a.metrics
-    else:
-        proc, address, metrics_url = start_server(env, log)
-    rows = []
-    try:
-        wait_serving(address, proc, timeout=1800)
-        print(f"server at {address} SERVING", flush=True)
-        with IdleSampler(metrics_url) as idle:
-            for i, level in enumerate(levels):
-                requests, start, end = run_clients(address, level, a.clients, a.channels)
-                row = {k: level[k] for k in ("mode", "concurrency", "request_rate") if k in level}
-                row["server"] = summarize(requests, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
-                row["server"]["gpu_idle_fraction"] = idle.during(start, end)
-                if engine_results is not None:
-                    e = engine_results[i]
-                    row["engine"] = {
-                        **summarize(e["requests"], a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3),
-                        "median_step_ms": e["median_step_ms"],
-                        "engine_idle": e["engine_idle"],
-                    }
-                    row["server_over_engine"] = round(
-                        row["server"]["output_tok_s"] / row["engine"]["output_tok_s"], 3
-                    )
-                print(
-                    f"{_label(row)}: server {row['server'].get('output_tok_s')} tok/s"
-                    + (
-                        f", engine {row['engine']['output_tok_s']} tok/s ({row['server_over_engine']:.0%})"
-                        if "engine" in row
-                        else ""
-                    ),
-                    flush=True,
-                )
-                rows.append(row)
-    finally:
-        exit_code = None
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            exit_code = proc.wait(timeout=120)
+    rows, exit_codes = [], []
+    for fronts in a.api_processes or [None]:
+        server_env = env if fronts is None else {**env, "TANDEM_API_PROCESSES": str(fronts)}
+        got, code = serve_levels(a, levels, engine_results, server_env, folder / f"server-{fronts or 1}.log")
+        rows += [{**row, "api_processes": fronts or 1} for row in got]
+        exit_codes.append(code)
+    exit_code = next((c for c in exit_codes if c not in (0, None)), exit_codes[-1])
 
     import torch
     from common import environment  # torch's and the machine's versions

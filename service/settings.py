@@ -90,7 +90,10 @@ class ServerSettings(BaseSettings):
     )
     default_max_tokens: int = Field(256, ge=1, description="New tokens when a request does not say.")
     max_waiting_requests: int = Field(
-        4096, ge=1, description="Queue bound; past it requests get RESOURCE_EXHAUSTED."
+        4096,
+        ge=1,
+        description="Queue bound, every front's requests together: the newest requests still waiting past "
+        "it once a step has admitted what it can get RESOURCE_EXHAUSTED.",
     )
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Longest stop string accepted.")

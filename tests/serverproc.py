@@ -46,7 +46,8 @@ def running_server(
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (address, process). `model` None = the embedded default model; `env`: added variables.
 
-    The metrics endpoint is off unless `extra` sets --metrics-port (9400 would clash between servers).
+    The metrics endpoint is off unless `extra` sets --metrics-port (9400 would clash between servers);
+    the KV cache is 0.25 GiB unless `extra` sizes it.
     """
     port = free_port()
     cmd = [
@@ -66,6 +67,8 @@ def running_server(
         cmd += ["--model", str(model)]
     if "--metrics-port" not in extra:
         cmd += ["--metrics-port", "0"]
+    if "--num-kv-blocks" not in extra and "--kv-cache-cpu-gib" not in extra:
+        cmd += ["--kv-cache-cpu-gib", "0.25"]  # the 2 GiB default takes seconds to zero at every start
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, **(env or {}), "PYTHONSAFEPATH": "1"}
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")

@@ -110,3 +110,31 @@ def test_profile_sorts_kernels_by_kind(monkeypatch):
     assert kernel_kind("_decode_split_kernel") == "decode attention"
     silu = "triton_poi_fused__unsafe_view_mul_silu_split_with_sizes_2"
     assert kernel_kind(silu) == "fused element-wise (Triton)"
+
+
+def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path):
+    """Both sides run the same requests: every request completes with its tokens, the ratio is theirs."""
+    out = tmp_path / "serve.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run(
+        [str(tandem), "bench", "serve", "--smoke", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 4 streams |" in proc.stdout and "| 20.0 req/s |" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "serve" and result["server_exit_code"] == 0
+    levels = {(lv["mode"], lv.get("concurrency") or lv.get("request_rate")): lv for lv in result["levels"]}
+    assert set(levels) == {("concurrency", 1), ("concurrency", 4), ("request_rate", 20.0)}
+    for level in levels.values():
+        server, engine = level["server"], level["engine"]
+        assert server["errors"] == {} and server["completed"] == server["requests"]
+        assert server["tokens"] == engine["tokens"] == server["requests"] * result["workload"]["new"]
+        ratio = server["output_tok_s"] / engine["output_tok_s"]
+        assert level["server_over_engine"] == pytest.approx(ratio, 1e-3)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert 0 <= server[key]["p50"] <= server[key]["p90"] <= server[key]["p99"]
+        assert engine["median_step_ms"] > 0
+    assert levels[("concurrency", 4)]["server"]["requests"] == 4
+    assert out.with_suffix(".md").read_text().startswith("| level |")
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,8 +7,8 @@
 
 The engine's own records (SamplingParams, EngineStats, StepTiming, Limits) travel as they are: msgspec
 encodes and decodes dataclasses, so the engine needs no wire types of its own. A step's outputs, the
-one message sent hundreds of times a second, travel in columns instead (`StepOutputs`). Messages to
-a front are all array-like: msgspec decodes a union of one kind only.
+one message sent hundreds of times a second, travel in columns instead (`StepOutputs`). Every message
+is array-like (fields by position, no names on the wire; msgspec decodes a union of one kind only).
 """
 
 from __future__ import annotations
@@ -25,23 +25,23 @@ from ..engine.timing import StepTiming
 from ..engine.validation import Limits
 
 
-class Submit(msgspec.Struct, tag=True):
+class Submit(msgspec.Struct, tag=True, array_like=True):
     request_id: str  # the front's own id, unique in the pod (a client's id is only echoed)
     front: int  # which front's socket gets its outputs
     prompt_ids: list[int]
     params: SamplingParams
 
 
-class Abort(msgspec.Struct, tag=True):
+class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
-class LoadQuery(msgspec.Struct, tag=True):
+class LoadQuery(msgspec.Struct, tag=True, array_like=True):
     front: int
     query: int
 
 
-class Shutdown(msgspec.Struct, tag=True):
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
@@ -83,7 +83,7 @@ class EngineGone(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-class StepReport(msgspec.Struct, tag=True):
+class StepReport(msgspec.Struct, tag=True, array_like=True):
     """The engine's telemetry since its last report: finished steps, tokens, the load right now."""
 
     timings: list[StepTiming]
@@ -92,7 +92,7 @@ class StepReport(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
-class RequestRecord(msgspec.Struct, tag=True):
+class RequestRecord(msgspec.Struct, tag=True, array_like=True):
     """One finished request as a front saw it: what the GenAI latency histograms record."""
 
     operation: str

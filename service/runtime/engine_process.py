@@ -24,7 +24,7 @@ from ..ipc import messages as m
 from ..ipc import sockets
 from ..models.loader import LoadedModel, load_model
 from ..settings import ServerSettings
-from .child import init_child
+from .child import exit_now, init_child
 
 log = logging.getLogger("tandem.engine")
 IDLE_REPORT_S = 0.5  # an idle engine still reports its load (and that it lives) this often
@@ -85,6 +85,7 @@ class EngineService:
             updates = self.core.run_once()
             if updates:
                 self._send_outputs(updates)
+            self._bound_queue()
             self._report()
         log.info("engine stopped")
 
@@ -102,12 +103,6 @@ class EngineService:
     def _handle(self, msg: object) -> None:
         core = self.core
         if isinstance(msg, m.Submit):
-            # the only place that sees every front's requests, so the queue bound is kept here
-            if len(core.scheduler.waiting) >= self.max_waiting:
-                why = "the request queue is full; retry later"
-                full = (msg.request_id, ErrorKind.RESOURCE_EXHAUSTED, why)
-                self._send(self.fronts[msg.front], m.StepOutputs([], [], failed=[full]))
-                return
             self.front_of[msg.request_id] = msg.front
             core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params))
         elif isinstance(msg, m.Abort):
@@ -119,6 +114,30 @@ class EngineService:
             self._send(self.fronts[msg.front], m.LoadReply(msg.query, core.stats()))
         elif isinstance(msg, m.Shutdown):
             self._stopping = True
+
+    def _bound_queue(self) -> None:
+        """Refuse the newest requests that wait past `max_waiting` once the step has taken what it can.
+
+        Here, the one place that sees every front's requests. A request that has run before (it was
+        preempted) keeps its place."""
+        waiting = self.core.scheduler.waiting
+        excess = len(waiting) - self.max_waiting
+        if excess <= 0:
+            return
+        refused = []
+        for seq in reversed(waiting):
+            if len(refused) == excess:
+                break
+            if seq.num_preemptions == 0:
+                refused.append(seq.request_id)
+        by_front: dict[int, m.StepOutputs] = {}
+        for rid in refused:
+            self.core.abort(rid)
+            front = self.front_of.pop(rid)
+            out = by_front.setdefault(front, m.StepOutputs([], []))
+            out.failed.append((rid, ErrorKind.RESOURCE_EXHAUSTED, "the request queue is full; retry later"))
+        for front, out in by_front.items():
+            self._send(self.fronts[front], out)
 
     def _send_outputs(self, updates: list[SeqUpdate]) -> None:
         by_front: dict[int, m.StepOutputs] = {}
@@ -196,9 +215,8 @@ def engine_main(
     for sock in (*fronts, supervisor):
         EngineService._send(sock, ready)
     log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)
-    try:
-        EngineService(core, timings, settings.max_waiting_requests, inbox, fronts, supervisor).run()
-    finally:
-        for sock in (inbox, *fronts, supervisor):
-            sock.close()
-        ctx.term()
+    EngineService(core, timings, settings.max_waiting_requests, inbox, fronts, supervisor).run()
+    for sock in (inbox, *fronts, supervisor):
+        sock.close(linger=0)  # the fronts are gone: nothing left to deliver
+    ctx.term()
+    exit_now(0)

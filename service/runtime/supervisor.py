@@ -32,6 +32,7 @@ from . import entry
 log = logging.getLogger("tandem.serve")
 STOP_WAIT_S = 10.0  # how long a process that was told to stop may take before it is killed
 ENGINE_GONE_WAIT_S = 5.0  # fronts ending their streams after the engine died
+RECEIVE_POLL_MS = 200
 
 
 def _reserve_port(host: str) -> tuple[socket.socket, int]:
@@ -61,6 +62,8 @@ class Supervisor:
         self.zmq = zmq.Context()
         self.inbox = sockets.pull(self.zmq, self.endpoints.supervisor)
         self.stop_requested = threading.Event()
+        self._closing = threading.Event()
+        self._receiver = threading.Thread(target=self._receive, name="tandem-telemetry", daemon=True)
         self.engine: BaseProcess | None = None
         self.fronts: list[BaseProcess] = []
         self.metrics_server: MetricsServer | None = None
@@ -69,13 +72,17 @@ class Supervisor:
     # -- what the engine and fronts report ------------------------------------------------------
     def _receive(self) -> None:
         decoder = m.decoder(m.ToSupervisor)
-        while True:
-            try:
+        try:
+            while not self._closing.is_set():
+                if not self.inbox.poll(RECEIVE_POLL_MS):
+                    continue
                 frame = self.inbox.recv(copy=False)
-            except zmq.ContextTerminated:  # close(): the pod is ending
-                self.inbox.close()
-                return
-            self.telemetry.record(decoder.decode(frame))
+                try:
+                    self.telemetry.record(decoder.decode(frame))
+                except Exception:  # telemetry must never take the pod down, nor stop with one bad message
+                    log.exception("a report could not be recorded")
+        finally:
+            self.inbox.close()
 
     def _engine_alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive()
@@ -86,7 +93,7 @@ class Supervisor:
         if s.port == 0:
             self._port_holder, port = _reserve_port(s.host)
             s = self.settings = s.model_copy(update={"port": port})
-        threading.Thread(target=self._receive, name="tandem-telemetry", daemon=True).start()
+        self._receiver.start()
         if s.metrics_port:
             self.metrics_server = MetricsServer(s.host, s.metrics_port, self._engine_alive)
             self.metrics_server.start()
@@ -105,9 +112,8 @@ class Supervisor:
         ]
         for proc in (self.engine, *self.fronts):
             proc.start()
-        log.info(
-            "engine process %d, %d front process(es) on port %d", self.engine.pid, len(self.fronts), s.port
-        )
+        fronts = ", ".join(str(f.pid) for f in self.fronts)
+        log.info("engine process %d, front process(es) %s on port %d", self.engine.pid, fronts, s.port)
 
     def run(self) -> int:
         """Wait for a stop signal or a child's end; return the pod's exit status."""
@@ -169,7 +175,12 @@ class Supervisor:
                 proc.join()
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        self.zmq.term()  # the receiving thread closes its socket
+        self._closing.set()
+        if self._receiver.is_alive():
+            self._receiver.join()
+        else:
+            self.inbox.close()
+        self.zmq.term()
         self.telemetry.shutdown()
         if self._port_holder is not None:
             self._port_holder.close()

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import zmq
@@ -63,15 +63,17 @@ class RequestStream:
 
     def __init__(
         self,
-        client: EngineClient,
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
+        interval: StreamInterval,
+        release: Callable[[RequestStream], None],
         client_request_id: str | None = None,
     ) -> None:
-        self.client = client
         self.request_id = request_id
+        self.interval = interval
+        self.release = release  # called once its reader is done with it
         self.client_request_id = client_request_id
         self.prompt_len = len(prompt_ids)
         self.params = params
@@ -98,6 +100,7 @@ class RequestStream:
     def finish(self, reason: FinishReason, stop_token: int | None) -> None:
         self._finish, self._stop_token = reason, stop_token
         self.engine_done = True
+        self._event.set()
 
     def fail(self, error: RequestError) -> None:
         self._error = error
@@ -107,7 +110,7 @@ class RequestStream:
     # -- read where the client's call runs --------------------------------------------------------
     async def _until_due(self) -> None:
         """Wait until the stream has something to send, as the stream interval allows."""
-        interval = self.client.interval
+        interval = self.interval
         while self._error is None and self._finish is None:
             wait = None
             if self._ids:
@@ -180,7 +183,7 @@ class RequestStream:
                 if finish is not None:
                     return
         finally:
-            self.client.release(self)
+            self.release(self)
 
 
 class EngineClient:
@@ -192,6 +195,7 @@ class EngineClient:
         self._zmq = zmq.asyncio.Context()
         self._to_engine = sockets.push(self._zmq, endpoints.engine)
         self._inbox = sockets.pull(self._zmq, endpoints.front(front))
+        self._inbox_now = zmq.Socket.shadow(self._inbox.underlying)  # non-blocking reads, no future
         self._decoder = m.decoder(m.ToFront)
         self._ids = (f"{front}-{n}" for n in itertools.count())
         self.streams: dict[str, RequestStream] = {}
@@ -206,20 +210,32 @@ class EngineClient:
         return len(self.streams)
 
     async def run(self) -> None:
-        """Receive until the engine is gone; every stream then ends with UNAVAILABLE."""
+        """Receive until the engine is gone; every stream then ends with UNAVAILABLE.
+
+        Each turn takes every message that has arrived, not one: when the front falls behind, the
+        backlog then waits in the streams, where it goes out in one message per stream, instead of
+        in the socket, where each stream would still get one message per engine step."""
         while not self.gone.done():
-            msg = self._decoder.decode(await self._inbox.recv(copy=False))
-            if isinstance(msg, m.StepOutputs):
-                self._route(msg)
-            elif isinstance(msg, m.LoadReply):
-                future = self._loads.pop(msg.query, None)
-                if future is not None and not future.done():
-                    future.set_result(msg.stats)
-            elif isinstance(msg, m.EngineReady):
-                if not self.ready.done():
-                    self.ready.set_result(msg)
-            elif isinstance(msg, m.EngineGone):
-                self.engine_gone(msg.reason)
+            self._handle(self._decoder.decode(await self._inbox.recv(copy=False)))
+            while not self.gone.done():
+                try:
+                    frame = self._inbox_now.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(self._decoder.decode(frame))
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, m.StepOutputs):
+            self._route(msg)
+        elif isinstance(msg, m.LoadReply):
+            future = self._loads.pop(msg.query, None)
+            if future is not None and not future.done():
+                future.set_result(msg.stats)
+        elif isinstance(msg, m.EngineReady):
+            if not self.ready.done():
+                self.ready.set_result(msg)
+        elif isinstance(msg, m.EngineGone):
+            self.engine_gone(msg.reason)
 
     def _route(self, out: m.StepOutputs) -> None:
         """One engine step's outputs to their streams (a stream closed meanwhile is skipped)."""
@@ -270,7 +286,9 @@ class EngineClient:
             raise RequestError(
                 ErrorKind.INVALID_ARGUMENT, f"request id {client_request_id!r} is already in use"
             )
-        stream = RequestStream(self, next(self._ids), prompt_ids, params, tokenizer, client_request_id)
+        stream = RequestStream(
+            next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, client_request_id
+        )
         self.streams[stream.request_id] = stream
         if client_request_id:
             self._client_ids[client_request_id] = stream.request_id

@@ -24,7 +24,7 @@ from tandem.kserve import grpc_service_pb2, grpc_service_pb2_grpc
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 from ..ipc import sockets
-from ..runtime.child import init_child
+from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
 from .background import in_daemon_thread
@@ -167,4 +167,4 @@ async def serve_front(settings: ServerSettings, index: int, endpoints: sockets.E
 def front_main(settings: ServerSettings, index: int, endpoints: sockets.Endpoints, log_level: str) -> None:
     """A front process's entry point (spawned by the supervisor)."""
     init_child(log_level)
-    raise SystemExit(asyncio.run(serve_front(settings, index, endpoints)))
+    exit_now(asyncio.run(serve_front(settings, index, endpoints)))

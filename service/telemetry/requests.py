@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 from opentelemetry import propagate, trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ..engine.errors import RequestError
@@ -41,11 +40,11 @@ class RequestTelemetry:
         self,
         tracer: trace.Tracer,
         record: Callable[[m.RequestRecord], None],
-        provider: TracerProvider | None = None,
+        close: Callable[[], None] = lambda: None,
     ) -> None:
         self.tracer = tracer
         self.record = record  # where a finished request's record goes
-        self.provider = provider
+        self._close = close
         self.model = ""  # the served model's name, known once it has loaded
 
     @classmethod
@@ -53,12 +52,19 @@ class RequestTelemetry:
         """Spans exported by this front; records sent to the supervisor's metrics."""
         provider = tracer_provider(settings)
         tracer = provider.get_tracer(SCOPE) if provider else trace.NoOpTracer()
-        to_supervisor = sockets.push(zmq.Context.instance(), endpoints.supervisor)
-        return cls(tracer, lambda record: to_supervisor.send(m.encode(record)), provider)
+        ctx = zmq.Context()
+        to_supervisor = sockets.push(ctx, endpoints.supervisor)
+
+        def close() -> None:
+            if provider is not None:
+                provider.shutdown()  # flushes the spans still buffered
+            to_supervisor.close()  # after what it holds has gone out (its linger)
+            ctx.term()
+
+        return cls(tracer, lambda record: to_supervisor.send(m.encode(record)), close)
 
     def shutdown(self) -> None:
-        if self.provider is not None:
-            self.provider.shutdown()
+        self._close()
 
     def request(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, rpc_method: str, operation: str

@@ -72,7 +72,7 @@ class TandemServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """One message per engine step that produced text; the last carries finish_reason and usage.
+        """New tokens as they come (several per message when they waited); the last carries finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,229 @@
+"""The pod's processes, on real servers: several gRPC fronts on one port feeding one engine process,
+the queue bound kept across them, coalesced streams, and what happens when a process dies."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from serverproc import free_port, running_server
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+TIMEOUT = 60.0
+FRONTS = 3
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # a channel of its own, not a shared one
+
+
+def request(max_tokens: int, text: str = "Once upon a time") -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+
+
+def pids(log: Path) -> tuple[int, list[int]]:
+    """(engine, fronts) from the supervisor's start-up line."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"engine process (\d+), front process\(es\) ([\d, ]+) on port", log.read_text())
+        if found:
+            return int(found.group(1)), [int(p) for p in found.group(2).split(", ")]
+        time.sleep(0.1)
+    raise AssertionError(f"no process ids in {log}")
+
+
+def peer_ports(pid: int, port: int) -> set[int]:
+    """Remote ports of the established TCP connections process `pid` holds on local `port`."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    peers = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote, state, inode = f[1], f[2], f[3], f[9]
+            if state == "01" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
+                peers.add(int(remote.rsplit(":", 1)[1], 16))
+    return peers
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels.get("le")
+    }
+
+
+# -- several fronts ------------------------------------------------------------------------------
+
+
+class Pod:
+    def __init__(self, address: str, proc: subprocess.Popen, log: Path, metrics_url: str) -> None:
+        self.address, self.proc, self.log, self.metrics_url = address, proc, log, metrics_url
+        self.port = int(address.rsplit(":", 1)[1])
+        self.engine, self.fronts = pids(log)
+
+
+@pytest.fixture(scope="module")
+def pod(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
+    log = tmp_path_factory.mktemp("fronts") / "server.log"
+    metrics_port = free_port()
+    with running_server(
+        tiny_model_dir("llama"), "--api-processes", str(FRONTS), "--max-waiting-requests", "2",
+        "--max-num-seqs", "2", "--metrics-port", str(metrics_port), log=log,
+    ) as (address, proc):  # fmt: skip
+        yield Pod(address, proc, log, f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+def test_every_front_serves_on_the_one_port_and_is_counted_once(pod: Pod):
+    before = scrape(pod.metrics_url)
+    channels = [grpc.insecure_channel(pod.address, options=OWN_CONNECTION) for _ in range(48)]
+    try:
+        for ch in channels:  # health, reflection-free calls and generation on every connection
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+            assert check.status == SERVING
+        results = [pb_grpc.TandemStub(ch).Generate(request(6), timeout=TIMEOUT) for ch in channels]
+        # the kernel spread the connections over the fronts (SO_REUSEPORT): each holds some
+        served = [peer_ports(front, pod.port) for front in pod.fronts]
+        assert all(served), [len(s) for s in served]
+        assert sum(len(s) for s in served) >= len(channels)
+        texts = {r.text for r in results}
+        assert len(texts) == 1 and all(len(r.token_ids) == 6 for r in results)  # greedy: one answer
+    finally:
+        for ch in channels:
+            ch.close()
+    after = scrape(pod.metrics_url)  # the pod's one endpoint counts every front's requests once
+    assert after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"] == 6 * 48
+    duration = "gen_ai_server_request_duration_seconds_count"
+    assert after[duration] - before.get(duration, 0) == 48
+
+
+def test_the_queue_bound_holds_across_fronts(pod: Pod):
+    """2 running, 2 waiting, whichever fronts they came through; the next is turned away."""
+    channels = [grpc.insecure_channel(pod.address, options=OWN_CONNECTION) for _ in range(12)]
+    calls = []
+    try:
+        refused = 0
+        for ch in channels[:4]:
+            calls.append(pb_grpc.TandemStub(ch).GenerateStream(request(800), timeout=TIMEOUT))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            load = pb_grpc.TandemStub(channels[0]).GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
+            if (load.requests_running, load.requests_waiting) == (2, 2):  # all four in, a step taken
+                break
+            time.sleep(0.05)
+        assert (load.requests_running, load.requests_waiting) == (2, 2)
+        for ch in channels[4:]:
+            with pytest.raises(grpc.RpcError) as exc:
+                pb_grpc.TandemStub(ch).Generate(request(4), timeout=TIMEOUT)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value.details()
+            assert "queue is full" in exc.value.details()
+            refused += 1
+        assert refused == 8
+    finally:
+        for call in calls:
+            call.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = pb_grpc.TandemStub(channels[0]).GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
+        idle = load.requests_running == load.requests_waiting == 0
+        if idle and load.kv_blocks_free == load.kv_blocks_total:
+            break
+        time.sleep(0.05)
+    assert load.kv_blocks_free == load.kv_blocks_total  # the cancelled ones freed their blocks
+    assert len(pb_grpc.TandemStub(channels[-1]).Generate(request(3), timeout=TIMEOUT).token_ids) == 3
+    for ch in channels:
+        ch.close()
+
+
+# -- coalescing ----------------------------------------------------------------------------------
+
+
+def test_a_stream_interval_coalesces_and_delivers_every_token_once_in_order(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    req = request(64, "Tell me a story about the sea")
+    with running_server(model, log=tmp_path / "plain.log") as (address, _):
+        with grpc.insecure_channel(address) as ch:
+            plain = list(pb_grpc.TandemStub(ch).GenerateStream(req, timeout=TIMEOUT))
+    with running_server(model, "--stream-interval", "5", log=tmp_path / "coalesced.log") as (address, _):
+        with grpc.insecure_channel(address) as ch:
+            coalesced = list(pb_grpc.TandemStub(ch).GenerateStream(req, timeout=TIMEOUT))
+    ids = [t for m in plain for t in m.token_ids]
+    assert len(ids) == 64
+    assert [t for m in coalesced for t in m.token_ids] == ids
+    assert "".join(m.text for m in coalesced) == "".join(m.text for m in plain)
+    assert all(len(m.token_ids) >= 5 for m in coalesced[1:-1])  # the first token is never held back
+    assert len(coalesced) <= 1 + math.ceil(63 / 5)
+    assert coalesced[-1].usage.completion_tokens == 64
+
+
+# -- a process dies ------------------------------------------------------------------------------
+
+
+def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(tiny_model_dir, tmp_path):
+    log = tmp_path / "server.log"
+    with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
+        engine, _ = pids(log)
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+            assert next(health).status == SERVING
+            stream = pb_grpc.TandemStub(ch).GenerateStream(request(1000), timeout=TIMEOUT)
+            next(stream)
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(grpc.RpcError) as exc:
+                for _ in stream:
+                    pass
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
+            assert time.monotonic() - killed < 5
+            statuses = []
+            try:
+                for update in health:
+                    statuses.append(update.status)
+            except grpc.RpcError:
+                pass  # the front stopped after saying so
+            assert NOT_SERVING in statuses
+        assert proc.wait(timeout=20) == 1
+    assert "the engine process ended" in log.read_text()
+
+
+def test_a_killed_supervisor_takes_its_processes_with_it(tiny_model_dir, tmp_path):
+    log = tmp_path / "server.log"
+    with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
+        engine, fronts = pids(log)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        alive = {engine, *fronts}
+        while alive and time.monotonic() < deadline:
+            alive = {p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
+            time.sleep(0.1)
+        assert not alive, "children outlived the supervisor"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except OSError:
+        return "Z"
