@@ -101,6 +101,8 @@ def make_model(shape: str, tokenizer_dir: Path, folder: Path, device: str) -> Pa
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server and the engine alone get the whole device
     return target
 
 
@@ -198,6 +200,16 @@ def level_jobs(a: argparse.Namespace, vocab: int, max_model_len: int) -> list[di
     return levels
 
 
+def warmup_level(a: argparse.Namespace, vocab: int, max_model_len: int) -> dict | None:
+    """One request per stream at the largest concurrency, run untimed by both sides first: what a
+    process compiles or tunes on first use (kernels for new shapes) is not in any level."""
+    if not a.warmup:
+        return None
+    c = max(a.concurrency or [32])
+    js = jobs(a.dataset, c, vocab, max_model_len, a.seed + 10**6, a.prompt, a.new)
+    return {"mode": "concurrency", "concurrency": c, "jobs": [vars(j) for j in js]}
+
+
 def run_clients(address: str, level: dict, clients: int, channels: int) -> tuple[list[dict], float, float]:
     """One level through `clients` processes; (requests as timed, start, end) in wall clock."""
     from serve_client import run_client
@@ -229,9 +241,9 @@ def run_clients(address: str, level: dict, clients: int, channels: int) -> tuple
     return results, start, end
 
 
-def engine_only(levels: list[dict], env: dict[str, str], folder: Path) -> list[dict]:
+def engine_only(levels: list[dict], warmup: dict | None, env: dict[str, str], folder: Path) -> list[dict]:
     spec, out = folder / "engine_spec.json", folder / "engine_out.json"
-    spec.write_text(json.dumps({"levels": levels}))
+    spec.write_text(json.dumps({"levels": levels, "warmup": warmup}))
     here = Path(__file__).resolve().parent
     path = os.pathsep.join(
         p for p in (str(here), env.get("PYTHONPATH", "")) if p
@@ -265,6 +277,7 @@ def start_server(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str,
 def serve_levels(
     a: argparse.Namespace,
     levels: list[dict],
+    warmup: dict | None,
     engine_results: list[dict] | None,
     env: dict[str, str],
     log: Path,
@@ -279,6 +292,8 @@ def serve_levels(
     try:
         wait_serving(address, proc, timeout=1800)
         print(f"server at {address} SERVING ({env.get('TANDEM_API_PROCESSES', '1')} front(s))", flush=True)
+        if warmup is not None:
+            run_clients(address, warmup, a.clients, a.channels)
         with GaugeSampler(metrics_url) as gauges:
             for i, level in enumerate(levels):
                 requests, start, end = run_clients(address, level, a.clients, a.channels)
@@ -438,7 +453,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=128, help="fixed: prompt tokens")
     ap.add_argument("--new", type=int, default=256, help="fixed: new tokens per request")
     ap.add_argument(
-        "--requests-per-stream", type=int, default=2, help="concurrency levels: requests per stream"
+        "--requests-per-stream", type=int, default=4, help="concurrency levels: requests per stream"
+    )
+    ap.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed first pass (one request per stream at the largest concurrency)",
     )
     ap.add_argument("--num-prompts", type=int, default=200, help="request-rate levels: requests per level")
     ap.add_argument("--seed", type=int, default=0)
@@ -507,16 +528,18 @@ def main(argv: list[str] | None = None) -> int:
         env["TANDEM_MODEL"] = str(model_dir)
     vocab, max_model_len = model_limits(model_dir, a.server)
     levels = level_jobs(a, vocab, max_model_len)
+    warmup = warmup_level(a, vocab, max_model_len)
 
     engine_results = None
     if a.engine_only and model_dir is not None:
         print(f"engine alone: {len(levels)} levels", flush=True)
-        engine_results = engine_only(levels, env, folder)
+        engine_results = engine_only(levels, warmup, env, folder)
 
     rows, exit_codes = [], []
     for fronts in a.api_processes or [None]:
         server_env = env if fronts is None else {**env, "TANDEM_API_PROCESSES": str(fronts)}
-        got, code = serve_levels(a, levels, engine_results, server_env, folder / f"server-{fronts or 1}.log")
+        log = folder / f"server-{fronts or 1}.log"
+        got, code = serve_levels(a, levels, warmup, engine_results, server_env, log)
         rows += [{**row, "api_processes": fronts or 1} for row in got]
         exit_codes.append(code)
     exit_code = next((c for c in exit_codes if c not in (0, None)), exit_codes[-1])
@@ -542,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
             ],
         },
         "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms},
+        "warmup": None
+        if warmup is None
+        else {"concurrency": warmup["concurrency"], "requests": len(warmup["jobs"])},
         "levels": rows,
         "server_exit_code": exit_code,
     }

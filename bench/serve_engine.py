@@ -95,6 +95,8 @@ def main() -> None:
     loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
     core, limits = build_engine(loaded, settings)
     warm_up(core, limits)
+    if spec.get("warmup"):
+        run_level(core, spec["warmup"]["jobs"], spec["warmup"]["concurrency"])
     results = [run_level(core, level["jobs"], level.get("concurrency")) for level in spec["levels"]]
     with open(sys.argv[2], "w") as f:
         json.dump(results, f)
