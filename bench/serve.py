@@ -307,7 +307,18 @@ def serve_levels(
                         **summarize(e["requests"], a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3),
                         "median_step_ms": e["median_step_ms"],
                         "engine_idle": e["engine_idle"],
+                        "roofline_step_ms": e.get("roofline_step_ms"),
+                        "copy_bandwidth_TBps": e.get("copy_bandwidth_TBps"),
                     }
+                    roof = e.get("roofline_step_ms")
+                    if roof and row["server"].get("tpot_ms"):
+                        row["server"]["tpot_p50_over_roofline_step"] = round(
+                            row["server"]["tpot_ms"]["p50"] / roof, 3
+                        )
+                    if row["server"].get("tpot_ms") and e["median_step_ms"]:
+                        row["server"]["tpot_p50_over_engine_median_step"] = round(
+                            row["server"]["tpot_ms"]["p50"] / e["median_step_ms"], 3
+                        )
                     row["server_over_engine"] = round(
                         row["server"]["output_tok_s"] / row["engine"]["output_tok_s"], 3
                     )

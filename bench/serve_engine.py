@@ -16,9 +16,11 @@ import time
 from collections import deque
 
 import _repo  # noqa: F401  (tandem.service from this checkout)
+from common import copy_bandwidth
 
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.factory import build_engine, configure_threads, resolve_device
+from tandem.service.engine.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.models.loader import load_model
 from tandem.service.runtime.engine_process import warm_up
@@ -87,6 +89,17 @@ def run_level(core: EngineCore, jobs: list[dict], concurrency: int | None) -> di
     }
 
 
+def roofline_step_ms(
+    weight_bytes: int, kv_bytes_per_token: int, bandwidth: float, jobs: list[dict], concurrency: int | None
+) -> float | None:
+    """A decode step's memory floor at this level: every weight byte, plus the K/V of `concurrency`
+    sequences at the level's mean context (prompt + half the answer), at the copy bandwidth."""
+    if not concurrency:
+        return None
+    context = sum(len(j["prompt_ids"]) + j["max_tokens"] / 2 for j in jobs) / len(jobs)
+    return round(1e3 * (weight_bytes + concurrency * context * kv_bytes_per_token) / bandwidth, 3)
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     settings = ServerSettings()
@@ -98,6 +111,16 @@ def main() -> None:
     if spec.get("warmup"):
         run_level(core, spec["warmup"]["jobs"], spec["warmup"]["concurrency"])
     results = [run_level(core, level["jobs"], level.get("concurrency")) for level in spec["levels"]]
+    if device.type == "cuda":
+        model = loaded.model
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv = CacheShape.of(model.config).bytes_per_token(next(model.parameters()).dtype)
+        bandwidth = copy_bandwidth(device)
+        for result, level in zip(results, spec["levels"], strict=True):
+            result["roofline_step_ms"] = roofline_step_ms(
+                weights, kv, bandwidth, level["jobs"], level.get("concurrency")
+            )
+            result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
     with open(sys.argv[2], "w") as f:
         json.dump(results, f)
 
