@@ -421,9 +421,16 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
         )
         right.plot(
             x,
-            [r["engine"]["median_step_ms"] for r in first],
+            [r["engine"]["tpot_ms"]["p50"] for r in first],
             "s--",
             color="black",
+            label="engine alone: TPOT p50",
+        )
+        right.plot(
+            x,
+            [r["engine"]["median_step_ms"] for r in first],
+            "^:",
+            color="gray",
             label="engine alone: median step",
         )
     left.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
@@ -495,6 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--workdir", default=None, help="where models and logs go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/serve_<shape>.json)")
+    ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny model on CPU, a few requests: checks the logic"
     )
@@ -504,7 +512,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.concurrency, a.request_rate = a.concurrency or [1, 4], a.request_rate or [20.0]
         a.prompt, a.new, a.requests_per_stream, a.num_prompts = 16, 8, 1, 8
         a.clients, a.channels = 2, 1
-    if not (a.shape or a.model or a.server):
+    if not (a.shape or a.model or a.server or a.replot):
         ap.error("say what to serve: --shape, --model or --server")
     if not (a.concurrency or a.request_rate):
         a.concurrency = [1, 32, 256]
@@ -513,6 +521,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.replot:
+        done = json.loads(Path(a.replot).read_text())
+        where = done["environment"].get("gpu", done["environment"]["cpu"])
+        print(
+            plot(
+                done["levels"],
+                Path(a.replot).with_suffix(".png"),
+                f"tandem bench serve: {done['what']} on {where}",
+            )
+        )
+        return 0
     folder = Path(a.workdir or tempfile.mkdtemp(prefix="tandem-bench-serve-"))
     folder.mkdir(parents=True, exist_ok=True)
     device = a.device
