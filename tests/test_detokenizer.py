@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from tandem.service.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tandem.service.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def pod(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Po
     metrics_port = free_port()
     with running_server(
         tiny_model_dir("llama"), "--api-processes", str(FRONTS), "--max-waiting-requests", "2",
-        "--max-num-seqs", "2", "--metrics-port", str(metrics_port), log=log,
+        "--max-num-seqs", "2", "--stream-interval", "5", "--metrics-port", str(metrics_port), log=log,
     ) as (address, proc):  # fmt: skip
         yield Pod(address, proc, log, f"http://127.0.0.1:{metrics_port}/metrics")
 
@@ -160,19 +160,16 @@ def test_the_queue_bound_holds_across_fronts(pod: Pod):
 # -- coalescing ----------------------------------------------------------------------------------
 
 
-def test_a_stream_interval_coalesces_and_delivers_every_token_once_in_order(tiny_model_dir, tmp_path):
-    model = tiny_model_dir("llama")
+def test_a_stream_interval_coalesces_and_delivers_every_token_once_in_order(pod: Pod):
+    """The pod runs with --stream-interval 5: the stream carries what the unary call returns."""
     req = request(64, "Tell me a story about the sea")
-    with running_server(model, log=tmp_path / "plain.log") as (address, _):
-        with grpc.insecure_channel(address) as ch:
-            plain = list(pb_grpc.TandemStub(ch).GenerateStream(req, timeout=TIMEOUT))
-    with running_server(model, "--stream-interval", "5", log=tmp_path / "coalesced.log") as (address, _):
-        with grpc.insecure_channel(address) as ch:
-            coalesced = list(pb_grpc.TandemStub(ch).GenerateStream(req, timeout=TIMEOUT))
-    ids = [t for m in plain for t in m.token_ids]
-    assert len(ids) == 64
-    assert [t for m in coalesced for t in m.token_ids] == ids
-    assert "".join(m.text for m in coalesced) == "".join(m.text for m in plain)
+    with grpc.insecure_channel(pod.address) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        whole = stub.Generate(req, timeout=TIMEOUT)
+        coalesced = list(stub.GenerateStream(req, timeout=TIMEOUT))
+    assert len(whole.token_ids) == 64
+    assert [t for m in coalesced for t in m.token_ids] == list(whole.token_ids)
+    assert "".join(m.text for m in coalesced) == whole.text
     assert all(len(m.token_ids) >= 5 for m in coalesced[1:-1])  # the first token is never held back
     assert len(coalesced) <= 1 + math.ceil(63 / 5)
     assert coalesced[-1].usage.completion_tokens == 64

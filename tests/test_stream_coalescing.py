@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from tandem.service.engine.errors import ErrorKind, RequestError
 from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.sequence import FinishReason
-from tandem.service.server.engine_client import RequestStream, StreamInterval
+from tandem.service.server.request_stream import RequestStream, StreamInterval
 
 PROMPT = "The story begins"
 TEXT = " in a small town by the sea, where the fishermen told stories of the old lighthouse keeper."

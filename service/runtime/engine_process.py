@@ -91,7 +91,7 @@ class EngineService:
 
     def _receive(self, block: bool) -> None:
         if block and not self.inbox.poll(IDLE_REPORT_S * 1000):
-            self._report(idle=True)
+            self._report()
             return
         while True:
             try:
@@ -171,7 +171,7 @@ class EngineService:
         for front, out in by_front.items():
             self._send(self.fronts[front], out)
 
-    def _report(self, idle: bool = False) -> None:
+    def _report(self) -> None:
         core = self.core
         counted = (core.generated_tokens, core.prompt_tokens)
         now = time.monotonic()

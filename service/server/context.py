@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from ..engine.errors import ErrorKind, RequestError, invalid
 from ..engine.sampling_params import SamplingParams
 from ..engine.validation import Limits, validate_prompt
-from .engine_client import EngineClient, GenerationChunk
+from .engine_client import EngineClient
+from .request_stream import GenerationChunk
 
 
 @dataclass

@@ -29,9 +29,10 @@ from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
 from .background import in_daemon_thread
 from .context import ContextHolder, ModelContext
-from .engine_client import EngineClient, StreamInterval
+from .engine_client import EngineClient
 from .kserve import KServeServicer
 from .native import TandemServicer
+from .request_stream import StreamInterval
 
 log = logging.getLogger("tandem.front")
 
@@ -52,6 +53,7 @@ class FrontServer:
         self.health = health_aio.HealthServicer()
         self.draining = False
         self.serving = False
+        self.failed = False  # it could not get ready (e.g. the tokenizer would not load)
         self.server: grpc.aio.Server | None = None
         self.client: EngineClient | None = None
         self.telemetry = RequestTelemetry.for_front(settings, endpoints)
@@ -90,9 +92,26 @@ class FrontServer:
         await self.server.start()
         if self.index == 0:
             log.info("gRPC listening on %s:%d (NOT_SERVING until the model is warm)", s.host, port)
-        self._tasks = [asyncio.create_task(self.client.run()), asyncio.create_task(self._become_ready())]
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._become_ready())]
+
+    async def _receive(self) -> None:
+        assert self.client is not None
+        try:
+            await self.client.run()
+        except Exception:  # a message the front cannot read: it can no longer serve its streams
+            log.exception("the front's connection to the engine failed")
+            self.client.engine_gone("the front could not read the engine's messages")
 
     async def _become_ready(self) -> None:
+        try:
+            await self._load_context()
+        except Exception:
+            log.exception("the front could not get ready; stopping it")
+            self.failed = True
+            if self.server is not None:
+                await self.server.stop(grace=None)
+
+    async def _load_context(self) -> None:
         assert self.client is not None
         ready = await self.client.ready
         info = ready.model
@@ -158,10 +177,10 @@ async def serve_front(settings: ServerSettings, index: int, endpoints: sockets.E
     try:
         await stopped
     finally:
-        gone_first = front.client.gone.done()
+        failed = front.client.gone.done() or front.failed
         gone.cancel()
         await front.close()
-    return 1 if gone_first else 0
+    return 1 if failed else 0
 
 
 def front_main(settings: ServerSettings, index: int, endpoints: sockets.Endpoints, log_level: str) -> None:

@@ -15,8 +15,8 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
 from ..engine.validation import resolve_params
 from ..telemetry.requests import RequestTrace
-from .engine_client import GenerationChunk
 from .errors import abort, abort_if_too_large
+from .request_stream import GenerationChunk
 from .servicer import Servicer
 
 _FINISH = {

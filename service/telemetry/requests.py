@@ -28,7 +28,7 @@ from ..settings import ServerSettings
 from .otel import SCOPE, tracer_provider
 
 if TYPE_CHECKING:  # the front's chunk type: server/ imports telemetry, never the other way
-    from ..server.engine_client import GenerationChunk
+    from ..server.request_stream import GenerationChunk
 
 
 def _ns(seconds: float) -> int:
