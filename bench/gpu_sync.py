@@ -28,6 +28,7 @@ from pathlib import Path
 import _repo
 import torch
 from common import (
+    SHAPES,
     RunStats,
     blocks_for,
     copy_bandwidth,
@@ -46,14 +47,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.kv_cache import CacheShape
 
-SHAPES = {  # as hf_cb_anchor.py
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
-}
 # the server's CUDA defaults over the benchmark's spec: compiled decode and prefill forwards, fused
 # projections, cuBLASLt preferred for the GEMMs, the rotary embedding in the decode kernel
 SERVER_CUDA = {

@@ -35,33 +35,14 @@ import urllib.request
 from pathlib import Path
 
 import _repo
+from common import SHAPES
 from serve_stats import summarize
 from serve_workload import Job, describe, jobs, poisson_arrivals
 
-VOCAB = {"tiny": 512, "1b": 49152, "8b": 49152}  # 49,152: the tokenizer's (SmolLM2's), as users' models
-SHAPES = {
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-}
+from tandem.health import wait_serving
+
+# the benchmark shapes with the 49,152-token vocabulary of the tokenizer they are served with (SmolLM2's)
+VOCAB = {"tiny": 512, "1b": 49152, "8b": 49152}
 
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -84,8 +65,7 @@ def make_model(shape: str, tokenizer_dir: Path, folder: Path, device: str) -> Pa
         return target
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
-        **SHAPES[shape],
-        vocab_size=VOCAB[shape],
+        **{**SHAPES[shape], "vocab_size": VOCAB[shape]},
         max_position_embeddings=4096,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -113,26 +93,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_serving(address: str, proc: subprocess.Popen | None, timeout: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
 
 
 class GaugeSampler:
@@ -290,7 +250,7 @@ def serve_levels(
         proc, address, metrics_url = start_server(env, log)
     rows = []
     try:
-        wait_serving(address, proc, timeout=1800)
+        wait_serving(address, 1800, lambda: proc is None or proc.poll() is None)
         print(f"server at {address} SERVING ({env.get('TANDEM_API_PROCESSES', '1')} front(s))", flush=True)
         if warmup is not None:
             run_clients(address, warmup, a.clients, a.channels)

@@ -5,6 +5,9 @@ It needs only grpcio and the health stubs, never the engine: the slim operator i
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -26,6 +29,26 @@ def check(target: str, service: str = "", timeout: float = 10.0) -> str:
         except grpc.RpcError as err:
             return err.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_serving(target: str, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Ask until the server at `target` says SERVING (a server that starts answers NOT_SERVING first).
+
+    TimeoutError after `timeout` seconds; RuntimeError as soon as `alive()` is False (its process ended).
+    """
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not alive():
+                raise RuntimeError(f"the server at {target} stopped before it was SERVING")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"the server at {target} was not SERVING after {timeout:.0f} s")
 
 
 def run(target: str, service: str, timeout: float) -> int:

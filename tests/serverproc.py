@@ -7,37 +7,16 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.health import wait_serving
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"server at {address} not SERVING after {timeout} s")
 
 
 @contextlib.contextmanager
@@ -74,7 +53,7 @@ def running_server(
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
     address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address, proc)
+        wait_serving(address, 180.0, lambda: proc.poll() is None)
         yield address, proc
     finally:
         proc.terminate()

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from ..engine.errors import ErrorKind, RequestError, invalid
 from ..engine.sampling_params import SamplingParams
 from ..engine.validation import Limits, validate_prompt
+from ..ipc.messages import ModelInfo
 from .engine_client import EngineClient
 from .request_stream import GenerationChunk
 
@@ -23,13 +24,13 @@ class ModelContext:
     engine: EngineClient
     tokenizer: PreTrainedTokenizerBase
     limits: Limits
-    name: str
-    source: str
-    architecture: str
-    dtype: str
-    device: str
-    eos_token_ids: list[int]
+    model: ModelInfo  # as the engine reported it
     is_ready: Callable[[], bool] = lambda: True  # health: engine warm, tokenizer loaded, not draining
+
+    @property
+    def name(self) -> str:
+        """The served model's name."""
+        return self.model.name
 
     @property
     def has_chat_template(self) -> bool:

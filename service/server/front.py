@@ -119,18 +119,7 @@ class FrontServer:
             AutoTokenizer.from_pretrained, info.tokenizer_path, name="tokenizer"
         )
         self.telemetry.model = info.name
-        self.holder.ctx = ModelContext(
-            engine=self.client,
-            tokenizer=tokenizer,
-            limits=ready.limits,
-            name=info.name,
-            source=info.source,
-            architecture=info.architecture,
-            dtype=info.dtype,
-            device=info.device,
-            eos_token_ids=info.eos_token_ids,
-            is_ready=self._ready,
-        )
+        self.holder.ctx = ModelContext(self.client, tokenizer, ready.limits, info, self._ready)
         if self.draining or self.client.gone.done():
             return
         self.serving = True

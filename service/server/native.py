@@ -157,13 +157,13 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             await abort(context, err)
         return pb.ModelInfo(
             model=self.ctx.name,
-            source=self.ctx.source,
-            architecture=self.ctx.architecture,
+            source=self.ctx.model.source,
+            architecture=self.ctx.model.architecture,
             vocab_size=limits.vocab_size,
             max_context_length=limits.max_model_len,
-            dtype=self.ctx.dtype,
-            device=self.ctx.device,
-            eos_token_ids=sorted(self.ctx.eos_token_ids),
+            dtype=self.ctx.model.dtype,
+            device=self.ctx.model.device,
+            eos_token_ids=sorted(self.ctx.model.eos_token_ids),
             has_chat_template=self.ctx.has_chat_template,
         )
 
