@@ -117,8 +117,8 @@ class ServerSettings(BaseSettings):
     stream_interval_ms: float = Field(
         0.0,
         ge=0,
-        description="... and once this many milliseconds have passed since the stream's last message; "
-        "the first token and the last are never held back.",
+        description="A stream sends once this many milliseconds have passed since its last message (with "
+        "stream_interval: once both hold); the first token and the last are never held back.",
     )
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM: how long running streams may finish before the server stops."
