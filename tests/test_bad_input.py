@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -49,6 +50,7 @@ class Server:
     kserve: tc.InferenceServerClient
     kserve_raw: kpb_grpc.GRPCInferenceServiceStub
     vocab_size: int
+    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,8 @@ def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             kserve = tc.InferenceServerClient(url=address)
             vocab = native.GetModelInfo(pb.ModelInfoRequest(), timeout=TIMEOUT).vocab_size
             try:
-                yield Server(address, proc, native, kserve, kpb_grpc.GRPCInferenceServiceStub(channel), vocab)
+                raw = kpb_grpc.GRPCInferenceServiceStub(channel)
+                yield Server(address, proc, native, kserve, raw, vocab, log)
             finally:
                 kserve.close()
 
@@ -317,7 +320,39 @@ KSERVE_CASES: list[KServeCase] = [
      ("prompt", "context length")),
     ("unknown-input", lambda: [*kinputs(), tensor("temperature", "BYTES", b"0.5")], INVALID,
      ("unknown inputs", "temperature")),
+    # each input in its own datatype, once
+    ("max-tokens-as-bytes", lambda: [*kinputs(max_tokens=None), tensor("max_tokens", "BYTES", b"5")],
+     INVALID, ("max_tokens", "BYTES")),
+    ("max-tokens-as-bool", lambda: [*kinputs(max_tokens=None), tensor("max_tokens", "BOOL", True)], INVALID,
+     ("max_tokens", "BOOL")),
+    ("sampling-parameters-as-int32", lambda: [*kinputs(), tensor("sampling_parameters", "INT32", 5)],
+     INVALID, ("sampling_parameters", "INT32")),
+    ("sampling-parameters-as-bool", lambda: [*kinputs(), tensor("sampling_parameters", "BOOL", True)],
+     INVALID, ("sampling_parameters", "BOOL")),
+    ("text-input-as-int32", lambda: [tensor("text_input", "INT32", 5)], INVALID, ("text_input", "INT32")),
+    ("text-input-twice", lambda: [*kinputs(), tensor("text_input", "BYTES", b"again")], INVALID,
+     ("text_input", "twice")),
+    # numbers of any size, JSON of any depth
+    *[(f"400-digit-{key}", lambda key=key: kinputs(max_tokens=None, sampling=f'{{"{key}": {"9" * 400}}}'),
+       INVALID, (key,)) for key in ("temperature", "top_p", "top_k", "seed", "max_tokens")],
+    ("json-deep-array", lambda: kinputs(sampling="[" * 15000), INVALID, ("sampling_parameters",)),
+    ("json-deep-object", lambda: kinputs(sampling='{"a": ' * 2000 + "1" + "}" * 2000), INVALID,
+     ("sampling_parameters",)),
 ]
+
+
+def test_kserve_stream_survives_a_message_that_is_not_protobuf(server: Server) -> None:
+    """The stream ends with INVALID_ARGUMENT at once (it used to wait for the client's deadline)."""
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda raw: raw,
+            response_deserializer=lambda raw: raw,
+        )
+        with pytest.raises(grpc.RpcError) as exc:
+            list(call(iter([b"\xff\xff\xff\xff"]), timeout=TIMEOUT))
+    check_error(exc.value, INVALID, ("malformed",))
+    expect_kserve_good(server)
 
 
 def expect_kserve_good(server: Server) -> None:
@@ -415,6 +450,54 @@ def test_kserve_stream_bad_requests_keep_the_stream(server: Server) -> None:
         assert result.as_numpy("text_output")[0].decode().startswith(PROMPT)
     finally:
         server.kserve.stop_stream()
+
+
+# -- not protobuf at all -------------------------------------------------------------------------
+
+UNARY_METHODS = [
+    "/tandem.v1.Tandem/Generate", "/tandem.v1.Tandem/Tokenize", "/tandem.v1.Tandem/GetModelInfo",
+    "/tandem.v1.Tandem/GetLoad", "/inference.GRPCInferenceService/ModelInfer",
+    "/inference.GRPCInferenceService/ModelMetadata", "/inference.GRPCInferenceService/ServerLive",
+    "/grpc.health.v1.Health/Check",
+]  # fmt: skip
+GARBAGE = [b"\xff\xff\xff\xff", b"\x0a\x05ab"]  # not a tag; a field past the end: no type parses them
+
+
+@pytest.mark.parametrize("method", UNARY_METHODS)
+def test_a_message_that_is_not_protobuf_is_invalid_argument(server: Server, method: str) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(method, request_serializer=lambda r: r, response_deserializer=lambda r: r)
+        for body in GARBAGE:
+            with pytest.raises(grpc.RpcError) as exc:
+                call(body, timeout=TIMEOUT)
+            check_error(exc.value, INVALID, ("malformed request",))
+    stream = grpc.insecure_channel(server.address).unary_stream(
+        "/tandem.v1.Tandem/GenerateStream", request_serializer=lambda r: r, response_deserializer=lambda r: r
+    )
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stream(GARBAGE[0], timeout=TIMEOUT))
+    check_error(exc.value, INVALID, ("malformed request",))
+    expect_native_good(server)
+
+
+def test_a_prompt_too_long_for_any_tokens_is_refused_before_tokenizing(server: Server) -> None:
+    """MAX_MODEL_LEN tokens of at most the vocabulary's longest token: more characters cannot fit."""
+    text = "x" * (MAX_MESSAGE_BYTES // 2)
+    with pytest.raises(grpc.RpcError) as exc:
+        server.native.Generate(gen(text, max_tokens=None), timeout=TIMEOUT)
+    check_error(exc.value, INVALID, ("characters", "context length", str(MAX_MODEL_LEN)))
+    chat = with_chat([pb.ChatMessage(role="user", content=text)])
+    with pytest.raises(grpc.RpcError) as exc:
+        server.native.Generate(chat, timeout=TIMEOUT)
+    check_error(exc.value, INVALID, ("chat", "characters"))
+    expect_native_good(server)
+
+
+def test_the_log_has_no_traceback(server: Server) -> None:
+    """Every bad request above got its status and no traceback (a malformed one: one warning a minute)."""
+    text = server.log.read_text()
+    assert "Traceback" not in text, text[text.index("Traceback") - 500 :][:3000]
+    assert text.count("malformed request on") <= 2
 
 
 # -- still alive --------------------------------------------------------------------------------

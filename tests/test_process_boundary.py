@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -155,6 +156,20 @@ def test_the_queue_bound_holds_across_fronts(pod: Pod):
     assert len(pb_grpc.TandemStub(channels[-1]).Generate(request(3), timeout=TIMEOUT).token_ids) == 3
     for ch in channels:
         ch.close()
+
+
+def test_a_second_server_on_the_port_refuses_to_start(pod: Pod, tmp_path):
+    """The pod's own fronts share its port; another `tandem serve` may not join them."""
+    log = tmp_path / "second.log"
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(pod.port),
+           "--metrics-port", "0", "--device", "cpu"]  # fmt: skip
+    with log.open("w") as out:
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=60, cwd="/",
+                              env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode  # fmt: skip
+    assert code == 1
+    assert f"port {pod.port} on 127.0.0.1 is in use" in log.read_text()
+    with grpc.insecure_channel(pod.address) as ch:  # and the pod goes on serving alone
+        assert len(pb_grpc.TandemStub(ch).Generate(request(3), timeout=TIMEOUT).token_ids) == 3
 
 
 # -- coalescing ----------------------------------------------------------------------------------

@@ -44,6 +44,23 @@ def _reserve_port(host: str) -> tuple[socket.socket, int]:
     return holder, holder.getsockname()[1]
 
 
+class PortInUse(RuntimeError):
+    pass
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Another server already listening on the port would share it with our fronts (grpc sets
+    SO_REUSEPORT): fail instead. A socket without SO_REUSEPORT cannot bind a port that is listened on."""
+    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of an earlier run is fine
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            why = f"port {port} on {host} is in use ({exc.strerror}): is another server running there?"
+            raise PortInUse(why) from exc
+
+
 def _stop(proc: BaseProcess, timeout: float) -> None:
     proc.join(timeout)
     if proc.is_alive():
@@ -93,9 +110,15 @@ class Supervisor:
         if s.port == 0:
             self._port_holder, port = _reserve_port(s.host)
             s = self.settings = s.model_copy(update={"port": port})
+        else:
+            _check_port_free(s.host, s.port)
         self._receiver.start()
         if s.metrics_port:
-            self.metrics_server = MetricsServer(s.host, s.metrics_port, self._engine_alive)
+            try:
+                self.metrics_server = MetricsServer(s.host, s.metrics_port, self._engine_alive)
+            except OSError as exc:
+                why = f"the metrics port {s.metrics_port} on {s.host} is in use ({exc.strerror})"
+                raise PortInUse(why) from exc
             self.metrics_server.start()
             log.info("metrics on http://%s:%d/metrics", s.host, self.metrics_server.port)
         spawn = multiprocessing.get_context("spawn")  # CUDA and grpc both forbid fork after start-up
@@ -194,5 +217,8 @@ def serve(settings: ServerSettings, log_level: str = "INFO") -> int:
     try:
         supervisor.start()
         return supervisor.run()
+    except PortInUse as exc:
+        log.error("%s", exc)
+        return 1
     finally:
         supervisor.close()

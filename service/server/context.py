@@ -6,6 +6,7 @@ checks, the engine's own request id; the servicers only map their API's fields o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,14 @@ from ..ipc.messages import ModelInfo
 from .engine_client import EngineClient
 from .request_stream import GenerationChunk
 
+INLINE_CHARS = 8192  # shorter text is tokenized on the event loop: a thread costs more than it saves
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token of the vocabulary decodes to: a text of N characters has at
+    least N / this many tokens."""
+    return max(len(tokenizer.decode([i])) for i in range(len(tokenizer)))
+
 
 @dataclass
 class ModelContext:
@@ -26,6 +35,7 @@ class ModelContext:
     limits: Limits
     model: ModelInfo  # as the engine reported it
     is_ready: Callable[[], bool] = lambda: True  # health: engine warm, tokenizer loaded, not draining
+    max_token_chars: int = 1024  # the longest text one token decodes to (longest_token_chars)
 
     @property
     def name(self) -> str:
@@ -48,18 +58,41 @@ class ModelContext:
         if not self.is_ready():
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is not ready (warming up or draining)")
 
-    def encode_text(self, text: str) -> list[int]:
+    def _check_fits(self, chars: int, what: str) -> None:
+        """Refuse, before tokenizing it, text too long to fit the context whatever its tokens."""
+        most = self.limits.max_model_len * self.max_token_chars
+        if chars > most:
+            raise invalid(
+                f"{what} has {chars} characters: it cannot fit the context length of "
+                f"{self.limits.max_model_len} tokens (at most {most} characters)"
+            )
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Long text is tokenized in a worker thread: the event loop (health, other streams) goes on."""
+        if len(text) <= INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def encode_text(self, text: str) -> list[int]:
         if not text:
             raise invalid("prompt is empty")
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        self._check_fits(len(text), "the prompt")
+        return await self.tokenize(text)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"model {self.name!r} has no chat template")
         if not messages:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, "chat has no messages")
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_fits(chars, "the chat")
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            render = self.tokenizer.apply_chat_template
+            kwargs = {"add_generation_prompt": True, "tokenize": True}
+            if chars <= INLINE_CHARS:
+                out = render(messages, **kwargs)
+            else:
+                out = await asyncio.to_thread(render, messages, **kwargs)
         except Exception as exc:  # template errors (e.g. roles out of order) are the caller's
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

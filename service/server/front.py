@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tandem.kserve import grpc_service_pb2, grpc_service_pb2_grpc
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -28,9 +28,10 @@ from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
 from .background import in_daemon_thread
-from .context import ContextHolder, ModelContext
+from .context import ContextHolder, ModelContext, longest_token_chars
 from .engine_client import EngineClient
 from .kserve import KServeServicer
+from .malformed import MalformedRequests
 from .native import TandemServicer
 from .request_stream import StreamInterval
 
@@ -42,6 +43,11 @@ SERVICE_NAMES = (
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
     reflection.SERVICE_NAME,
 )
+
+
+def _load_tokenizer(path: str) -> tuple[PreTrainedTokenizerBase, int]:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer, longest_token_chars(tokenizer)
 
 
 class FrontServer:
@@ -76,7 +82,8 @@ class FrontServer:
         )
         limit = s.max_message_bytes
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+            interceptors=[MalformedRequests()],
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(
             TandemServicer(self.holder, self.telemetry, limit), self.server
@@ -115,11 +122,9 @@ class FrontServer:
         assert self.client is not None
         ready = await self.client.ready
         info = ready.model
-        tokenizer = await in_daemon_thread(
-            AutoTokenizer.from_pretrained, info.tokenizer_path, name="tokenizer"
-        )
+        tokenizer, longest = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
         self.telemetry.model = info.name
-        self.holder.ctx = ModelContext(self.client, tokenizer, ready.limits, info, self._ready)
+        self.holder.ctx = ModelContext(self.client, tokenizer, ready.limits, info, self._ready, longest)
         if self.draining or self.client.gone.done():
             return
         self.serving = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ INPUTS = (  # name, KServe datatype, model-config type, optional
     ("sampling_parameters", "BYTES", mc.TYPE_STRING, True),
     ("exclude_input_in_output", "BOOL", mc.TYPE_BOOL, True),
 )
+# what each input may be sent as: its own datatype, and for max_tokens any integer
+ACCEPTED = {name: {dt} for name, dt, _, _ in INPUTS} | {"max_tokens": {"INT32", "INT64", "UINT32", "UINT64"}}
 OUTPUT = "text_output"
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "seed", "stop", "max_tokens"}
 
@@ -59,17 +62,39 @@ def _scalar(values: dict[str, list], name: str, default: object) -> object:
 
 
 def _number(d: dict, key: str, kind: type) -> object:
+    """A JSON number as `kind`; its range is resolve_params's to check (any size of integer comes in)."""
     if key not in d or d[key] is None:
         return None
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise invalid(f"sampling_parameters.{key} must be {'an integer' if kind is int else 'a number'}")
-    if kind is float and not math.isfinite(v):
-        raise invalid(f"sampling_parameters.{key} must be finite")
-    return kind(v)
+    what = f"sampling_parameters.{key}"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(f"{what} must be {'an integer' if kind is int else 'a number'}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise invalid(f"{what} must be finite")
+    if kind is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise invalid(f"{what} must be an integer")
+        return int(v)
+    try:
+        return float(v)
+    except OverflowError as exc:  # an integer of hundreds of digits
+        raise invalid(f"{what} must be finite") from exc
+
+
+def _check_tensors(request: pb.ModelInferRequest) -> None:
+    """Each input at most once, and each known one in a datatype it can be read as."""
+    seen = set()
+    for t in request.inputs:
+        if t.name in seen:
+            raise invalid(f"input {t.name!r} is given twice")
+        seen.add(t.name)
+        accepted = ACCEPTED.get(t.name)
+        if accepted is not None and t.datatype not in accepted:
+            raise invalid(f"input {t.name!r} must be {' or '.join(sorted(accepted))}, got {t.datatype!r}")
 
 
 SERVICE = "inference.GRPCInferenceService"
+log = logging.getLogger(__name__)
 
 
 class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
@@ -151,8 +176,9 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------------
-    def _parse(self, ctx: ModelContext, request: pb.ModelInferRequest) -> tuple[LlmRequest, list[int]]:
+    async def _parse(self, ctx: ModelContext, request: pb.ModelInferRequest) -> tuple[LlmRequest, list[int]]:
         ctx.check_ready()
+        _check_tensors(request)
         values = read_inputs(request)
         unknown = set(values) - {n for n, *_ in INPUTS}
         if unknown:
@@ -169,6 +195,8 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
             sp = json.loads(sp_raw or b"{}")
         except (ValueError, UnicodeDecodeError) as exc:
             raise invalid(f"sampling_parameters is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise invalid("sampling_parameters is nested too deeply") from exc
         if not isinstance(sp, dict):
             raise invalid("sampling_parameters must be a JSON object")
         unknown = set(sp) - _SAMPLING_KEYS
@@ -184,7 +212,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         max_tokens = _scalar(values, "max_tokens", None)
         if max_tokens is None:
             max_tokens = _number(sp, "max_tokens", int)
-        prompt_ids = ctx.encode_text(prompt)
+        prompt_ids = await ctx.encode_text(prompt)
         params = resolve_params(
             ctx.limits,
             len(prompt_ids),
@@ -223,7 +251,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
-        req, prompt_ids = self._parse(ctx, request)
+        req, prompt_ids = await self._parse(ctx, request)
         trace.admitted(request.id, len(prompt_ids), req.params, req.stream)
         # request.id only correlates responses on the client's stream (echoed in _response); it is not
         # unique across clients, so the engine gets its own id
@@ -247,7 +275,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         try:
             with self._trace(context, "ModelInfer") as trace:
                 ctx = self._model(request.model_name)
-                req, prompt_ids = self._parse(ctx, request)
+                req, prompt_ids = await self._parse(ctx, request)
                 trace.admitted(request.id, len(prompt_ids), req.params, stream=False)
                 done = await ctx.generate_all(prompt_ids, req.params)
                 trace.chunk(done)
@@ -274,12 +302,17 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
                         await out.put(pb.ModelStreamInferResponse(infer_response=response))
             except RequestError as err:
                 await out.put(pb.ModelStreamInferResponse(error_message=err.message))
+            except Exception as exc:  # a fault of ours: this request fails, the stream goes on
+                log.exception("a request on a ModelStreamInfer stream failed")
+                await out.put(pb.ModelStreamInferResponse(error_message=f"internal error: {exc}"))
 
         async def reader() -> None:
-            async for request in request_iterator:
-                tasks.append(asyncio.create_task(one(request)))
-            await asyncio.gather(*tasks)
-            await out.put(None)
+            try:
+                async for request in request_iterator:
+                    tasks.append(asyncio.create_task(one(request)))
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:  # the stream's end, however it came: the response side must never wait forever
+                await out.put(None)
 
         feeder = asyncio.create_task(reader())
         try:

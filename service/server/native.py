@@ -32,12 +32,12 @@ def _messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
 
 
 class TandemServicer(Servicer, pb_grpc.TandemServicer):
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")
         if which == "text":
-            return self.ctx.encode_text(request.text)
+            return await self.ctx.encode_text(request.text)
         if which == "chat":
-            return self.ctx.encode_chat(_messages(request.chat))
+            return await self.ctx.encode_chat(_messages(request.chat))
         if which == "token_ids":
             return list(request.token_ids.ids)
         raise invalid("no input: set one of text, chat or token_ids")
@@ -59,11 +59,11 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             top_logprobs=lp.top_logprobs,
         )
 
-    def _admit(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _admit(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Checks, prompt tokens and sampling parameters of a request (RequestError if bad)."""
         self.ctx.check_ready()
         self.ctx.check_model(request.model)
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         return prompt, self._params(request, len(prompt))
 
     def _trace(
@@ -108,7 +108,7 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
         request_id = request.request_id or uuid.uuid4().hex  # the proto: "echoed; generated when empty"
         try:
             with self._trace(request, context, "Generate") as trace:
-                prompt, params = self._admit(request)
+                prompt, params = await self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=False)
                 merged = await self.ctx.generate_all(prompt, params, request.request_id or None)
                 trace.chunk(merged)
@@ -124,7 +124,7 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             with self._trace(request, context, "GenerateStream") as trace:
-                prompt, params = self._admit(request)
+                prompt, params = await self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=True)
                 async for chunk in self.ctx.generate(prompt, params, request.request_id or None):
                     trace.chunk(chunk)
@@ -139,9 +139,9 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             self.ctx.check_model(request.model)
             which = request.WhichOneof("input")
             if which == "chat":
-                ids = self.ctx.encode_chat(_messages(request.chat))
+                ids = await self.ctx.encode_chat(_messages(request.chat))
             elif which == "text":
-                ids = self.ctx.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+                ids = await self.ctx.tokenize(request.text, request.add_special_tokens)
             else:
                 raise invalid("no input: set text or chat")
         except RequestError as err:
