@@ -3,6 +3,8 @@ the queue bound kept across them, coalesced streams, and what happens when a pro
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import math
 import os
 import re
@@ -170,6 +172,41 @@ def test_a_second_server_on_the_port_refuses_to_start(pod: Pod, tmp_path):
     assert f"port {pod.port} on 127.0.0.1 is in use" in log.read_text()
     with grpc.insecure_channel(pod.address) as ch:  # and the pod goes on serving alone
         assert len(pb_grpc.TandemStub(ch).Generate(request(3), timeout=TIMEOUT).token_ids) == 3
+
+
+def test_a_burst_is_refused_with_resource_exhausted_never_cancelled(pod: Pod):
+    """2,000 calls at once (grpc core alone would drop about a tenth as CANCELLED): every call ends
+    OK or RESOURCE_EXHAUSTED, and no more than the bound ever waits."""
+    async def burst() -> tuple[collections.Counter, int]:
+        calls, watch = grpc.aio.insecure_channel(pod.address), grpc.aio.insecure_channel(pod.address)
+        async with calls, watch:
+            stub, load_stub = pb_grpc.TandemStub(calls), pb_grpc.TandemStub(watch)
+            most_waiting, done = 0, False
+
+            async def one() -> str:
+                try:
+                    await stub.Generate(request(2), timeout=120)
+                    return "OK"
+                except grpc.aio.AioRpcError as err:
+                    return err.code().name
+
+            async def sample() -> None:
+                nonlocal most_waiting
+                while not done:
+                    load = await load_stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
+                    most_waiting = max(most_waiting, load.requests_waiting)
+                    await asyncio.sleep(0.01)
+
+            sampler = asyncio.ensure_future(sample())
+            statuses = collections.Counter(await asyncio.gather(*[one() for _ in range(2000)]))
+            done = True
+            await sampler
+            return statuses, most_waiting
+
+    statuses, most_waiting = asyncio.run(burst())
+    assert set(statuses) <= {"OK", "RESOURCE_EXHAUSTED"}, statuses
+    assert statuses["OK"] >= 4 and statuses["RESOURCE_EXHAUSTED"] > 0, statuses
+    assert most_waiting <= 2
 
 
 # -- coalescing ----------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
     front      ──Submit / Abort / LoadQuery──▶  engine      (one PULL socket, every front PUSHes to it)
     engine     ──EngineReady / StepOutputs / LoadReply──▶  front k   (its own PULL socket)
-    supervisor ──EngineGone──▶ front k,  ──Shutdown──▶ engine
-    engine     ──EngineReady / StepReport──▶  supervisor,   front ──RequestRecord──▶  supervisor
+    supervisor ──PodReady / EngineGone──▶ front k,  ──Shutdown──▶ engine
+    engine     ──EngineReady / StepReport──▶  supervisor,   front ──FrontReady / RequestRecord──▶  supervisor
 
 The engine's own records (SamplingParams, EngineStats, StepTiming, Limits) travel as they are: msgspec
 encodes and decodes dataclasses, so the engine needs no wire types of its own. A step's outputs, the
@@ -83,6 +83,16 @@ class EngineGone(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
+class FrontReady(msgspec.Struct, tag=True, array_like=True):
+    """A front has the model's tokenizer and could serve."""
+
+    front: int
+
+
+class PodReady(msgspec.Struct, tag=True, array_like=True):
+    """Every front is ready: health may turn SERVING (a probe reaches any one of them)."""
+
+
 class StepReport(msgspec.Struct, tag=True, array_like=True):
     """The engine's telemetry since its last report: finished steps, tokens, the load right now."""
 
@@ -104,8 +114,8 @@ class RequestRecord(msgspec.Struct, tag=True, array_like=True):
 
 
 ToEngine = Union[Submit, Abort, LoadQuery, Shutdown]  # noqa: UP007 - msgspec takes the typing form
-ToFront = Union[EngineReady, StepOutputs, LoadReply, EngineGone]  # noqa: UP007
-ToSupervisor = Union[EngineReady, StepReport, RequestRecord]  # noqa: UP007
+ToFront = Union[EngineReady, StepOutputs, LoadReply, EngineGone, PodReady]  # noqa: UP007
+ToSupervisor = Union[EngineReady, StepReport, RequestRecord, FrontReady]  # noqa: UP007
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode

@@ -73,6 +73,7 @@ class EngineService:
         self.decoder = m.decoder(m.ToEngine)
         self.front_of: dict[str, int] = {}  # request id -> the front that sent it
         self.started: set[str] = set()  # requests whose first token has gone out
+        self.load_queries: list[m.LoadQuery] = []
         self._reported = (core.generated_tokens, core.prompt_tokens)
         self._last_report = 0.0
         self._stopping = False
@@ -83,10 +84,10 @@ class EngineService:
             if self._stopping:
                 break
             updates = self.core.run_once()
+            self._bound_queue()
+            self._report()  # before the tokens go out: a client that has them finds them counted
             if updates:
                 self._send_outputs(updates)
-            self._bound_queue()
-            self._report()
         log.info("engine stopped")
 
     def _receive(self, block: bool) -> None:
@@ -111,7 +112,7 @@ class EngineService:
                     self.started.discard(request_id)
                     core.abort(request_id)
         elif isinstance(msg, m.LoadQuery):
-            self._send(self.fronts[msg.front], m.LoadReply(msg.query, core.stats()))
+            self.load_queries.append(msg)  # answered after the step and the queue bound
         elif isinstance(msg, m.Shutdown):
             self._stopping = True
 
@@ -173,6 +174,11 @@ class EngineService:
 
     def _report(self) -> None:
         core = self.core
+        if self.load_queries:
+            stats = core.stats()
+            for query in self.load_queries:
+                self._send(self.fronts[query.front], m.LoadReply(query.query, stats))
+            self.load_queries.clear()
         counted = (core.generated_tokens, core.prompt_tokens)
         now = time.monotonic()
         if not self.timings and counted == self._reported and now - self._last_report < IDLE_REPORT_S:

@@ -80,6 +80,7 @@ class Supervisor:
         self.inbox = sockets.pull(self.zmq, self.endpoints.supervisor)
         self.stop_requested = threading.Event()
         self._closing = threading.Event()
+        self._ready_fronts: set[int] = set()
         self._receiver = threading.Thread(target=self._receive, name="tandem-telemetry", daemon=True)
         self.engine: BaseProcess | None = None
         self.fronts: list[BaseProcess] = []
@@ -95,11 +96,25 @@ class Supervisor:
                     continue
                 frame = self.inbox.recv(copy=False)
                 try:
-                    self.telemetry.record(decoder.decode(frame))
+                    msg = decoder.decode(frame)
+                    if isinstance(msg, m.FrontReady):
+                        self._front_ready(msg.front)
+                    else:
+                        self.telemetry.record(msg)
                 except Exception:  # telemetry must never take the pod down, nor stop with one bad message
                     log.exception("a report could not be recorded")
         finally:
             self.inbox.close()
+
+    def _front_ready(self, front: int) -> None:
+        """Once every front could serve, all may say so (on the receiving thread)."""
+        self._ready_fronts.add(front)
+        if len(self._ready_fronts) == len(self.fronts):
+            for i in range(len(self.fronts)):
+                to_front = sockets.push(self.zmq, self.endpoints.front(i))
+                to_front.send(m.encode(m.PodReady()))
+                to_front.close()
+            log.info("every front is ready")
 
     def _engine_alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive()

@@ -44,6 +44,7 @@ class EngineClient:
         self._queries = itertools.count()
         self.ready: asyncio.Future[m.EngineReady] = asyncio.get_running_loop().create_future()
         self.gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.pod_ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # every front
 
     @property
     def num_active(self) -> int:
@@ -74,6 +75,9 @@ class EngineClient:
         elif isinstance(msg, m.EngineReady):
             if not self.ready.done():
                 self.ready.set_result(msg)
+        elif isinstance(msg, m.PodReady):
+            if not self.pod_ready.done():
+                self.pod_ready.set_result(None)
         elif isinstance(msg, m.EngineGone):
             self.engine_gone(msg.reason)
 

@@ -15,6 +15,7 @@ import signal
 import time
 
 import grpc
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -23,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tandem.kserve import grpc_service_pb2, grpc_service_pb2_grpc
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
+from ..ipc import messages as m
 from ..ipc import sockets
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
@@ -62,8 +64,13 @@ class FrontServer:
         self.failed = False  # it could not get ready (e.g. the tokenizer would not load)
         self.server: grpc.aio.Server | None = None
         self.client: EngineClient | None = None
-        self.telemetry = RequestTelemetry.for_front(settings, endpoints)
+        self._zmq = zmq.Context()
+        self._to_supervisor = sockets.push(self._zmq, endpoints.supervisor)
+        self.telemetry = RequestTelemetry.for_front(settings, self._tell_supervisor)
         self._tasks: list[asyncio.Task] = []
+
+    def _tell_supervisor(self, msg: object) -> None:
+        self._to_supervisor.send(m.encode(msg))
 
     def _ready(self) -> bool:
         return self.serving and not self.draining
@@ -81,9 +88,18 @@ class FrontServer:
             self.endpoints, self.index, StreamInterval(s.stream_interval, s.stream_interval_ms / 1000)
         )
         limit = s.max_message_bytes
+        # grpc core drops calls the server has not picked up yet past a pending limit (1,000, and
+        # at random towards 3,000) as CANCELLED, which clients seldom retry: keep it far above the
+        # engine's own bound, whose refusal (RESOURCE_EXHAUSTED) says what happened
+        pending = max(3000, 4 * (s.max_waiting_requests + s.max_num_seqs))
         self.server = grpc.aio.server(
             interceptors=[MalformedRequests()],
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.server.max_pending_requests", pending),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
+            ],
         )
         tandem_pb2_grpc.add_TandemServicer_to_server(
             TandemServicer(self.holder, self.telemetry, limit), self.server
@@ -125,6 +141,8 @@ class FrontServer:
         tokenizer, longest = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
         self.telemetry.model = info.name
         self.holder.ctx = ModelContext(self.client, tokenizer, ready.limits, info, self._ready, longest)
+        self._tell_supervisor(m.FrontReady(self.index))
+        await self.client.pod_ready  # SERVING on one front only once every front would answer as well
         if self.draining or self.client.gone.done():
             return
         self.serving = True
@@ -158,6 +176,8 @@ class FrontServer:
         if self.client is not None:
             self.client.close()
         self.telemetry.shutdown()  # flushes spans still buffered
+        self._to_supervisor.close()  # after what it holds has gone out (its linger)
+        self._zmq.term()
 
 
 async def serve_front(settings: ServerSettings, index: int, endpoints: sockets.Endpoints) -> int:

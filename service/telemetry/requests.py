@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import zmq
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -23,7 +22,6 @@ from ..engine.errors import RequestError
 from ..engine.sampling_params import SamplingParams
 from ..engine.timing import RequestTimes
 from ..ipc import messages as m
-from ..ipc import sockets
 from ..settings import ServerSettings
 from .otel import SCOPE, tracer_provider
 
@@ -41,27 +39,18 @@ class RequestTelemetry:
         tracer: trace.Tracer,
         record: Callable[[m.RequestRecord], None],
         close: Callable[[], None] = lambda: None,
-    ) -> None:
+    ) -> None:  # close: flushes the spans still buffered
         self.tracer = tracer
         self.record = record  # where a finished request's record goes
         self._close = close
         self.model = ""  # the served model's name, known once it has loaded
 
     @classmethod
-    def for_front(cls, settings: ServerSettings, endpoints: sockets.Endpoints) -> RequestTelemetry:
-        """Spans exported by this front; records sent to the supervisor's metrics."""
+    def for_front(cls, settings: ServerSettings, send: Callable[[m.RequestRecord], None]) -> RequestTelemetry:
+        """Spans exported by this front; records sent (`send`) to the supervisor's metrics."""
         provider = tracer_provider(settings)
         tracer = provider.get_tracer(SCOPE) if provider else trace.NoOpTracer()
-        ctx = zmq.Context()
-        to_supervisor = sockets.push(ctx, endpoints.supervisor)
-
-        def close() -> None:
-            if provider is not None:
-                provider.shutdown()  # flushes the spans still buffered
-            to_supervisor.close()  # after what it holds has gone out (its linger)
-            ctx.term()
-
-        return cls(tracer, lambda record: to_supervisor.send(m.encode(record)), close)
+        return cls(tracer, send, provider.shutdown if provider else lambda: None)
 
     def shutdown(self) -> None:
         self._close()
