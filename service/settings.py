@@ -95,6 +95,14 @@ class ServerSettings(BaseSettings):
         description="Queue bound, every front's requests together: the newest requests still waiting past "
         "it once a step has admitted what it can get RESOURCE_EXHAUSTED.",
     )
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Longest a generation may take, queue included: past it (or past the client's own "
+        "deadline, or KServe's `timeout` parameter, whichever comes first) it ends with DEADLINE_EXCEEDED "
+        "and its KV blocks are freed; a request whose deadline passes while it waits never starts. "
+        "Unset = only the client's deadline.",
+    )
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Longest stop string accepted.")
     max_message_bytes: int = Field(

@@ -10,6 +10,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = "not_found"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
     INTERNAL = "internal"
 
 

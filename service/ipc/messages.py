@@ -30,6 +30,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     front: int  # which front's socket gets its outputs
     prompt_ids: list[int]
     params: SamplingParams
+    deadline: float | None = None  # wall clock; a request still waiting then never starts
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

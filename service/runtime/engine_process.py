@@ -8,6 +8,7 @@ supervisor. When no step runs the engine waits on its socket, reporting its load
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -74,6 +75,7 @@ class EngineService:
         self.front_of: dict[str, int] = {}  # request id -> the front that sent it
         self.started: set[str] = set()  # requests whose first token has gone out
         self.load_queries: list[m.LoadQuery] = []
+        self.deadlines: list[tuple[float, str]] = []  # a heap of (wall clock, request id)
         self._reported = (core.generated_tokens, core.prompt_tokens)
         self._last_report = 0.0
         self._stopping = False
@@ -83,6 +85,7 @@ class EngineService:
             self._receive(block=not self.core.has_work)
             if self._stopping:
                 break
+            self._expire_waiting()
             updates = self.core.run_once()
             self._bound_queue()
             self._report()  # before the tokens go out: a client that has them finds them counted
@@ -105,6 +108,8 @@ class EngineService:
         core = self.core
         if isinstance(msg, m.Submit):
             self.front_of[msg.request_id] = msg.front
+            if msg.deadline is not None:
+                heapq.heappush(self.deadlines, (msg.deadline, msg.request_id))
             core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params))
         elif isinstance(msg, m.Abort):
             for request_id in msg.request_ids:
@@ -125,18 +130,30 @@ class EngineService:
         excess = len(waiting) - self.max_waiting
         if excess <= 0:
             return
-        refused = []
-        for seq in reversed(waiting):
-            if len(refused) == excess:
-                break
-            if seq.num_preemptions == 0:
-                refused.append(seq.request_id)
+        refused = [seq.request_id for seq in reversed(waiting) if seq.num_preemptions == 0][:excess]
+        self._refuse(refused, ErrorKind.RESOURCE_EXHAUSTED, "the request queue is full; retry later")
+
+    def _expire_waiting(self) -> None:
+        """Requests whose deadline passed while they waited never start (a running one is ended by
+        its front, which keeps the same deadline)."""
+        now, heap = time.time(), self.deadlines
+        if not heap or heap[0][0] > now:
+            return
+        never_ran = {s.request_id for s in self.core.scheduler.waiting if s.num_preemptions == 0}
+        expired = []
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            if rid in never_ran and rid in self.front_of:
+                expired.append(rid)
+        self._refuse(expired, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed while it waited")
+
+    def _refuse(self, request_ids: list[str], kind: ErrorKind, why: str) -> None:
+        """End requests that have not started, with `kind`'s status, and tell their fronts."""
         by_front: dict[int, m.StepOutputs] = {}
-        for rid in refused:
+        for rid in request_ids:
             self.core.abort(rid)
             front = self.front_of.pop(rid)
-            out = by_front.setdefault(front, m.StepOutputs([], []))
-            out.failed.append((rid, ErrorKind.RESOURCE_EXHAUSTED, "the request queue is full; retry later"))
+            by_front.setdefault(front, m.StepOutputs([], [])).failed.append((rid, kind, why))
         for front, out in by_front.items():
             self._send(self.fronts[front], out)
 

@@ -7,6 +7,7 @@ checks, the engine's own request id; the servicers only map their API's fields o
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class ModelContext:
     model: ModelInfo  # as the engine reported it
     is_ready: Callable[[], bool] = lambda: True  # health: engine warm, tokenizer loaded, not draining
     max_token_chars: int = 1024  # the longest text one token decodes to (longest_token_chars)
+    request_timeout_s: float | None = None  # the server's bound on any request (settings)
 
     @property
     def name(self) -> str:
@@ -97,19 +99,40 @@ class ModelContext:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
+    def _deadline(self, time_left: float | None) -> float | None:
+        """The request's deadline (wall clock): the caller's time left or the server's bound."""
+        bounds = [t for t in (time_left, self.request_timeout_s) if t is not None]
+        if not bounds:
+            return None
+        left = min(bounds)
+        if left <= 0:
+            raise RequestError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline had passed on arrival")
+        return time.time() + left
+
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        time_left: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """Admit a request (RequestError if it is not) and stream its chunks. `request_id`: the
-        client's own, refused while another request of this front uses it."""
+        client's own, refused while another request of this front uses it; `time_left`: seconds the
+        caller allows (None = no deadline of its own)."""
         validate_prompt(prompt_ids, self.limits)
-        return self.engine.generate(prompt_ids, params, self.tokenizer, request_id)
+        deadline = self._deadline(time_left)
+        return self.engine.generate(prompt_ids, params, self.tokenizer, request_id, deadline)
 
     async def generate_all(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        time_left: float | None = None,
     ) -> GenerationChunk:
         validate_prompt(prompt_ids, self.limits)
-        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, request_id)
+        deadline = self._deadline(time_left)
+        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, request_id, deadline)
 
 
 class ContextHolder:

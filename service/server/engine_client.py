@@ -122,8 +122,9 @@ class EngineClient:
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
         client_request_id: str | None = None,
+        deadline: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Send one validated request to the engine; its chunks as they come."""
+        """Send one validated request to the engine; its chunks as they come. `deadline`: wall clock."""
         if self.gone.done():
             raise RequestError(ErrorKind.UNAVAILABLE, "the engine process has stopped; retry")
         if client_request_id and client_request_id in self._client_ids:
@@ -131,12 +132,13 @@ class EngineClient:
                 ErrorKind.INVALID_ARGUMENT, f"request id {client_request_id!r} is already in use"
             )
         stream = RequestStream(
-            next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, client_request_id
+            next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, client_request_id,
+            deadline,
         )
         self.streams[stream.request_id] = stream
         if client_request_id:
             self._client_ids[client_request_id] = stream.request_id
-        self._send(m.Submit(stream.request_id, self.front, list(prompt_ids), params))
+        self._send(m.Submit(stream.request_id, self.front, list(prompt_ids), params, deadline))
         return stream.chunks()
 
     def release(self, stream: RequestStream) -> None:
@@ -153,10 +155,11 @@ class EngineClient:
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
         client_request_id: str | None = None,
+        deadline: float | None = None,
     ) -> GenerationChunk:
         """Run to completion; one chunk with everything."""
         merged = GenerationChunk(text="", token_ids=[], logprobs=[] if params.logprobs else None)
-        async for chunk in self.generate(prompt_ids, params, tokenizer, client_request_id):
+        async for chunk in self.generate(prompt_ids, params, tokenizer, client_request_id, deadline):
             merged.text += chunk.text
             merged.token_ids += chunk.token_ids
             if merged.logprobs is not None and chunk.logprobs:

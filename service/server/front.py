@@ -140,7 +140,9 @@ class FrontServer:
         info = ready.model
         tokenizer, longest = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
         self.telemetry.model = info.name
-        self.holder.ctx = ModelContext(self.client, tokenizer, ready.limits, info, self._ready, longest)
+        self.holder.ctx = ModelContext(
+            self.client, tokenizer, ready.limits, info, self._ready, longest, self.settings.request_timeout_s
+        )
         self._tell_supervisor(m.FrontReady(self.index))
         await self.client.pod_ready  # SERVING on one front only once every front would answer as well
         if self.draining or self.client.gone.done():

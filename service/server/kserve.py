@@ -50,6 +50,7 @@ class LlmRequest:
     params: SamplingParams
     stream: bool
     exclude_input: bool
+    timeout_s: float | None = None  # the request's `timeout` parameter (Triton's: microseconds)
 
 
 def _scalar(values: dict[str, list], name: str, default: object) -> object:
@@ -79,6 +80,20 @@ def _number(d: dict, key: str, kind: type) -> object:
         return float(v)
     except OverflowError as exc:  # an integer of hundreds of digits
         raise invalid(f"{what} must be finite") from exc
+
+
+def _timeout(request: pb.ModelInferRequest) -> float | None:
+    """The request parameter `timeout`, in microseconds as Triton's, as seconds (None: not given)."""
+    if "timeout" not in request.parameters:
+        return None
+    param = request.parameters["timeout"]
+    which = param.WhichOneof("parameter_choice")
+    if which not in ("int64_param", "uint64_param"):
+        raise invalid("parameter 'timeout' must be an integer number of microseconds")
+    value = getattr(param, which)
+    if value <= 0:
+        raise invalid(f"parameter 'timeout' must be positive, got {value}")
+    return value / 1e6
 
 
 def _check_tensors(request: pb.ModelInferRequest) -> None:
@@ -228,8 +243,14 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
             params=params,
             stream=bool(_scalar(values, "stream", False)),
             exclude_input=bool(_scalar(values, "exclude_input_in_output", False)),
+            timeout_s=_timeout(request),
         )
         return req, prompt_ids
+
+    @staticmethod
+    def _time_left(context: grpc.aio.ServicerContext, req: LlmRequest) -> float | None:
+        bounds = [t for t in (context.time_remaining(), req.timeout_s) if t is not None]
+        return min(bounds) if bounds else None
 
     def _response(
         self, ctx: ModelContext, request: pb.ModelInferRequest, text: str, final: bool | None
@@ -247,7 +268,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         return self.trace(context, f"{SERVICE}/{method}", "text_completion")
 
     async def _texts(
-        self, request: pb.ModelInferRequest, trace: RequestTrace
+        self, request: pb.ModelInferRequest, trace: RequestTrace, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
@@ -255,7 +276,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         trace.admitted(request.id, len(prompt_ids), req.params, req.stream)
         # request.id only correlates responses on the client's stream (echoed in _response); it is not
         # unique across clients, so the engine gets its own id
-        stream = ctx.generate(prompt_ids, req.params)
+        stream = ctx.generate(prompt_ids, req.params, time_left=self._time_left(context, req))
         prefix = "" if req.exclude_input else req.prompt
         if req.stream:
             async for chunk in stream:
@@ -277,7 +298,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
                 ctx = self._model(request.model_name)
                 req, prompt_ids = await self._parse(ctx, request)
                 trace.admitted(request.id, len(prompt_ids), req.params, stream=False)
-                done = await ctx.generate_all(prompt_ids, req.params)
+                done = await ctx.generate_all(prompt_ids, req.params, time_left=self._time_left(context, req))
                 trace.chunk(done)
         except RequestError as err:
             await abort(context, err)
@@ -297,7 +318,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
             try:
                 with self._trace(context, "ModelStreamInfer") as trace:
                     self._model(request.model_name)
-                    async for ctx, _req, text, last in self._texts(request, trace):
+                    async for ctx, _req, text, last in self._texts(request, trace, context):
                         response = self._response(ctx, request, text, last)
                         await out.put(pb.ModelStreamInferResponse(infer_response=response))
             except RequestError as err:

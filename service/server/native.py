@@ -110,7 +110,9 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             with self._trace(request, context, "Generate") as trace:
                 prompt, params = await self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=False)
-                merged = await self.ctx.generate_all(prompt, params, request.request_id or None)
+                merged = await self.ctx.generate_all(
+                    prompt, params, request.request_id or None, context.time_remaining()
+                )
                 trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
@@ -126,7 +128,9 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             with self._trace(request, context, "GenerateStream") as trace:
                 prompt, params = await self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=True)
-                async for chunk in self.ctx.generate(prompt, params, request.request_id or None):
+                time_left = context.time_remaining()
+                stream = self.ctx.generate(prompt, params, request.request_id or None, time_left)
+                async for chunk in stream:
                     trace.chunk(chunk)
                     yield self._response(request_id, chunk)
         except RequestError as err:

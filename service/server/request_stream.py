@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.errors import RequestError
+from ..engine.errors import ErrorKind, RequestError
 from ..engine.outputs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
@@ -59,6 +59,7 @@ class RequestStream:
         interval: StreamInterval,
         release: Callable[[RequestStream], None],
         client_request_id: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.interval = interval
@@ -77,6 +78,7 @@ class RequestStream:
         self._event = asyncio.Event()
         self._last_sent: float | None = None  # monotonic time of the last chunk
         self.engine_done = False  # the engine has let go of the request
+        self._deadline = deadline  # wall clock; the stream ends with DEADLINE_EXCEEDED there
 
     # -- fed by the client's receive loop ---------------------------------------------------------
     def token(self, token: int) -> None:
@@ -90,6 +92,11 @@ class RequestStream:
         self._finish, self._stop_token = reason, stop_token
         self.engine_done = True
         self._event.set()
+
+    def _expire(self) -> None:
+        if self._error is None and self._finish is None:
+            self._error = RequestError(ErrorKind.DEADLINE_EXCEEDED, "the request ran past its deadline")
+            self._event.set()  # engine_done stays False: the release aborts it in the engine
 
     def fail(self, error: RequestError) -> None:
         self._error = error
@@ -142,6 +149,9 @@ class RequestStream:
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         completion = 0
+        timer = None
+        if self._deadline is not None:
+            timer = asyncio.get_running_loop().call_later(self._deadline - time.time(), self._expire)
         try:
             while True:
                 await self._until_due()
@@ -172,4 +182,6 @@ class RequestStream:
                 if finish is not None:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self.release(self)

@@ -1,0 +1,123 @@
+"""Deadlines on a real server: the server's own bound on a request (--request-timeout-s), KServe's
+`timeout` parameter, and a request whose deadline passes while it waits, which never starts."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serverproc import free_port, running_server
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+TIMEOUT = 60.0
+SERVER_BOUND_S = 2.0
+MODEL = "tiny-deadlines"
+
+
+def request(max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        text="Once upon a time", stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+
+def prompt_tokens(url: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return next(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples
+        if s.name == "tandem_prompt_tokens_total"
+    )  # fmt: skip
+
+
+def wait_idle(stub: pb_grpc.TandemStub) -> pb.Load:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
+        idle = load.requests_running == load.requests_waiting == 0
+        if idle and load.kv_blocks_free == load.kv_blocks_total:
+            return load
+        time.sleep(0.05)
+    raise AssertionError(f"not idle: {load}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    log = tmp_path_factory.mktemp("deadlines") / "server.log"
+    metrics = free_port()
+    with running_server(
+        tiny_model_dir("llama"), "--model-name", MODEL, "--request-timeout-s", str(SERVER_BOUND_S),
+        "--max-num-seqs", "1", "--metrics-port", str(metrics), log=log,
+    ) as (address, _proc):  # fmt: skip
+        yield address, f"http://127.0.0.1:{metrics}/metrics"
+
+
+def test_the_server_bound_ends_a_long_stream_and_frees_its_blocks(server):
+    address, _ = server
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        started, got = time.monotonic(), 0
+        with pytest.raises(grpc.RpcError) as exc:
+            for msg in stub.GenerateStream(request(1000), timeout=TIMEOUT):  # far longer than the bound
+                got += len(msg.token_ids)
+        took = time.monotonic() - started
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value.details()
+        assert "deadline" in exc.value.details()
+        assert SERVER_BOUND_S - 0.2 < took < SERVER_BOUND_S + 3 and 0 < got < 1000
+        wait_idle(stub)
+        assert len(stub.Generate(request(3), timeout=TIMEOUT).token_ids) == 3  # and it serves on
+
+
+def test_kserve_timeout_parameter_is_the_requests_deadline(server):
+    """Triton's `timeout` request parameter, in microseconds."""
+    address, _ = server
+    from tritonclient.grpc import service_pb2 as kpb
+    from tritonclient.grpc import service_pb2_grpc as kpb_grpc
+
+    def infer(timeout_us: int | None, max_tokens: int) -> kpb.ModelInferResponse:
+        text = kpb.ModelInferRequest.InferInputTensor(name="text_input", datatype="BYTES", shape=[1])
+        text.contents.bytes_contents.append(b"The sky is")
+        tokens = kpb.ModelInferRequest.InferInputTensor(name="max_tokens", datatype="INT32", shape=[1])
+        tokens.contents.int_contents.append(max_tokens)
+        req = kpb.ModelInferRequest(model_name=MODEL, inputs=[text, tokens])
+        if timeout_us is not None:
+            req.parameters["timeout"].int64_param = timeout_us
+        with grpc.insecure_channel(address) as ch:
+            return kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=TIMEOUT)
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as exc:
+        infer(300_000, 1000)
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value.details()
+    assert time.monotonic() - started < SERVER_BOUND_S  # its own 0.3 s, not the server's 2 s
+    for bad in (0, -5):
+        with pytest.raises(grpc.RpcError) as exc:
+            infer(bad, 3)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout" in exc.value.details()
+    assert infer(5_000_000, 3).outputs[0].name == "text_output"
+
+
+def test_a_request_whose_deadline_passes_while_it_waits_never_starts(server):
+    """One sequence runs at a time: the second request waits behind the first, and its client
+    deadline passes there; it is never prefilled (its prompt tokens are never counted)."""
+    address, metrics = server
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        wait_idle(stub)
+        before = prompt_tokens(metrics)
+        first = stub.GenerateStream(request(150), timeout=TIMEOUT)  # about a second on the tiny model
+        first_prompt = None
+        next(first)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Generate(request(5), timeout=0.3)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for msg in first:
+            first_prompt = msg.usage.prompt_tokens or first_prompt
+        wait_idle(stub)
+        time.sleep(0.6)  # the engine reports its counters at least every 0.5 s
+        assert prompt_tokens(metrics) - before == first_prompt
