@@ -7,6 +7,7 @@ import sys
 
 import grpc
 
+from tandem import connect
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -30,10 +31,17 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 
 
 async def generate_to_terminal(args: argparse.Namespace) -> int:
-    async with grpc.aio.insecure_channel(args.server) as channel:
+    try:
+        creds = connect.credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+        metadata = connect.token_metadata(args.token_file)
+    except (OSError, ValueError) as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    async with connect.aio_channel(args.server, creds) as channel:
         stub = pb_grpc.TandemStub(channel)
         try:
-            async for msg in stub.GenerateStream(build_request(args), timeout=args.timeout):
+            call = stub.GenerateStream(build_request(args), timeout=args.timeout, metadata=metadata)
+            async for msg in call:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +23,31 @@ class ServerSettings(BaseSettings):
     )
     host: str = Field("0.0.0.0", description="Address the gRPC server binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
+    tls_cert_file: Path | None = Field(
+        None,
+        description="PEM certificate chain of the gRPC port; with tls_key_file the port speaks TLS only. "
+        "Both files are read again when they change (a rotated Secret volume), for new connections.",
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: Path | None = Field(
+        None,
+        description="PEM CA bundle: set = mutual TLS, every client must present a certificate it signed "
+        "(needs tls_cert_file); read again when it changes.",
+    )
+    auth_token_file: Path | None = Field(
+        None,
+        description="Bearer tokens accepted, one per line (blank lines and # comments ignored), read again "
+        "when the file changes: set = every RPC but grpc.health.v1 needs `authorization: Bearer <token>` "
+        "metadata, else UNAUTHENTICATED.",
+    )
+    health_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="A plaintext port serving only grpc.health.v1, on `host` (0 = off): kubelet gRPC probes "
+        "cannot speak TLS, so with TLS on they ask here.",
+    )
+    reflection: bool = Field(True, description="gRPC server reflection (grpcurl, Postman) on the gRPC port.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV-cache dtype; auto = bfloat16 on CUDA, float32 on CPU."
@@ -135,7 +160,11 @@ class ServerSettings(BaseSettings):
         9400,
         ge=0,
         le=65535,
-        description="HTTP port of Prometheus /metrics and the liveness probe /healthz, on `host` (0 = off).",
+        description="HTTP port of Prometheus /metrics and the liveness probe /healthz (0 = off); plaintext "
+        "and without authentication: it carries no prompts, no text and no secrets.",
+    )
+    metrics_host: str | None = Field(
+        None, description="Address the /metrics and /healthz server binds (default: `host`)."
     )
     telemetry: bool = Field(
         True,
@@ -162,3 +191,15 @@ class ServerSettings(BaseSettings):
     num_gpus: int = Field(
         1, ge=0, description="GPUs this server is charged for (cost = price x GPUs / tokens)."
     )
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None

@@ -48,9 +48,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
+    from tandem import connect
     from tandem.health import run
 
-    return run(args.target, args.service, args.timeout)
+    try:
+        creds = connect.credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"tandem health: {exc}")
+    return run(args.target, args.service, args.timeout, creds)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -88,6 +93,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_connection_flags(parser: argparse.ArgumentParser, token: bool = True) -> None:
+    parser.add_argument("--tls-ca-file", help="connect with TLS, trusting this PEM CA (default: plaintext)")
+    parser.add_argument("--tls-cert-file", help="mutual TLS: this client's PEM certificate chain")
+    parser.add_argument("--tls-key-file", help="mutual TLS: this client's PEM private key")
+    if token:
+        parser.add_argument("--token-file", help="send the bearer token in this file (its first token line)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM model server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     health.add_argument("--target", default="localhost:50051", help="host:port of the gRPC server")
     health.add_argument("--service", default="", help="service name to check; empty = the whole server")
     health.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    _add_connection_flags(health, token=False)
     health.add_argument("--log-level", default="WARNING")
     health.set_defaults(func=_health)
 
@@ -120,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    _add_connection_flags(gen)
     gen.add_argument("--log-level", default="WARNING")
     gen.set_defaults(func=_generate)
 

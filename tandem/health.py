@@ -11,16 +11,20 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem import connect
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def check(target: str, service: str = "", timeout: float = 10.0) -> str:
+def check(
+    target: str, service: str = "", timeout: float = 10.0, creds: grpc.ChannelCredentials | None = None
+) -> str:
     """The health status name of `service` at `target` (host:port), or the gRPC error code's name.
 
     Waits for the connection up to `timeout` seconds (a Service that just got its first endpoint
-    still answers), then asks once.
+    still answers), then asks once. `creds`: TLS (health needs no token).
     """
-    with grpc.insecure_channel(target) as channel:
+    with connect.channel(target, creds) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(
@@ -51,9 +55,9 @@ def wait_serving(target: str, timeout: float, alive: Callable[[], bool] = lambda
     raise TimeoutError(f"the server at {target} was not SERVING after {timeout:.0f} s")
 
 
-def run(target: str, service: str, timeout: float) -> int:
+def run(target: str, service: str, timeout: float, creds: grpc.ChannelCredentials | None = None) -> int:
     """Print the status; exit status 0 only for SERVING."""
-    status = check(target, service, timeout)
+    status = check(target, service, timeout, creds)
     label = f"{target} {service}".rstrip()
     print(f"{label}: {status}")
     return 0 if status == health_pb2.HealthCheckResponse.ServingStatus.Name(SERVING) else 1

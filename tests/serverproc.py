@@ -21,9 +21,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(
-    model: Path | None, *extra: str, log: Path | None = None, env: dict[str, str] | None = None
+    model: Path | None,
+    *extra: str,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+    health_port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Yields (address, process). `model` None = the embedded default model; `env`: added variables.
+    """Yields (address, process). `model` None = the embedded default model; `env`: added variables;
+    `health_port`: serve plaintext health there and wait on it (the way to wait on a TLS server).
 
     The metrics endpoint is off unless `extra` sets --metrics-port (9400 would clash between servers);
     the KV cache is 0.25 GiB unless `extra` sizes it.
@@ -44,6 +49,8 @@ def running_server(
     ]
     if model is not None:
         cmd += ["--model", str(model)]
+    if health_port is not None:
+        cmd += ["--health-port", str(health_port)]
     if "--metrics-port" not in extra:
         cmd += ["--metrics-port", "0"]
     if "--num-kv-blocks" not in extra and "--kv-cache-cpu-gib" not in extra:
@@ -53,7 +60,8 @@ def running_server(
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd="/")
     address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address, 180.0, lambda: proc.poll() is None)
+        waited = address if health_port is None else f"127.0.0.1:{health_port}"
+        wait_serving(waited, 180.0, lambda: proc.poll() is None)
         yield address, proc
     finally:
         proc.terminate()

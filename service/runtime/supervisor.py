@@ -24,6 +24,8 @@ import zmq
 
 from ..ipc import messages as m
 from ..ipc import sockets
+from ..server.auth import TokenFile
+from ..server.tls import CertificateFiles
 from ..settings import ServerSettings
 from ..telemetry.http import MetricsServer
 from ..telemetry.pod import PodTelemetry
@@ -44,7 +46,11 @@ def _reserve_port(host: str) -> tuple[socket.socket, int]:
     return holder, holder.getsockname()[1]
 
 
-class PortInUse(RuntimeError):
+class CannotStart(RuntimeError):
+    """A setting the pod cannot start with (a port in use, TLS files that do not load): said, exit 1."""
+
+
+class PortInUse(CannotStart):
     pass
 
 
@@ -59,6 +65,17 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             why = f"port {port} on {host} is in use ({exc.strerror}): is another server running there?"
             raise PortInUse(why) from exc
+
+
+def _check_security_files(s: ServerSettings) -> None:
+    """Fail before any process starts when the TLS files or the token file would not load."""
+    try:
+        if s.tls_cert_file is not None and s.tls_key_file is not None:
+            CertificateFiles(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+        if s.auth_token_file is not None:
+            TokenFile(s.auth_token_file)
+    except (OSError, ValueError) as exc:
+        raise CannotStart(str(exc)) from exc
 
 
 def _stop(proc: BaseProcess, timeout: float) -> None:
@@ -127,15 +144,19 @@ class Supervisor:
             s = self.settings = s.model_copy(update={"port": port})
         else:
             _check_port_free(s.host, s.port)
+        if s.health_port:
+            _check_port_free(s.host, s.health_port)
+        _check_security_files(s)
         self._receiver.start()
         if s.metrics_port:
+            host = s.metrics_host or s.host
             try:
-                self.metrics_server = MetricsServer(s.host, s.metrics_port, self._engine_alive)
+                self.metrics_server = MetricsServer(host, s.metrics_port, self._engine_alive)
             except OSError as exc:
-                why = f"the metrics port {s.metrics_port} on {s.host} is in use ({exc.strerror})"
+                why = f"the metrics port {s.metrics_port} on {host} is in use ({exc.strerror})"
                 raise PortInUse(why) from exc
             self.metrics_server.start()
-            log.info("metrics on http://%s:%d/metrics", s.host, self.metrics_server.port)
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_server.port)
         spawn = multiprocessing.get_context("spawn")  # CUDA and grpc both forbid fork after start-up
         self.engine = spawn.Process(
             target=entry.engine,
@@ -232,7 +253,7 @@ def serve(settings: ServerSettings, log_level: str = "INFO") -> int:
     try:
         supervisor.start()
         return supervisor.run()
-    except PortInUse as exc:
+    except CannotStart as exc:
         log.error("%s", exc)
         return 1
     finally:

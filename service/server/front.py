@@ -29,6 +29,7 @@ from ..ipc import sockets
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
+from .auth import RequireBearerToken, TokenFile
 from .background import in_daemon_thread
 from .context import ContextHolder, ModelContext, longest_token_chars
 from .engine_client import EngineClient
@@ -36,6 +37,7 @@ from .kserve import KServeServicer
 from .malformed import MalformedRequests
 from .native import TandemServicer
 from .request_stream import StreamInterval
+from .tls import CertificateFiles
 
 log = logging.getLogger("tandem.front")
 
@@ -63,6 +65,7 @@ class FrontServer:
         self.serving = False
         self.failed = False  # it could not get ready (e.g. the tokenizer would not load)
         self.server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None  # plaintext, health only (probes under TLS)
         self.client: EngineClient | None = None
         self._zmq = zmq.Context()
         self._to_supervisor = sockets.push(self._zmq, endpoints.supervisor)
@@ -92,8 +95,11 @@ class FrontServer:
         # at random towards 3,000) as CANCELLED, which clients seldom retry: keep it far above the
         # engine's own bound, whose refusal (RESOURCE_EXHAUSTED) says what happened
         pending = max(3000, 4 * (s.max_waiting_requests + s.max_num_seqs))
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequests()]
+        if s.auth_token_file is not None:  # outermost: a call without a token is refused before parsing
+            interceptors.insert(0, RequireBearerToken(TokenFile(s.auth_token_file)))
         self.server = grpc.aio.server(
-            interceptors=[MalformedRequests()],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -108,13 +114,29 @@ class FrontServer:
             KServeServicer(self.holder, self.telemetry, limit, is_live=self._live), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(SERVICE_NAMES, self.server)
-        # every front binds the same port (grpc sets SO_REUSEPORT): the kernel spreads connections
-        port = self.server.add_insecure_port(f"{s.host}:{s.port}")
+        if s.reflection:
+            reflection.enable_server_reflection(SERVICE_NAMES, self.server)
+        # every front binds the same ports (grpc sets SO_REUSEPORT): the kernel spreads connections
+        address = f"{s.host}:{s.port}"
+        if s.tls_cert_file is not None and s.tls_key_file is not None:
+            files = CertificateFiles(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+            port = self.server.add_secure_port(address, files.server_credentials())
+        else:
+            port = self.server.add_insecure_port(address)
+        if s.health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         if self.index == 0:
-            log.info("gRPC listening on %s:%d (NOT_SERVING until the model is warm)", s.host, port)
+            how = ("mutual TLS" if s.tls_client_ca_file else "TLS") if s.tls else "plaintext"
+            auth = ", bearer tokens" if s.auth_token_file else ""
+            log.info("gRPC (%s%s) on %s:%d (NOT_SERVING until the model is warm)", how, auth, s.host, port)
+            if self.health_server is not None:
+                log.info("grpc.health.v1 (plaintext) on %s:%d", s.host, s.health_port)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._become_ready())]
 
     async def _receive(self) -> None:
@@ -131,8 +153,7 @@ class FrontServer:
         except Exception:
             log.exception("the front could not get ready; stopping it")
             self.failed = True
-            if self.server is not None:
-                await self.server.stop(grace=None)
+            await self._stop_servers(grace=None)
 
     async def _load_context(self) -> None:
         assert self.client is not None
@@ -158,8 +179,12 @@ class FrontServer:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self.client is not None and self.client.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
+        await self._stop_servers(grace=1.0)
+
+    async def _stop_servers(self, grace: float | None) -> None:
+        for server in (self.server, self.health_server):
+            if server is not None:
+                await server.stop(grace=grace)
 
     async def engine_gone(self) -> None:
         """The engine process went away: its streams have failed with UNAVAILABLE; stop serving."""
@@ -167,14 +192,12 @@ class FrontServer:
         await self.client.gone
         self.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
+        await self._stop_servers(grace=1.0)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self.server is not None:
-            await self.server.stop(grace=None)
+        await self._stop_servers(grace=None)
         if self.client is not None:
             self.client.close()
         self.telemetry.shutdown()  # flushes spans still buffered

@@ -9,34 +9,19 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from .interceptor_kit import RateLimitedLog, handler_kind
+
 log = logging.getLogger(__name__)
-LOG_EVERY_S = 60.0
-
-
-class _RateLimitedLog:
-    def __init__(self) -> None:
-        self._last = -LOG_EVERY_S
-        self._quiet = 0
-
-    def __call__(self, method: str, error: Exception) -> None:
-        now = time.monotonic()
-        if now - self._last < LOG_EVERY_S:
-            self._quiet += 1
-            return
-        more = f" ({self._quiet} more since the last report)" if self._quiet else ""
-        log.warning("malformed request on %s: %s%s", method, error, more)
-        self._last, self._quiet = now, 0
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(log, "malformed request")
 
     async def intercept_service(
         self,
@@ -94,10 +79,4 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
                 async def call(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> object:
                     return await behavior(each(raws, context), context)
 
-        kind = {
-            (False, False): "unary_unary",
-            (False, True): "unary_stream",
-            (True, False): "stream_unary",
-            (True, True): "stream_stream",
-        }[(handler.request_streaming, handler.response_streaming)]
-        return handler._replace(request_deserializer=None, **{kind: call})
+        return handler._replace(request_deserializer=None, **{handler_kind(handler): call})
