@@ -242,20 +242,19 @@ def test_native_oversized_response(server: Server) -> None:
     expect_native_good(server)
 
 
-def test_native_duplicate_request_id(server: Server) -> None:
-    running = server.native.GenerateStream(_dup("dup-1"), timeout=TIMEOUT)
-    try:
-        next(running)  # it is in flight
-        with pytest.raises(grpc.RpcError) as exc:
-            server.native.Generate(_dup("dup-1"), timeout=TIMEOUT)
-        check_error(exc.value, INVALID, ("request id", "dup-1"))
-    finally:
-        running.cancel()
+def test_clients_choosing_the_same_request_id_never_collide(server: Server) -> None:
+    """A client's request id is only echoed: two independent clients may pick the same one."""
+    first = server.native.GenerateStream(_with_id("same-id", 24), timeout=TIMEOUT)
+    assert next(first).request_id == "same-id"  # in flight
+    second = server.native.Generate(_with_id("same-id", 6), timeout=TIMEOUT)
+    assert second.request_id == "same-id" and second.usage.completion_tokens == 6
+    rest = list(first)
+    assert rest[-1].usage.completion_tokens == 24 and all(r.request_id == "same-id" for r in rest)
     expect_native_good(server)
 
 
-def _dup(request_id: str) -> pb.GenerateRequest:
-    req = gen(max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True)
+def _with_id(request_id: str, max_tokens: int) -> pb.GenerateRequest:
+    req = gen(max_tokens=max_tokens, ignore_eos=True)
     req.request_id = request_id
     return req
 

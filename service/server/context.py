@@ -113,26 +113,23 @@ class ModelContext:
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
         time_left: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Admit a request (RequestError if it is not) and stream its chunks. `request_id`: the
-        client's own, refused while another request of this front uses it; `time_left`: seconds the
-        caller allows (None = no deadline of its own)."""
+        """Admit a request (RequestError if it is not) and stream its chunks. `time_left`: seconds
+        the caller allows (None = no deadline of its own)."""
         validate_prompt(prompt_ids, self.limits)
         deadline = self._deadline(time_left)
-        return self.engine.generate(prompt_ids, params, self.tokenizer, request_id, deadline)
+        return self.engine.generate(prompt_ids, params, self.tokenizer, deadline)
 
     async def generate_all(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        request_id: str | None = None,
         time_left: float | None = None,
     ) -> GenerationChunk:
         validate_prompt(prompt_ids, self.limits)
         deadline = self._deadline(time_left)
-        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, request_id, deadline)
+        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, deadline)
 
 
 class ContextHolder:

@@ -39,7 +39,6 @@ class EngineClient:
         self._decoder = m.decoder(m.ToFront)
         self._ids = (f"{front}-{n}" for n in itertools.count())
         self.streams: dict[str, RequestStream] = {}
-        self._client_ids: dict[str, str] = {}  # a client's request id in flight -> our id
         self._loads: dict[int, asyncio.Future[EngineStats]] = {}
         self._queries = itertools.count()
         self.ready: asyncio.Future[m.EngineReady] = asyncio.get_running_loop().create_future()
@@ -121,31 +120,25 @@ class EngineClient:
         prompt_ids: list[int],
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
-        client_request_id: str | None = None,
         deadline: float | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """Send one validated request to the engine; its chunks as they come. `deadline`: wall clock."""
+        """Send one validated request to the engine; its chunks as they come. `deadline`: wall clock.
+
+        The engine knows the request by the front's own id, unique in the pod: a client's
+        `request_id` is only echoed, so independent clients that pick the same one never collide.
+        """
         if self.gone.done():
             raise RequestError(ErrorKind.UNAVAILABLE, "the engine process has stopped; retry")
-        if client_request_id and client_request_id in self._client_ids:
-            raise RequestError(
-                ErrorKind.INVALID_ARGUMENT, f"request id {client_request_id!r} is already in use"
-            )
         stream = RequestStream(
-            next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, client_request_id,
-            deadline,
+            next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, deadline
         )
         self.streams[stream.request_id] = stream
-        if client_request_id:
-            self._client_ids[client_request_id] = stream.request_id
         self._send(m.Submit(stream.request_id, self.front, list(prompt_ids), params, deadline))
         return stream.chunks()
 
     def release(self, stream: RequestStream) -> None:
         """A stream's reader is done with it (finished, failed or gone)."""
         self.streams.pop(stream.request_id, None)
-        if stream.client_request_id:
-            self._client_ids.pop(stream.client_request_id, None)
         if not stream.engine_done and not self.gone.done():
             self._send(m.Abort([stream.request_id]))  # client gone, or a stop string ended it early
 
@@ -154,12 +147,11 @@ class EngineClient:
         prompt_ids: list[int],
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
-        client_request_id: str | None = None,
         deadline: float | None = None,
     ) -> GenerationChunk:
         """Run to completion; one chunk with everything."""
         merged = GenerationChunk(text="", token_ids=[], logprobs=[] if params.logprobs else None)
-        async for chunk in self.generate(prompt_ids, params, tokenizer, client_request_id, deadline):
+        async for chunk in self.generate(prompt_ids, params, tokenizer, deadline):
             merged.text += chunk.text
             merged.token_ids += chunk.token_ids
             if merged.logprobs is not None and chunk.logprobs:

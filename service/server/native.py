@@ -110,9 +110,7 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             with self._trace(request, context, "Generate") as trace:
                 prompt, params = await self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=False)
-                merged = await self.ctx.generate_all(
-                    prompt, params, request.request_id or None, context.time_remaining()
-                )
+                merged = await self.ctx.generate_all(prompt, params, context.time_remaining())
                 trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
@@ -129,7 +127,7 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
                 prompt, params = await self._admit(request)
                 trace.admitted(request_id, len(prompt), params, stream=True)
                 time_left = context.time_remaining()
-                stream = self.ctx.generate(prompt, params, request.request_id or None, time_left)
+                stream = self.ctx.generate(prompt, params, time_left)
                 async for chunk in stream:
                     trace.chunk(chunk)
                     yield self._response(request_id, chunk)

@@ -58,13 +58,11 @@ class RequestStream:
         tokenizer: PreTrainedTokenizerBase,
         interval: StreamInterval,
         release: Callable[[RequestStream], None],
-        client_request_id: str | None = None,
         deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.interval = interval
         self.release = release  # called once its reader is done with it
-        self.client_request_id = client_request_id
         self.prompt_len = len(prompt_ids)
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
