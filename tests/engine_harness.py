@@ -23,6 +23,7 @@ class Arrival:
 class RunResult:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
     preemptions: int = 0
     steps: int = 0
     max_batch: int = 0
@@ -74,6 +75,8 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
             result.tokens[u.request_id] += u.new_token_ids
             if u.finish_reason is not None:
                 result.finish[u.request_id] = u.finish_reason.value
+            if u.error:
+                result.errors[u.request_id] = u.error
         step += 1
     result.steps = step
     result.preemptions = sum(s.num_preemptions for s in seqs.values())

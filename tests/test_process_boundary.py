@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -239,6 +240,17 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
             assert next(health).status == SERVING
             stream = pb_grpc.TandemStub(ch).GenerateStream(request(1000), timeout=TIMEOUT)
             next(stream)
+            statuses: list[tuple[int, float]] = []
+
+            def watch() -> None:
+                try:
+                    for update in health:
+                        statuses.append((update.status, time.monotonic()))
+                except grpc.RpcError:
+                    pass  # the front stopped after saying so
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
             os.kill(engine, signal.SIGKILL)
             killed = time.monotonic()
             with pytest.raises(grpc.RpcError) as exc:
@@ -246,13 +258,10 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
                     pass
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
             assert time.monotonic() - killed < 5
-            statuses = []
-            try:
-                for update in health:
-                    statuses.append(update.status)
-            except grpc.RpcError:
-                pass  # the front stopped after saying so
-            assert NOT_SERVING in statuses
+            watcher.join(timeout=20)
+            down = [at for status, at in statuses if status == NOT_SERVING]
+            assert down, "health never said NOT_SERVING"
+            assert down[0] - killed < 1.0, f"NOT_SERVING {down[0] - killed:.2f} s after the engine died"
         assert proc.wait(timeout=20) == 1
     assert "the engine process ended" in log.read_text()
 

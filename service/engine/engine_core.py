@@ -20,6 +20,16 @@ from .sequence import Sequence
 from .timing import IdleTracker, StepTiming
 
 log = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3  # a sequence in this many failed steps is failed, even if its lone steps pass
+
+
+class EngineFailure(RuntimeError):
+    """The device is unusable (a CUDA error poisons its context): the engine must stop."""
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    text = str(exc)
+    return type(exc).__name__ == "AcceleratorError" or "CUDA error" in text or "CUBLAS_STATUS" in text
 
 
 @dataclass
@@ -85,7 +95,7 @@ class EngineCore:
         blocks = self.scheduler.blocks
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.suspects),
             kv_usage=blocks.usage,
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=blocks.num_free,
@@ -120,9 +130,8 @@ class EngineCore:
         try:
             step = self.runner.launch(out.chunks, None)
             result = self.runner.wait(step)
-        except Exception as exc:  # a failed step fails its requests, not the server
-            log.exception("engine step failed")
-            return self._fail(out, f"engine step failed: {exc}")
+        except Exception as exc:  # a failed step fails the request that caused it, not the server
+            return self._contain([out], exc)
         end = time.monotonic()
         busy = step.device_seconds()  # CUDA: from the compute stream's event timestamps
         self._count_step(end - started if busy is None else busy, end)
@@ -142,30 +151,38 @@ class EngineCore:
         if out is not None and out.chunks:
             self._mark_scheduled(out, t0)
             try:
-                nxt = InFlight(
-                    out,
-                    self.runner.launch(out.chunks, launched.step if launched else None),
-                    time.monotonic(),
-                    t0,
-                )
-            except Exception as exc:
-                log.exception("engine step launch failed")
-                return self._fail(out, f"engine step failed: {exc}"), launched
-        updates: list[SeqUpdate] = []
-        if launched is not None:
-            try:
-                result = self.runner.wait(launched.step)
-            except Exception as exc:
-                log.exception("engine step failed")
-                return self._fail(launched.out, f"engine step failed: {exc}"), nxt
-            end = time.monotonic()
-            busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
-            if busy is None:
-                busy = end - max(launched.started, self._last_end)
-            self._count_step(busy, end)
-            self._observe(launched.out, launched.step, launched.scheduled)
-            updates = self._process(launched.out, result)
-        return updates, nxt
+                step = self.runner.launch(out.chunks, launched.step if launched else None)
+                nxt = InFlight(out, step, time.monotonic(), t0)
+            except Exception as exc:  # step N is sound unless its wait fails too: finish it first
+                failed, updates = [out], []
+                if launched is not None:
+                    try:
+                        result = self.runner.wait(launched.step)
+                    except Exception:
+                        failed.insert(0, launched.out)
+                    else:
+                        updates = self._complete(launched, result)
+                return updates + self._contain(failed, exc), None
+        if launched is None:
+            return [], nxt
+        try:
+            result = self.runner.wait(launched.step)
+        except Exception as exc:  # step N+1 was built on step N's tokens: it goes too
+            failed = [launched.out]
+            if nxt is not None:
+                self._settle(nxt)
+                failed.append(nxt.out)
+            return self._contain(failed, exc), None
+        return self._complete(launched, result), nxt
+
+    def _complete(self, launched: InFlight, result: StepResult) -> list[SeqUpdate]:
+        end = time.monotonic()
+        busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
+        if busy is None:
+            busy = end - max(launched.started, self._last_end)
+        self._count_step(busy, end)
+        self._observe(launched.out, launched.step, launched.scheduled)
+        return self._process(launched.out, result)
 
     def _count_step(self, busy: float, end: float) -> None:
         """A finished step that kept the device busy for `busy` seconds up to `end`."""
@@ -227,9 +244,30 @@ class EngineCore:
         self.generated_tokens += len(updates)
         return updates
 
-    def _fail(self, out: SchedulerOutput, message: str) -> list[SeqUpdate]:
+    def _settle(self, inflight: InFlight) -> None:
+        """Wait for a launched step whose tokens are void, whatever it ends with."""
+        try:
+            self.runner.wait(inflight.step)
+        except Exception as exc:
+            log.debug("a step discarded after a failure failed as well: %s", exc)
+
+    def _contain(self, failed: list[SchedulerOutput], exc: Exception) -> list[SeqUpdate]:
+        """A step failed and nothing is in flight any more. A step of one sequence fails it; a batch
+        is quarantined, each sequence recomputed alone, so that only the culprit fails."""
+        if _is_fatal(exc):
+            raise EngineFailure(f"the device failed: {exc}") from exc
+        seqs = list({id(c.seq): c.seq for out in failed for c in out.chunks if not c.seq.finished}.values())
+        for seq in seqs:
+            seq.num_failed_steps += 1
+        alone = len(seqs) == 1
+        culprits = [s for s in seqs if alone or s.num_failed_steps >= MAX_FAILED_STEPS]
+        if alone:
+            log.exception("engine step failed; failing its one request %s", seqs[0].request_id)
+        else:
+            log.exception("engine step of %d requests failed; running each alone to find why", len(seqs))
         updates = []
-        for chunk in out.chunks:
-            if self.scheduler.abort(chunk.seq.request_id) is not None:
-                updates.append(SeqUpdate(chunk.seq.request_id, [], error=message))
+        for seq in culprits:
+            if self.scheduler.abort(seq.request_id) is not None:
+                updates.append(SeqUpdate(seq.request_id, [], error=f"engine step failed: {exc}"))
+        self.scheduler.quarantine([s for s in seqs if s not in culprits])
         return updates

@@ -8,6 +8,11 @@ When a running sequence needs a block and none is free, the most recently admitt
 not yet scheduled this step is preempted (its blocks freed, recomputed later from its tokens).
 A sequence that cannot be scheduled even then preempts itself; the others finish and free blocks,
 so the engine never deadlocks (a request never needs more blocks than the cache has: validated).
+
+Failure containment: the sequences of a step that failed are quarantined (their blocks freed, to be
+recomputed from their tokens) and then run one at a time, alone in their steps, until each has its
+next token; one whose lone step fails again is the culprit (the engine core fails it). Meanwhile
+nothing else is scheduled, so a failure is always pinned on the request that caused it.
 """
 
 from __future__ import annotations
@@ -46,17 +51,18 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.suspects: deque[Sequence] = deque()  # quarantined after a failed step, run alone in turn
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.suspects)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is and free its blocks; call between steps."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.suspects):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -65,7 +71,34 @@ class Scheduler:
                     return seq
         return None
 
+    def quarantine(self, seqs: list[Sequence]) -> None:
+        """The sequences of a failed step (nothing is in flight any more): recompute each alone."""
+        for seq in seqs:
+            for queue in (self.running, self.waiting, self.suspects):
+                if seq in queue:
+                    queue.remove(seq)
+            self.blocks.free(seq)
+            seq.num_computed = seq.num_inflight = 0
+            self.suspects.append(seq)
+
+    def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
+        """The first suspect's next chunk, alone in its step; room made by preempting running ones."""
+        preempted: list[Sequence] = []
+        if seq.num_uncomputed == 0 or seq.will_finish_by_length:
+            return SchedulerOutput([], preempted)  # its token is in flight: wait for it
+        n = min(seq.num_uncomputed, self.max_num_batched_tokens)
+        while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)) and self.running:
+            self._preempt(self.running[-1], preempted)
+        self.blocks.allocate(seq, n)
+        samples = seq.num_computed + n == seq.length
+        chunk = ScheduledChunk(seq, seq.num_computed, n, samples, carried=seq.num_inflight > 0)
+        seq.num_computed += n
+        seq.num_inflight += samples
+        return SchedulerOutput([chunk], preempted)
+
     def schedule(self) -> SchedulerOutput:
+        if self.suspects:
+            return self._schedule_alone(self.suspects[0])
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
@@ -135,6 +168,9 @@ class Scheduler:
                 continue
             seq.num_inflight -= 1
             seq.append(sampled[i])
+            if self.suspects and seq is self.suspects[0]:  # its lone step went through: cleared
+                self.suspects.popleft()
+                self.running.append(seq)
             if seq.finished:
                 queue = self.running if seq in self.running else self.waiting
                 queue.remove(seq)

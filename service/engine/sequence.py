@@ -29,6 +29,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
     num_preemptions: int = 0
+    num_failed_steps: int = 0  # steps that failed with it in the batch (failure containment)
     scheduled_at: float | None = None  # wall clock of the first step that computed any of it (telemetry)
 
     @property
