@@ -55,7 +55,7 @@ class Scaling:
 def _owned_objects(name: str, spec: ModelServerSpec, metrics_port: int) -> list[tuple[str, str, dict]]:
     return [
         ("apps/v1", "deployments", resources.deployment(name, spec, metrics_port)),
-        ("v1", "services", resources.service(name, metrics_port)),
+        ("v1", "services", resources.service(name, spec, metrics_port)),
         ("policy/v1", "poddisruptionbudgets", resources.pod_disruption_budget(name)),
     ]
 

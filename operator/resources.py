@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .spec import ModelServerSpec
 
 GRPC_PORT = 50051  # DESIGN.md section 4
+HEALTH_PORT = 50052  # plaintext grpc.health.v1 under TLS: the kubelet's gRPC probes cannot speak TLS
 DRAIN_MARGIN_S = 30  # grace period beyond the server's own drain timeout
 PRESTOP_SLEEP_S = 5  # let endpoint removal reach the proxies before the server stops accepting
 STARTUP_PERIOD_S = 10
 MODEL_LABEL = "tandem.dev/modelserver"
+SERVER_GID = 10001  # the server image's group (Dockerfile): the mounted Secret files belong to it
+SECRET_MODE = 0o440  # owner and group read: the key and the tokens are for the server alone
+TLS_DIR, CLIENT_CA_DIR, AUTH_DIR = "/etc/tandem/tls", "/etc/tandem/client-ca", "/etc/tandem/auth"
 
 
 def labels(name: str) -> dict[str, str]:
@@ -23,6 +29,64 @@ def labels(name: str) -> dict[str, str]:
 
 def selector(name: str) -> dict[str, str]:
     return {MODEL_LABEL: name}
+
+
+@dataclass(frozen=True)
+class SecretFiles:
+    """A Secret mounted as a read-only directory, and the settings naming its files.
+
+    Never through subPath: the kubelet updates a directory volume when the Secret changes (a
+    certificate cert-manager renews, a token added), a subPath file never, and the server re-reads
+    the files when they change. The operator only names the Secret; the kubelet reads it, so the
+    operator needs no access to Secrets and a missing one keeps the pod pending.
+    """
+
+    volume: str
+    secret: str
+    directory: str
+    files: dict[str, tuple[str, str]]  # setting -> (key in the Secret, file name)
+
+    def volume_source(self) -> dict:
+        items = [{"key": key, "path": path} for key, path in self.files.values()]
+        source = {"secretName": self.secret, "items": items, "defaultMode": SECRET_MODE}
+        return {"name": self.volume, "secret": source}
+
+    def mount(self) -> dict:
+        return {"name": self.volume, "mountPath": self.directory, "readOnly": True}
+
+    def env(self) -> dict[str, str]:
+        return {setting: f"{self.directory}/{path}" for setting, (_, path) in self.files.items()}
+
+
+def secret_files(spec: ModelServerSpec) -> list[SecretFiles]:
+    out = []
+    if spec.tls:
+        cert = {"TANDEM_TLS_CERT_FILE": ("tls.crt", "tls.crt"), "TANDEM_TLS_KEY_FILE": ("tls.key", "tls.key")}
+        out.append(SecretFiles("tls", spec.tls.secret_name, TLS_DIR, cert))
+        if spec.tls.client_ca_secret_name:
+            ca = {"TANDEM_TLS_CLIENT_CA_FILE": ("ca.crt", "ca.crt")}
+            out.append(SecretFiles("client-ca", spec.tls.client_ca_secret_name, CLIENT_CA_DIR, ca))
+    if spec.auth:
+        tokens = {"TANDEM_AUTH_TOKEN_FILE": (spec.auth.token_key, "tokens")}
+        out.append(SecretFiles("auth", spec.auth.token_secret_name, AUTH_DIR, tokens))
+    return out
+
+
+def probe_port(spec: ModelServerSpec) -> int:
+    """Where the kubelet asks grpc.health.v1: the plaintext health port once gRPC speaks TLS only
+    (a bearer token alone does not move it: health needs no token)."""
+    return HEALTH_PORT if spec.tls else GRPC_PORT
+
+
+def _security_env(spec: ModelServerSpec) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for secret in secret_files(spec):
+        env.update(secret.env())
+    if spec.tls:
+        env["TANDEM_HEALTH_PORT"] = str(HEALTH_PORT)
+    if not spec.reflection:  # on is the server's default: left unset, as before the field existed
+        env["TANDEM_REFLECTION"] = "false"
+    return env
 
 
 def _env(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
@@ -40,6 +104,7 @@ def _env(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
         env["TANDEM_MODEL"] = spec.model.source
     if spec.model.name:
         env["TANDEM_MODEL_NAME"] = spec.model.name
+    env.update(_security_env(spec))
     for var in spec.env:  # the user's word wins
         env[var.name] = var.value
     return [{"name": k, "value": v} for k, v in env.items()]
@@ -64,6 +129,25 @@ def _scheduling(spec: ModelServerSpec) -> dict:
     return {k: v for k, v in fields.items() if v}
 
 
+def _container_ports(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
+    ports = [
+        {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"},
+    ]
+    if spec.tls:
+        ports.append({"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"})
+    return ports
+
+
+def _pod_security(spec: ModelServerSpec) -> dict:
+    context: dict = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if secret_files(spec):
+        # the kubelet gives the Secret files this group (mode 0440), so the non-root server reads them
+        context["fsGroup"] = SERVER_GID
+        context["fsGroupChangePolicy"] = "OnRootMismatch"  # no recursive walk of the volumes per start
+    return context
+
+
 def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
     # The root filesystem is read-only: the server writes only its caches (/cache: converted models,
     # Hugging Face, Triton, Inductor, as the image's environment says) and temporary files.
@@ -77,17 +161,17 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
             }
         )
         mounts.append({"name": "models", "mountPath": spec.model.mount_path, "readOnly": True})
-    grpc_check = {"grpc": {"port": GRPC_PORT}}  # grpc.health.v1; the kubelet needs a numeric port
+    secrets = secret_files(spec)
+    volumes += [s.volume_source() for s in secrets]
+    mounts += [s.mount() for s in secrets]
+    grpc_check = {"grpc": {"port": probe_port(spec)}}  # grpc.health.v1; the kubelet needs a numeric port
     container = {
         "name": "server",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "args": ["serve"],
         "env": _env(spec, metrics_port),
-        "ports": [
-            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"},
-        ],
+        "ports": _container_ports(spec, metrics_port),
         "startupProbe": {
             **grpc_check,
             "periodSeconds": STARTUP_PERIOD_S,
@@ -121,7 +205,7 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
                 "metadata": {"labels": labels(name)},
                 "spec": {
                     "terminationGracePeriodSeconds": spec.drain_seconds + PRESTOP_SLEEP_S + DRAIN_MARGIN_S,
-                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": _pod_security(spec),
                     "automountServiceAccountToken": False,  # the server never calls the API
                     "containers": [container],
                     "volumes": volumes,
@@ -132,7 +216,13 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
     }
 
 
-def service(name: str, metrics_port: int) -> dict:
+def service(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
+    ports = [
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "appProtocol": "grpc"},
+        {"name": "metrics", "port": metrics_port, "targetPort": "metrics"},
+    ]
+    if spec.tls:  # health checks from inside the cluster (the helm test) cannot speak TLS either
+        ports.append({"name": "health", "port": HEALTH_PORT, "targetPort": "health", "appProtocol": "grpc"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -140,10 +230,7 @@ def service(name: str, metrics_port: int) -> dict:
         "spec": {
             "type": "ClusterIP",
             "selector": selector(name),
-            "ports": [
-                {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "appProtocol": "grpc"},
-                {"name": "metrics", "port": metrics_port, "targetPort": "metrics"},
-            ],
+            "ports": ports,
         },
     }
 

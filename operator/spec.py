@@ -29,6 +29,25 @@ class EnvVar(_Camel):
     value: str = ""
 
 
+# A Secret's name (a DNS subdomain) and a key in it (mounted as a file of that name)
+SECRET_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+_NAME = {"min_length": 1, "max_length": 253, "pattern": SECRET_NAME}
+
+
+class TLS(_Camel):
+    # a kubernetes.io/tls Secret (tls.crt, tls.key), as cert-manager writes it
+    secret_name: str = Field(**_NAME)
+    # a Secret with ca.crt: clients must present a certificate it signed (mutual TLS)
+    client_ca_secret_name: str | None = Field(None, alias="clientCASecretName", **_NAME)
+
+
+class Auth(_Camel):
+    # a Secret whose key token_key holds the accepted bearer tokens, one per line
+    token_secret_name: str = Field(**_NAME)
+    token_key: str = Field("tokens", min_length=1, max_length=253, pattern=SECRET_KEY)
+
+
 class Scaling(_Camel):
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(4, ge=1)
@@ -67,6 +86,9 @@ class ModelServerSpec(_Camel):
     drain_seconds: int = Field(600, ge=0)
     startup_seconds: int = Field(1800, ge=10)
     scaling: Scaling = Scaling()
+    tls: TLS | None = None
+    auth: Auth | None = None
+    reflection: bool = True
 
     def targets(self) -> ScalingTargets:
         s = self.scaling

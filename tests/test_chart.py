@@ -104,6 +104,14 @@ VALUE_SETS: dict[str, dict] = {
         },
         "networkPolicy": {"enabled": True, "grpcFrom": [CLIENTS], "metricsFrom": [PROMETHEUS]},
     },
+    "tls": {
+        "exampleModelServer": {
+            "tls": {"secretName": "smollm2-tls", "clientCASecretName": "smollm2-client-ca"},
+            "auth": {"tokenSecretName": "smollm2-tokens", "tokenKey": "api-tokens"},
+            "reflection": False,
+        },
+        "networkPolicy": {"enabled": True, "grpcFrom": [CLIENTS]},
+    },
     "no-example": {
         "exampleModelServer": {"enabled": False},
         "tests": {"target": "llama-8b.ml.svc:50051"},
@@ -276,7 +284,19 @@ def test_crd_schema_check_catches_unknown_and_wrong_fields(chart: helm.Chart, re
     """The CRD check above is not a rubber stamp: a typo or a wrong type in a ModelServer fails it."""
     crds = crd_docs(chart)
     example = one(rendered["default"], "ModelServer")
-    for broken_spec in ({"gpuPerPod": 1}, {"gpusPerPod": "one"}, {"scaling": {"maxReplica": 3}}):
+    broken_specs = (
+        {"gpuPerPod": 1},
+        {"gpusPerPod": "one"},
+        {"scaling": {"maxReplica": 3}},
+        {"tls": {}},  # TLS without a certificate
+        {"tls": {"clientCASecretName": "ca"}},
+        {"tls": {"secretName": "tls", "clientCaSecretName": "ca"}},  # the CRD spells it clientCASecretName
+        {"tls": {"secretName": "Server_TLS"}},  # not a Secret name
+        {"auth": {"tokenKey": "tokens"}},
+        {"auth": {"tokenSecretName": "tokens", "tokenKey": "../tokens"}},
+        {"reflection": "off"},
+    )
+    for broken_spec in broken_specs:
         broken = copy.deepcopy(example)
         broken["spec"].update(broken_spec)
         with pytest.raises(jsonschema.ValidationError):
@@ -312,6 +332,10 @@ BAD_VALUES = [
     {"exampleModelServer": {"scaling": {"maxReplica": 4}}},
     {"exampleModelServer": {"name": "Llama_8B"}},
     {"exampleModelServer": {"env": [{"value": "no name"}]}},
+    {"exampleModelServer": {"tls": {"secretName": "Server_TLS"}}},
+    {"exampleModelServer": {"tls": {"secret": "server-tls"}}},
+    {"exampleModelServer": {"auth": {"tokenSecretName": "tokens", "tokenKey": ""}}},
+    {"exampleModelServer": {"reflection": "false"}},
     {"monitoring": {"serviceMonitor": {"interval": 15}}},
     {"otel": {"protocol": "http/protobuf"}},  # the servers speak OTLP/gRPC only
     {"tests": {"timeoutSeconds": 0}},
@@ -352,6 +376,8 @@ def test_example_values_name_real_crd_fields(chart: helm.Chart) -> None:
     assert set(example) - chart_only - scheduling <= set(spec["properties"]) - {"image", "imagePullPolicy"}
     assert set(example["model"]["properties"]) <= set(spec["properties"]["model"]["properties"])
     assert set(example["scaling"]["properties"]) <= set(spec["properties"]["scaling"]["properties"])
+    for key in ("tls", "auth"):
+        assert set(example[key]["properties"]) == set(spec["properties"][key]["properties"]), key
 
 
 # ---------------------------------------------------------------- security
@@ -577,6 +603,21 @@ def test_example_servers_export_traces_when_otel_is_on(rendered: dict[str, list[
     assert "env" not in one(rendered["default"], "ModelServer")["spec"]
 
 
+def test_tls_auth_and_reflection_reach_the_example(rendered: dict[str, list[dict]]) -> None:
+    spec = one(rendered["tls"], "ModelServer")["spec"]
+    assert spec["tls"] == {"secretName": "smollm2-tls", "clientCASecretName": "smollm2-client-ca"}
+    assert spec["auth"] == {"tokenSecretName": "smollm2-tokens", "tokenKey": "api-tokens"}
+    assert spec["reflection"] is False
+    default = one(rendered["default"], "ModelServer")["spec"]
+    assert "tls" not in default and "auth" not in default, "empty Secret names: plaintext, no token"
+    assert default["reflection"] is True
+
+
+def test_client_ca_without_a_certificate_is_refused(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match="clientCASecretName needs tls.secretName"):
+        render(chart, {"exampleModelServer": {"tls": {"clientCASecretName": "clients-ca"}}})
+
+
 def test_gpu_node_scheduling_reaches_the_crd_or_is_refused(chart: helm.Chart) -> None:
     """nodeSelector/tolerations/affinity go into spec only if the CRD has the field; otherwise
     rendering fails with a clear message instead of the API server pruning them silently."""
@@ -640,7 +681,8 @@ def test_network_policies(rendered: dict[str, list[dict]]) -> None:
         spec = policy["spec"]
         assert spec["policyTypes"] == ["Ingress"]
         grpc_rule, metrics_rule = spec["ingress"]
-        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+        # the plaintext health port (used under TLS) is open to whoever may call gRPC
+        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 50052, "protocol": "TCP"}]
         assert CLIENTS in grpc_rule["from"]
         assert any(p["podSelector"]["matchLabels"].items() <= test_pod.items() for p in grpc_rule["from"][1:])
         assert metrics_rule["ports"] == [{"port": 9400, "protocol": "TCP"}]
@@ -666,6 +708,15 @@ def test_helm_test_pod_checks_the_example_service(rendered: dict[str, list[dict]
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     other = one(rendered["no-example"], "Pod")["spec"]["containers"][0]["args"]
     assert other[:3] == ["health", "--target", "llama-8b.ml.svc:50051"]
+
+
+def test_helm_test_pod_asks_the_plaintext_health_port_under_tls(chart: helm.Chart, rendered) -> None:
+    """The check speaks neither TLS nor tokens: under TLS it asks port 50052; with a token alone the
+    main port still answers health without one."""
+    args = one(rendered["tls"], "Pod")["spec"]["containers"][0]["args"]
+    assert args[:3] == ["health", "--target", f"smollm2.{NAMESPACE}.svc:50052"]
+    token_only = render(chart, {"exampleModelServer": {"auth": {"tokenSecretName": "smollm2-tokens"}}})
+    assert one(token_only, "Pod")["spec"]["containers"][0]["args"][2] == f"smollm2.{NAMESPACE}.svc:50051"
 
 
 def test_helm_test_pod_command_passes_on_serving_and_fails_otherwise(
@@ -703,3 +754,12 @@ def test_notes_tell_how_to_call_the_server(chart: helm.Chart) -> None:
     assert f"llama-8b.{NAMESPACE}.svc:50051" in notes
     assert "2 x nvidia.com/mig-3g.71gb per pod" in notes
     assert f"helm test {RELEASE}" in notes
+
+
+def test_notes_under_tls_and_tokens(chart: helm.Chart) -> None:
+    notes = chart.render(VALUE_SETS["tls"], name=RELEASE, namespace=NAMESPACE)["tandem/templates/NOTES.txt"]
+    assert "-plaintext" not in notes and "tandem generate" not in notes
+    assert "-cacert ca.crt -cert client.crt -key client.key" in notes
+    assert f"-servername smollm2.{NAMESPACE}.svc" in notes
+    assert '-H "authorization: Bearer $TOKEN"' in notes
+    assert "-proto tandem/v1/tandem.proto" in notes, "reflection is off"

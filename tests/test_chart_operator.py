@@ -16,6 +16,7 @@ resources = pytest.importorskip("tandem.operator.resources", reason="the operato
 spec_module = pytest.importorskip("tandem.operator.spec")
 
 GRPC_PORT = 50051
+HEALTH_PORT = 50052
 METRICS_PORT = 9400
 
 
@@ -32,13 +33,13 @@ def owned(chart: helm.Chart, value_set: str) -> tuple[dict, dict, dict, list[dic
     spec = spec_module.parse_spec(example["spec"])
     built = (
         resources.deployment(name, spec, METRICS_PORT),
-        resources.service(name, METRICS_PORT),
+        resources.service(name, spec, METRICS_PORT),
         resources.pod_disruption_budget(name),
     )
     return (*built, docs)
 
 
-@pytest.mark.parametrize("value_set", ["default", "gpu", "cpu", "monitoring"])
+@pytest.mark.parametrize("value_set", ["default", "gpu", "cpu", "monitoring", "tls"])
 def test_operator_objects_pass_the_api_schemas(chart, value_set: str) -> None:
     for obj in owned(chart, value_set)[:3]:
         for version in KUBE_VERSIONS:
@@ -101,3 +102,38 @@ def test_gpu_node_scheduling_and_pull_secrets_reach_the_model_pods(chart: helm.C
     assert pod["imagePullSecrets"] == VALUE_SETS["gpu"]["imagePullSecrets"]
     default_pod = owned(chart, "default")[0]["spec"]["template"]["spec"]
     assert not {"nodeSelector", "tolerations", "affinity", "imagePullSecrets"} & set(default_pod)
+
+
+def test_tls_example_pods_mount_secrets_and_probe_the_health_port(chart: helm.Chart) -> None:
+    deployment, service, _, docs = owned(chart, "tls")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    example = one(docs, "ModelServer")["spec"]
+    secrets = {v["secret"]["secretName"]: v["name"] for v in pod["volumes"] if "secret" in v}
+    tls, auth = example["tls"], example["auth"]
+    assert sorted(secrets) == sorted([tls["secretName"], tls["clientCASecretName"], auth["tokenSecretName"]])
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    for volume in secrets.values():
+        assert "subPath" not in mounts[volume], "a subPath mount never sees a renewed certificate"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert {"TANDEM_TLS_CERT_FILE", "TANDEM_TLS_KEY_FILE", "TANDEM_TLS_CLIENT_CA_FILE"} <= set(env)
+    assert env["TANDEM_AUTH_TOKEN_FILE"].startswith(mounts[secrets["smollm2-tokens"]]["mountPath"] + "/")
+    assert env["TANDEM_REFLECTION"] == "false"
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["grpc"] == {"port": HEALTH_PORT}, "the kubelet's gRPC probe speaks no TLS"
+    # the helm test's address leads through the Service to the server's health port
+    target = one(docs, "Pod")["spec"]["containers"][0]["args"][2]
+    host, port = target.rsplit(":", 1)
+    assert host == f"{service['metadata']['name']}.{NAMESPACE}.svc"
+    (service_port,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+    (container_port,) = [p for p in container["ports"] if p["name"] == service_port["targetPort"]]
+    assert container_port["containerPort"] == int(env["TANDEM_HEALTH_PORT"]) == HEALTH_PORT
+    # and the NetworkPolicy lets the test pod reach it
+    test_pod = one(docs, "Pod")["metadata"]["labels"]
+    (policy,) = [p for p in objects(docs, "NetworkPolicy") if p["metadata"]["name"].endswith("-servers")]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    health = {"port": HEALTH_PORT, "protocol": "TCP"}
+    health_rules = [r for r in policy["spec"]["ingress"] if health in r["ports"]]
+    peers = [peer["podSelector"]["matchLabels"] for rule in health_rules for peer in rule["from"]]
+    assert any(peer.items() <= test_pod.items() for peer in peers)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tandem.operator import resources
-from tandem.operator.spec import InvalidSpec, ModelServerSpec, Scaling, parse_spec
+from tandem.operator.spec import TLS, Auth, InvalidSpec, ModelServerSpec, Scaling, parse_spec
 
 CRD = Path(__file__).resolve().parent.parent / "charts/tandem/crds/modelservers.tandem.dev.yaml"
 
@@ -32,21 +32,37 @@ def test_crd_names_and_subresources():
     assert rules["x-kubernetes-validations"][0]["rule"] == "self.minReplicas <= self.maxReplicas"
 
 
-@pytest.mark.parametrize("model", [ModelServerSpec, Scaling])
-def test_crd_defaults_and_fields_match_the_operator(model: type):
-    schema = crd_schema() if model is ModelServerSpec else crd_schema()["properties"]["scaling"]
+def _constraint(field: object, name: str) -> object:
+    """A pydantic field's bound of that name (ge, gt, max_length, pattern), or None."""
+    return next((getattr(m, name) for m in field.metadata if getattr(m, name, None) is not None), None)
+
+
+@pytest.mark.parametrize(
+    ("model", "path"), [(ModelServerSpec, ()), (Scaling, ("scaling",)), (TLS, ("tls",)), (Auth, ("auth",))]
+)
+def test_crd_defaults_and_fields_match_the_operator(model: type, path: tuple[str, ...]):
+    schema = crd_schema()
+    for key in path:
+        schema = schema["properties"][key]
     props = schema["properties"]
     aliases = {f.alias or n: f for n, f in model.model_fields.items()}
     assert set(props) == set(aliases)  # no field only one side knows
+    required = {name for name, field in aliases.items() if field.is_required()}
+    assert set(schema.get("required", [])) == required
     for name, field in aliases.items():
         if "default" in props[name] and not isinstance(props[name]["default"], dict):
             assert props[name]["default"] == field.default, name
         if "minimum" in props[name]:
-            bounds = {type(m).__name__: m for m in field.metadata}
-            low = getattr(bounds.get("Ge"), "ge", None)
+            low = _constraint(field, "ge")
             if low is None:
-                low = getattr(bounds.get("Gt"), "gt", None)
+                low = _constraint(field, "gt")
             assert low == props[name]["minimum"], name
+        for crd_key, pydantic_key in (
+            ("minLength", "min_length"),
+            ("maxLength", "max_length"),
+            ("pattern", "pattern"),
+        ):
+            assert props[name].get(crd_key) == _constraint(field, pydantic_key), (name, crd_key)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +76,11 @@ def test_crd_defaults_and_fields_match_the_operator(model: type):
         ({"image": "x", "scaling": {"targetBatchFill": 1.5}}, "spec.scaling.targetBatchFill"),
         ({"image": "x", "gpusPerPod": -1}, "spec.gpusPerPod"),
         ({}, "spec.image: Field required"),
+        ({"image": "x", "tls": {}}, "spec.tls.secretName: Field required"),
+        ({"image": "x", "tls": {"secretName": "Server_TLS"}}, "spec.tls.secretName: String should match"),
+        ({"image": "x", "tls": {"secretName": "a", "clientCASecretName": ""}}, "spec.tls.clientCASecretName"),
+        ({"image": "x", "auth": {"tokenKey": "tokens"}}, "spec.auth.tokenSecretName: Field required"),
+        ({"image": "x", "auth": {"tokenSecretName": "t", "tokenKey": "../etc"}}, "spec.auth.tokenKey"),
     ],
 )
 def test_invalid_specs_name_their_problem(spec: dict, message: str):
@@ -108,3 +129,91 @@ def test_deployment_shape():
 def test_cpu_pods_request_no_gpu():
     dep = resources.deployment("small", parse_spec({"image": "x", "gpusPerPod": 0}), 9400)
     assert dep["spec"]["template"]["spec"]["containers"][0]["resources"] == {}
+
+
+SECURE = {
+    "image": "x",
+    "tls": {"secretName": "llama-tls", "clientCASecretName": "clients-ca"},
+    "auth": {"tokenSecretName": "llama-tokens", "tokenKey": "api-tokens"},
+    "reflection": False,
+}
+
+
+def _pod(spec: dict) -> tuple[dict, dict]:
+    pod = resources.deployment("llama", parse_spec(spec), 9400)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def test_tls_and_auth_mount_their_secrets_as_directories():
+    pod, container = _pod(SECURE)
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    assert volumes == {
+        "tls": {
+            "secretName": "llama-tls",
+            "items": [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}],
+            "defaultMode": 0o440,
+        },
+        "client-ca": {
+            "secretName": "clients-ca",
+            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+            "defaultMode": 0o440,
+        },
+        "auth": {
+            "secretName": "llama-tokens",
+            "items": [{"key": "api-tokens", "path": "tokens"}],
+            "defaultMode": 0o440,
+        },
+    }
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    for volume in volumes:
+        # a subPath mount is never updated by the kubelet: a renewed certificate would not reach the server
+        assert "subPath" not in mounts[volume] and mounts[volume]["readOnly"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TANDEM_TLS_CERT_FILE"] == mounts["tls"]["mountPath"] + "/tls.crt"
+    assert env["TANDEM_TLS_KEY_FILE"] == mounts["tls"]["mountPath"] + "/tls.key"
+    assert env["TANDEM_TLS_CLIENT_CA_FILE"] == mounts["client-ca"]["mountPath"] + "/ca.crt"
+    assert env["TANDEM_AUTH_TOKEN_FILE"] == mounts["auth"]["mountPath"] + "/tokens"
+    assert env["TANDEM_REFLECTION"] == "false"
+    # 0440 files are the server's only through the group the kubelet gives them
+    assert pod["securityContext"]["fsGroup"] == resources.SERVER_GID
+
+
+def test_tls_moves_the_probes_to_the_plaintext_health_port():
+    _, container = _pod(SECURE)
+    env = {e["name"]: e["value"] for e in container["env"]}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["health"] == resources.HEALTH_PORT == int(env["TANDEM_HEALTH_PORT"]) != resources.GRPC_PORT
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["grpc"] == {"port": resources.HEALTH_PORT}
+    service = resources.service("llama", parse_spec(SECURE), 9400)
+    assert {
+        "name": "health",
+        "port": resources.HEALTH_PORT,
+        "targetPort": "health",
+        "appProtocol": "grpc",
+    } in (service["spec"]["ports"])
+
+
+def test_auth_alone_keeps_the_probes_on_the_grpc_port():
+    """Health needs no token, and the kubelet's probe could not send one."""
+    pod, container = _pod({"image": "x", "auth": {"tokenSecretName": "tokens"}})
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TANDEM_AUTH_TOKEN_FILE"] == "/etc/tandem/auth/tokens"
+    assert [v["secret"]["items"] for v in pod["volumes"] if "secret" in v] == [
+        [{"key": "tokens", "path": "tokens"}]
+    ]
+    assert not {"TANDEM_HEALTH_PORT", "TANDEM_TLS_CERT_FILE", "TANDEM_REFLECTION"} & set(env)
+    assert container["readinessProbe"]["grpc"] == {"port": resources.GRPC_PORT}
+    assert [p["name"] for p in container["ports"]] == ["grpc", "metrics"]
+
+
+def test_plain_spec_has_no_security_extras():
+    pod, container = _pod({"image": "x", "reflection": True})
+    assert [v["name"] for v in pod["volumes"]] == ["cache", "tmp"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert not [
+        e for e in container["env"] if e["name"].startswith(("TANDEM_TLS", "TANDEM_AUTH", "TANDEM_HEALTH"))
+    ]
+    ports = resources.service("llama", parse_spec({"image": "x"}), 9400)["spec"]["ports"]
+    assert [p["name"] for p in ports] == ["grpc", "metrics"]

@@ -114,3 +114,9 @@ matchNames:
 {{- $version := first $crd.spec.versions -}}
 {{- keys $version.schema.openAPIV3Schema.properties.spec.properties | sortAlpha | toYaml -}}
 {{- end -}}
+
+{{/* The example's health-check address: the plaintext health port once its gRPC port speaks TLS. */}}
+{{- define "tandem.exampleHealthTarget" -}}
+{{- $port := ternary 50052 50051 (not (empty .Values.exampleModelServer.tls.secretName)) -}}
+{{- printf "%s.%s.svc:%d" .Values.exampleModelServer.name .Release.Namespace $port -}}
+{{- end -}}
