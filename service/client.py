@@ -37,7 +37,8 @@ async def generate_to_terminal(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
-    async with connect.aio_channel(args.server, creds) as channel:
+    options = connect.server_name_option(args.tls_server_name)
+    async with connect.aio_channel(args.server, creds, options) as channel:
         stub = pb_grpc.TandemStub(channel)
         try:
             call = stub.GenerateStream(build_request(args), timeout=args.timeout, metadata=metadata)

@@ -55,7 +55,7 @@ def _health(args: argparse.Namespace) -> int:
         creds = connect.credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
     except (OSError, ValueError) as exc:
         sys.exit(f"tandem health: {exc}")
-    return run(args.target, args.service, args.timeout, creds)
+    return run(args.target, args.service, args.timeout, creds, args.tls_server_name)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -97,6 +97,7 @@ def _add_connection_flags(parser: argparse.ArgumentParser, token: bool = True) -
     parser.add_argument("--tls-ca-file", help="connect with TLS, trusting this PEM CA (default: plaintext)")
     parser.add_argument("--tls-cert-file", help="mutual TLS: this client's PEM certificate chain")
     parser.add_argument("--tls-key-file", help="mutual TLS: this client's PEM private key")
+    parser.add_argument("--tls-server-name", help="the name to check the server's certificate for")
     if token:
         parser.add_argument("--token-file", help="send the bearer token in this file (its first token line)")
 

@@ -36,6 +36,11 @@ def token_metadata(token_file: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
+def server_name_option(name: str | None) -> list[tuple[str, object]]:
+    """Check the server's certificate for `name` instead of the target's host (e.g. a port-forward)."""
+    return [("grpc.ssl_target_name_override", name)] if name else []
+
+
 def aio_channel(
     target: str, creds: grpc.ChannelCredentials | None, options: list[tuple[str, object]] | None = None
 ) -> grpc.aio.Channel:

@@ -17,14 +17,18 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def check(
-    target: str, service: str = "", timeout: float = 10.0, creds: grpc.ChannelCredentials | None = None
+    target: str,
+    service: str = "",
+    timeout: float = 10.0,
+    creds: grpc.ChannelCredentials | None = None,
+    server_name: str | None = None,
 ) -> str:
     """The health status name of `service` at `target` (host:port), or the gRPC error code's name.
 
     Waits for the connection up to `timeout` seconds (a Service that just got its first endpoint
     still answers), then asks once. `creds`: TLS (health needs no token).
     """
-    with connect.channel(target, creds) as channel:
+    with connect.channel(target, creds, connect.server_name_option(server_name)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(
@@ -55,9 +59,15 @@ def wait_serving(target: str, timeout: float, alive: Callable[[], bool] = lambda
     raise TimeoutError(f"the server at {target} was not SERVING after {timeout:.0f} s")
 
 
-def run(target: str, service: str, timeout: float, creds: grpc.ChannelCredentials | None = None) -> int:
+def run(
+    target: str,
+    service: str,
+    timeout: float,
+    creds: grpc.ChannelCredentials | None = None,
+    server_name: str | None = None,
+) -> int:
     """Print the status; exit status 0 only for SERVING."""
-    status = check(target, service, timeout, creds)
+    status = check(target, service, timeout, creds, server_name)
     label = f"{target} {service}".rstrip()
     print(f"{label}: {status}")
     return 0 if status == health_pb2.HealthCheckResponse.ServingStatus.Name(SERVING) else 1

@@ -203,6 +203,10 @@ def test_health_needs_no_token_and_the_health_port_serves_only_health(
     ]
     ok = subprocess.run(over_tls, capture_output=True, text=True)
     assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
+    # the certificate is checked for the name given, not the target's address
+    over_tls += ["--tls-server-name", "elsewhere.example", "--timeout", "3"]
+    wrong = subprocess.run(over_tls, capture_output=True, text=True)
+    assert wrong.returncode == 1 and "DEADLINE_EXCEEDED" in wrong.stdout, wrong.stdout + wrong.stderr
 
 
 def test_reflection_can_be_turned_off(server: tuple[str, int], pki: Pki) -> None:
