@@ -170,7 +170,9 @@ def warmup_level(a: argparse.Namespace, vocab: int, max_model_len: int) -> dict 
     return {"mode": "concurrency", "concurrency": c, "jobs": [vars(j) for j in js]}
 
 
-def run_clients(address: str, level: dict, clients: int, channels: int) -> tuple[list[dict], float, float]:
+def run_clients(
+    address: str, level: dict, clients: int, channels: int, tls_ca: str | None = None
+) -> tuple[list[dict], float, float]:
     """One level through `clients` processes; (requests as timed, start, end) in wall clock."""
     from serve_client import run_client
 
@@ -186,7 +188,9 @@ def run_clients(address: str, level: dict, clients: int, channels: int) -> tuple
         for i, job in enumerate(level["jobs"]):
             shares[i % clients][1].append(job)
     procs = [
-        ctx.Process(target=run_client, args=(address, s, r, go, channels, out)) for s, r in shares if s or r
+        ctx.Process(target=run_client, args=(address, s, r, go, channels, out, tls_ca))
+        for s, r in shares
+        if s or r
     ]
     for p in procs:
         p.start()
@@ -216,6 +220,15 @@ def engine_only(levels: list[dict], warmup: dict | None, env: dict[str, str], fo
     return json.loads(out.read_text())
 
 
+def tls_env(folder: Path) -> dict[str, str]:
+    """The server's TLS settings from a folder of ca.crt, server.crt and server.key (for 127.0.0.1)."""
+    return {
+        "TANDEM_TLS_CERT_FILE": str(folder / "server.crt"),
+        "TANDEM_TLS_KEY_FILE": str(folder / "server.key"),
+        "TANDEM_HEALTH_PORT": str(free_port()),  # a TLS port is waited on through the plaintext one
+    }
+
+
 def start_server(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str, str]:
     port, metrics_port = free_port(), free_port()
     cmd = [
@@ -241,22 +254,27 @@ def serve_levels(
     engine_results: list[dict] | None,
     env: dict[str, str],
     log: Path,
+    tls_ca: str | None = None,
 ) -> tuple[list[dict], int | str | None]:
-    """Every level through one server (started here unless --server); (rows, the server's exit code)."""
+    """Every level through one server (started here unless --server); (rows, the server's exit code).
+    `tls_ca`: the server speaks TLS (env has its files) and clients trust this CA."""
     proc = None
     if a.server:
         address, metrics_url = a.server, a.metrics
     else:
         proc, address, metrics_url = start_server(env, log)
+    health = f"127.0.0.1:{env['TANDEM_HEALTH_PORT']}" if "TANDEM_HEALTH_PORT" in env else address
     rows = []
     try:
-        wait_serving(address, 1800, lambda: proc is None or proc.poll() is None)
-        print(f"server at {address} SERVING ({env.get('TANDEM_API_PROCESSES', '1')} front(s))", flush=True)
+        wait_serving(health, 1800, lambda: proc is None or proc.poll() is None)
+        how = "TLS" if tls_ca else "plaintext"
+        fronts = env.get("TANDEM_API_PROCESSES", "1")
+        print(f"server at {address} SERVING ({fronts} front(s), {how})", flush=True)
         if warmup is not None:
-            run_clients(address, warmup, a.clients, a.channels)
+            run_clients(address, warmup, a.clients, a.channels, tls_ca)
         with GaugeSampler(metrics_url) as gauges:
             for i, level in enumerate(levels):
-                requests, start, end = run_clients(address, level, a.clients, a.channels)
+                requests, start, end = run_clients(address, level, a.clients, a.channels, tls_ca)
                 row = {k: level[k] for k in ("mode", "concurrency", "request_rate") if k in level}
                 row["server"] = summarize(requests, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
                 for gauge in GaugeSampler.GAUGES:
@@ -301,11 +319,15 @@ def serve_levels(
 
 
 def _label(level: dict) -> str:
-    return (
-        f"{level['concurrency']} streams"
-        if level["mode"] == "concurrency"
-        else f"{level['request_rate']} req/s"
-    )
+    if level["mode"] == "concurrency":
+        what = f"{level['concurrency']} streams"
+    else:
+        what = f"{level['request_rate']} req/s"
+    if level.get("api_processes", 1) != 1:
+        what += f", {level['api_processes']} fronts"
+    if level.get("transport", "plaintext") != "plaintext":
+        what += f", {level['transport']}"
+    return what
 
 
 def table(rows: list[dict]) -> str:
@@ -458,6 +480,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="the server's gRPC front processes; several (1,2,4): one server each, same levels",
     )
+    ap.add_argument(
+        "--tls",
+        metavar="DIR",
+        help="also run every level over TLS (DIR: ca.crt, server.crt, server.key for 127.0.0.1), "
+        "one server each, beside plaintext",
+    )
     ap.add_argument("--no-engine-only", dest="engine_only", action="store_false")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--workdir", default=None, help="where models and logs go (default: a temporary folder)")
@@ -527,11 +555,16 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, exit_codes = [], []
     for fronts in a.api_processes or [None]:
-        server_env = env if fronts is None else {**env, "TANDEM_API_PROCESSES": str(fronts)}
-        log = folder / f"server-{fronts or 1}.log"
-        got, code = serve_levels(a, levels, warmup, engine_results, server_env, log)
-        rows += [{**row, "api_processes": fronts or 1} for row in got]
-        exit_codes.append(code)
+        for transport in ["plaintext", "tls"] if a.tls else ["plaintext"]:
+            server_env = env if fronts is None else {**env, "TANDEM_API_PROCESSES": str(fronts)}
+            tls_ca = None
+            if transport == "tls":
+                folder_tls = Path(a.tls).resolve()  # the server runs from /
+                server_env, tls_ca = {**server_env, **tls_env(folder_tls)}, str(folder_tls / "ca.crt")
+            log = folder / f"server-{fronts or 1}-{transport}.log"
+            got, code = serve_levels(a, levels, warmup, engine_results, server_env, log, tls_ca)
+            rows += [{**row, "api_processes": fronts or 1, "transport": transport} for row in got]
+            exit_codes.append(code)
     exit_code = next((c for c in exit_codes if c not in (0, None)), exit_codes[-1])
 
     import torch

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import _repo  # noqa: F401  (tandem.v1 from this checkout)
 import grpc
 
+from tandem import connect
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -65,11 +66,18 @@ async def _one(stub: pb_grpc.TandemStub, job: dict) -> Timed:
 
 
 async def _main(
-    address: str, streams: list[list[dict]], arrivals: list[dict], go: object, channels: int, out: object
+    address: str,
+    streams: list[list[dict]],
+    arrivals: list[dict],
+    go: object,
+    channels: int,
+    out: object,
+    tls_ca: str | None,
 ) -> list[dict]:
     # separate connections, so that the server's fronts (SO_REUSEPORT) each get some
     opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 * 1024**2)]
-    chans = [grpc.aio.insecure_channel(address, options=opts) for _ in range(channels)]
+    creds = connect.credentials(tls_ca)
+    chans = [connect.aio_channel(address, creds, opts) for _ in range(channels)]
     stubs = [pb_grpc.TandemStub(c) for c in chans]
     for c in chans:
         await c.channel_ready()
@@ -95,7 +103,14 @@ async def _main(
 
 
 def run_client(
-    address: str, streams: list[list[dict]], arrivals: list[dict], go: object, channels: int, out: object
+    address: str,
+    streams: list[list[dict]],
+    arrivals: list[dict],
+    go: object,
+    channels: int,
+    out: object,
+    tls_ca: str | None = None,
 ) -> None:
-    """Process entry point: "ready" once connected, then (after `go` is set) the results, on `out`."""
-    out.put(asyncio.run(_main(address, streams, arrivals, go, channels, out)))
+    """Process entry point: "ready" once connected, then (after `go` is set) the results, on `out`.
+    `tls_ca`: connect with TLS, trusting this CA."""
+    out.put(asyncio.run(_main(address, streams, arrivals, go, channels, out, tls_ca)))
