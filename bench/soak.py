@@ -49,7 +49,7 @@ from serve_server import (
     stop_server,
     tokenizer_size,
 )
-from soak_workload import SMOKE_MIX, Mix, as_dicts, describe, plan
+from soak_workload import SMOKE_MIX, Mix, as_dicts, calls, describe, plan
 
 from tandem.health import wait_serving
 
@@ -62,14 +62,15 @@ def say(text: str) -> None:
 
 
 def run_pass(address: str, requests: list[dict], a: argparse.Namespace) -> dict:
-    """Every request through `a.clients` processes, `a.concurrency` streams in all, each stream sending
-    its requests one after another. A pass that makes no progress for `a.stall_s` is a hang: its
+    """Every request through `a.clients` processes, `a.concurrency` streams in all, each stream making
+    its calls one after another. A pass that makes no progress for `a.stall_s` is a hang: its
     clients are stopped and what never came back is counted missing."""
     from soak_client import run_client
 
     ctx = multiprocessing.get_context("spawn")
     out, go, done = ctx.Queue(), ctx.Event(), ctx.Value("i", 0)
-    streams = [requests[i :: a.concurrency] for i in range(min(a.concurrency, len(requests)))]
+    units = calls(requests)
+    streams = [units[i :: a.concurrency] for i in range(min(a.concurrency, len(units)))]
     shares = [streams[i :: a.clients] for i in range(min(a.clients, len(streams)))]
     procs = [ctx.Process(target=run_client, args=(address, s, a.channels, go, out, done)) for s in shares]
     for p in procs:
@@ -173,6 +174,7 @@ def serve_and_soak(a: argparse.Namespace, env: dict[str, str], folder: Path) -> 
             "native_tokens_received": sum(o["tokens"] or 0 for o in timed["outcomes"]),
         },
         "server_exit_code": code,
+        "server_log_problems": soak_watch.log_problems(folder / "server.log"),
     }
 
 

@@ -113,7 +113,8 @@ async def _native_unary(stub: pb_grpc.TandemStub, r: dict, o: Outcome) -> None:
 
 async def _native_stream(stub: pb_grpc.TandemStub, r: dict, o: Outcome) -> None:
     call = stub.GenerateStream(_native_request(r), timeout=_timeout(r))
-    if await _cancel_now(call, r, o):
+    if status := await _cancel(call, r, 0, ended=False):
+        o.status, o.cancelled = status, True
         return
     text, ids = [], []
     async for msg in call:
@@ -123,7 +124,8 @@ async def _native_stream(stub: pb_grpc.TandemStub, r: dict, o: Outcome) -> None:
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             o.finish_reason = pb.FinishReason.Name(msg.finish_reason)
             o.completion_tokens = msg.usage.completion_tokens
-        if await _cancel_after(call, r, o):
+        if status := await _cancel(call, r, o.messages, ended=o.finish_reason is not None):
+            o.status, o.cancelled = status, True
             return
     o.tokens = len(ids)
     _keep_text(o, r, "".join(text))
@@ -137,72 +139,89 @@ async def _kserve_unary(stub: kpb_grpc.GRPCInferenceServiceStub, r: dict, o: Out
     _keep_text(o, r, _text_output(resp))
 
 
-async def _kserve_stream(stub: kpb_grpc.GRPCInferenceServiceStub, r: dict, o: Outcome) -> None:
-    async def one() -> AsyncIterator[kpb.ModelInferRequest]:
-        yield _kserve_request(r, stream=True)  # then the client half-closes: the server ends after it
-
-    call = stub.ModelStreamInfer(one(), timeout=_timeout(r))
-    if await _cancel_now(call, r, o):
-        return
-    text = []
-    async for msg in call:
-        o.messages += 1
-        if msg.error_message:
-            o.error_message = msg.error_message
-            continue
-        resp = msg.infer_response
-        o.finals.append(resp.parameters["triton_final_response"].bool_param)
-        text.append(_text_output(resp))
-        if await _cancel_after(call, r, o):
-            return
-    if o.error_message is None:
-        _keep_text(o, r, "".join(text))
+def _answered(o: Outcome) -> bool:
+    return bool(o.error_message or (o.finals and o.finals[-1]))
 
 
-async def _cancel_now(call: grpc.aio.Call, r: dict, o: Outcome) -> bool:
-    """A cancel after 0 chunks: right after the call starts, before any answer."""
-    if r["cancel"] == "chunks" and r["cancel_after"] == 0:
+async def _kserve_call(stub: kpb_grpc.GRPCInferenceServiceStub, unit: list[dict]) -> list[Outcome]:
+    """One ModelStreamInfer call carrying `unit` (one request, or a few that share the stream): the
+    responses are told apart by the request id they echo. The first request's cancel is the call's."""
+    lead, start = unit[0], time.perf_counter()
+    out = {r["index"]: Outcome(r["index"], r["kind"]) for r in unit}
+    texts: dict[int, list[str]] = {i: [] for i in out}
+
+    async def requests() -> AsyncIterator[kpb.ModelInferRequest]:
+        for r in unit:
+            yield _kserve_request(r, stream=True)
+        # then the client half-closes: the server ends the stream once every request has answered
+
+    call = stub.ModelStreamInfer(requests(), timeout=_timeout(lead))
+    messages, details = 0, None
+    status = await _cancel(call, lead, 0, ended=False)
+    try:
+        async for msg in _unless(status, call):
+            messages += 1
+            if msg.error_message:  # names no request: the first one still waiting for its answer
+                o = next((o for o in out.values() if not _answered(o)), out[lead["index"]])
+                o.error_message = msg.error_message
+            else:
+                o = out[int(msg.infer_response.id)]
+                o.finals.append(msg.infer_response.parameters["triton_final_response"].bool_param)
+                texts[o.index].append(_text_output(msg.infer_response))
+            o.messages += 1
+            ended = all(_answered(x) for x in out.values())
+            if status := await _cancel(call, lead, messages, ended=ended):
+                break
+    except grpc.aio.AioRpcError as err:
+        status, details = err.code().name, err.details() or err.code().name
+    for r in unit:
+        o = out[r["index"]]
+        o.seconds = time.perf_counter() - start
+        if status is not None and not _answered(o):  # what had its answer before the call ended keeps it
+            o.status, o.cancelled, o.error_message = status, details is None, details
+        elif o.status == "OK" and not o.error_message:
+            _keep_text(o, r, "".join(texts[o.index]))
+    return list(out.values())
+
+
+async def _unless(status: str | None, call: grpc.aio.Call) -> AsyncIterator:
+    """The call's messages; none if it already ended (`status`)."""
+    if status is None:
+        async for msg in call:
+            yield msg
+
+
+async def _cancel(call: grpc.aio.Call, r: dict, messages: int, ended: bool) -> str | None:
+    """Cancel `call` here if the plan says so: after `cancel_after` messages (0: right after it
+    starts, before any answer), never once its last answer is in. The status it ended with, or None."""
+    if r["cancel"] != "chunks" or messages != r["cancel_after"] or ended or call.done():
+        return None
+    if messages == 0:
         await asyncio.sleep(0)
-        call.cancel()
-        o.cancelled = True
-        o.status = (await call.code()).name
-        return True
-    return False
+    call.cancel()
+    return (await call.code()).name
 
 
-async def _cancel_after(call: grpc.aio.Call, r: dict, o: Outcome) -> bool:
-    """A cancel mid-stream, after `cancel_after` messages; never once the last answer is in."""
-    ended = o.finish_reason is not None or (o.finals and o.finals[-1])
-    if r["cancel"] == "chunks" and o.messages >= r["cancel_after"] and not ended and not call.done():
-        call.cancel()
-        o.cancelled = True
-        o.status = (await call.code()).name
-        return True
-    return False
+RUN = {"native_unary": _native_unary, "native_stream": _native_stream, "kserve_unary": _kserve_unary}
 
 
-RUN = {
-    "native_unary": _native_unary,
-    "native_stream": _native_stream,
-    "kserve_unary": _kserve_unary,
-    "kserve_stream": _kserve_stream,
-}
-
-
-async def _one(stubs: dict, r: dict) -> Outcome:
+async def _one(stubs: dict, unit: list[dict]) -> list[Outcome]:
+    """The outcomes of one call: a KServe stream's requests, or one request of another kind."""
+    r = unit[0]
+    if r["kind"] == "kserve_stream":
+        return await _kserve_call(stubs["kserve"], unit)
     o = Outcome(r["index"], r["kind"])
     start = time.perf_counter()
     try:
         await RUN[r["kind"]](stubs["kserve" if r["kind"].startswith("kserve") else "native"], r, o)
     except grpc.aio.AioRpcError as err:
-        o.status = err.code().name
-        o.error_message = o.error_message or err.details()
+        o.status, o.error_message = err.code().name, err.details()
     o.seconds = time.perf_counter() - start
-    return o
+    return [o]
 
 
 async def _main(
-    address: str, streams: list[list[dict]], channels: int, go: object, out: object, done: object
+    address: str, streams: list[list[list[dict]]], channels: int, go: object, out: object, done: object
 ) -> list[dict]:
     # separate connections, so that the server's fronts (SO_REUSEPORT) each get some
     opts = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 * 1024**2)]
@@ -214,11 +233,11 @@ async def _main(
     await asyncio.get_running_loop().run_in_executor(None, go.wait)  # every client starts at once
     results: list[Outcome] = []
 
-    async def stream(i: int, requests: list[dict]) -> None:
-        for r in requests:
-            results.append(await _one(stubs[i % len(stubs)], r))
+    async def stream(i: int, units: list[list[dict]]) -> None:
+        for unit in units:
+            results.extend(await _one(stubs[i % len(stubs)], unit))
             with done.get_lock():
-                done.value += 1
+                done.value += len(unit)
 
     await asyncio.gather(*(stream(i, s) for i, s in enumerate(streams)))
     for c in chans:
@@ -227,8 +246,9 @@ async def _main(
 
 
 def run_client(
-    address: str, streams: list[list[dict]], channels: int, go: object, out: object, done: object
+    address: str, streams: list[list[list[dict]]], channels: int, go: object, out: object, done: object
 ) -> None:
-    """Process entry point: "ready" once connected, then (after `go` is set) the outcomes, on `out`;
+    """Process entry point: each stream sends its calls (lists of requests, see soak_workload.calls)
+    one after another; "ready" once connected, then (after `go` is set) the outcomes, on `out`;
     `done` counts finished requests as they finish (the parent watches it for progress and hangs)."""
     out.put(asyncio.run(_main(address, streams, channels, go, out, done)))

@@ -234,6 +234,22 @@ def wait_idle(address: str, timeout_s: float = 60.0, period: float = 0.2) -> dic
     }
 
 
+def log_problems(log: Path, examples: int = 3) -> dict:
+    """ERROR and WARNING lines and tracebacks in the server's log: a healthy server under load that
+    only sees its clients cancel should write none."""
+    levels: Counter = Counter()
+    first: dict[str, str] = {}
+    tracebacks = 0
+    for line in log.read_text(errors="replace").splitlines():
+        tracebacks += line.startswith("Traceback")
+        found = re.match(r"\S+ \S+ (ERROR|WARNING|CRITICAL) (.*)", line)
+        if found:
+            levels[found[1]] += 1
+            if len(first) < examples:
+                first.setdefault(found[2][:200], found[1])
+    return {"by_level": dict(levels), "tracebacks": tracebacks, "examples": list(first)}
+
+
 def metric(url: str, name: str) -> float | None:
     """One sample's value from the server's /metrics (the first sample of that family)."""
     from prometheus_client.parser import text_string_to_metric_families

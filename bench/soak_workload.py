@@ -47,6 +47,7 @@ class Mix:
     sampled_fraction: float = 0.5  # of the other requests: temperature > 0 (the rest greedy); 0: none
     deadline_s: tuple[float, float] = (0.005, 2.0)  # a short client deadline, log-uniform
     max_cancel_chunks: int = 8  # streams: cancel after 0..this many chunks (0: right after the call)
+    shared_call_fraction: float = 0.25  # KServe streams that carry one or two more requests
 
 
 SMOKE_MIX = Mix(
@@ -73,6 +74,7 @@ class SoakRequest:
     cancel: str | None = None  # None, "chunks", "deadline" or "timeout_param" (KServe's `timeout`)
     cancel_after: int = 0  # "chunks": cancel after this many messages
     deadline_s: float | None = None  # "deadline" / "timeout_param"
+    call: int | None = None  # KServe streams: the request whose ModelStreamInfer call carries this one
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -102,31 +104,62 @@ def probe_prompts(mix: Mix, seed: int) -> list[tuple[str, int, float, int | None
 
 
 def plan(count: int, mix: Mix, seed: int, start: int = 0) -> list[SoakRequest]:
-    """`count` requests, the same for the same seed. `start`: the first index (warm-up and run apart)."""
+    """`count` requests, the same for the same seed. `start`: the first index (warm-up and run apart).
+
+    Some KServe streams carry one or two more requests (`call`: the first one's index), as a client
+    that multiplexes one ModelStreamInfer stream does; a cancel of that call is all of theirs."""
     rng = random.Random(seed)
     probes = probe_prompts(mix, seed)
-    out = []
+    out: list[SoakRequest] = []
+    lead, riders = None, 0
     for index in range(start, start + count):
-        kind = rng.choice(KINDS)
-        if probes and rng.random() < mix.probe_fraction:
-            p = rng.randrange(len(probes))
-            prompt, max_tokens, temperature, probe_seed = probes[p]
-            req = SoakRequest(index, kind, prompt, max_tokens, temperature, probe_seed, probe=p)
+        req = _request(rng, index, "kserve_stream" if riders else rng.choice(KINDS), mix, probes)
+        if riders:
+            riders -= 1
+            req.call = lead.index
+            if lead.cancel in ("chunks", "deadline"):  # the call's, not the request's
+                req.cancel, req.cancel_after, req.deadline_s = lead.cancel, lead.cancel_after, lead.deadline_s
         else:
-            sampled = rng.random() < mix.sampled_fraction
-            req = SoakRequest(
-                index,
-                kind,
-                _text(rng, mix.prompt_words.draw(rng)),
-                mix.max_tokens.draw(rng),
-                temperature=round(rng.uniform(0.5, 1.2), 3) if sampled else 0.0,
-                seed=rng.randrange(2**32) if sampled and rng.random() < 0.5 else None,
-                ignore_eos=kind.startswith("native") and rng.random() < 0.5,
-            )
-        req.exclude_input = kind.startswith("kserve") and rng.random() < 0.5
-        if rng.random() < mix.cancel_fraction:
-            _plan_cancel(req, rng, mix)
+            if rng.random() < mix.cancel_fraction:
+                _plan_cancel(req, rng, mix)
+            if req.kind == "kserve_stream" and rng.random() < mix.shared_call_fraction:
+                lead, riders = req, rng.randint(1, 2)
+                if req.cancel == "timeout_param":  # an error response names no request: one per call
+                    req.cancel, req.deadline_s = None, None
         out.append(req)
+    return out
+
+
+def _request(rng: random.Random, index: int, kind: str, mix: Mix, probes: list) -> SoakRequest:
+    if probes and rng.random() < mix.probe_fraction:
+        p = rng.randrange(len(probes))
+        prompt, max_tokens, temperature, probe_seed = probes[p]
+        req = SoakRequest(index, kind, prompt, max_tokens, temperature, probe_seed, probe=p)
+    else:
+        sampled = rng.random() < mix.sampled_fraction
+        req = SoakRequest(
+            index,
+            kind,
+            _text(rng, mix.prompt_words.draw(rng)),
+            mix.max_tokens.draw(rng),
+            temperature=round(rng.uniform(0.5, 1.2), 3) if sampled else 0.0,
+            seed=rng.randrange(2**32) if sampled and rng.random() < 0.5 else None,
+            ignore_eos=kind.startswith("native") and rng.random() < 0.5,
+        )
+    req.exclude_input = kind.startswith("kserve") and rng.random() < 0.5
+    return req
+
+
+def calls(requests: list[dict]) -> list[list[dict]]:
+    """The requests grouped by the call that carries them, in order."""
+    out: list[list[dict]] = []
+    by_lead: dict[int, list[dict]] = {}
+    for r in requests:
+        if r["call"] is None:
+            by_lead[r["index"]] = [r]
+            out.append(by_lead[r["index"]])
+        else:
+            by_lead[r["call"]].append(r)
     return out
 
 
@@ -157,6 +190,7 @@ def describe(requests: list[SoakRequest]) -> dict:
         "kinds": kinds,
         "cancelled_by_soak": cancels,
         "probes": sum(r.probe is not None for r in requests),
+        "riding_a_shared_kserve_stream": sum(r.call is not None for r in requests),
         "greedy": sum(r.temperature == 0 for r in requests),
         "prompt_words": {"mean": round(sum(words) / len(words), 1), "min": min(words), "max": max(words)},
         "max_tokens": {"mean": round(sum(news) / len(news), 1), "min": min(news), "max": max(news)},

@@ -219,3 +219,25 @@ def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
     assert got["unexpected_errors"]["value"] == 3 and not got["unexpected_errors"]["met"]
     assert got["lost_or_duplicated_tokens"]["value"] == 3
     assert got["probe_answers_differing"]["correctness"] is False and got["leaked_kv_blocks"]["met"]
+
+
+def test_soak_plan_is_seeded_and_shared_kserve_calls_cancel_together(monkeypatch):
+    """The same seed gives the same requests; about the asked share is cancelled; requests riding
+    another's KServe stream follow it and share its client-side cancel."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from soak_workload import KINDS, Mix, as_dicts, calls, plan
+
+    requests = as_dicts(plan(2000, Mix(), seed=3))
+    assert requests == as_dicts(plan(2000, Mix(), seed=3)) != as_dicts(plan(2000, Mix(), seed=4))
+    assert {r["kind"] for r in requests} == set(KINDS)
+    leads = [r for r in requests if r["call"] is None]
+    assert 0.07 < sum(r["cancel"] is not None for r in leads) / len(leads) < 0.13
+    units = calls(requests)
+    assert sorted(r["index"] for u in units for r in u) == [r["index"] for r in requests]
+    shared = [u for u in units if len(u) > 1]
+    assert shared and all(r["kind"] == "kserve_stream" and r["call"] == u[0]["index"] for u in shared
+                          for r in u[1:])
+    for u in shared:
+        if u[0]["cancel"] in ("chunks", "deadline"):
+            assert all((r["cancel"], r["deadline_s"]) == (u[0]["cancel"], u[0]["deadline_s"]) for r in u)
+        assert all(r["cancel"] != "timeout_param" for r in u)  # an error response names no request
