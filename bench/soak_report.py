@@ -17,6 +17,7 @@ CANCEL_STATUS = {
     "timeout_param": {"DEADLINE_EXCEEDED"},
 }
 EXAMPLES = 5  # examples kept per kind of failure
+DEADLINES = {"deadline", "timeout_param"}
 # gRPC over HTTP/2 carries a deadline best effort: when the server's copy of the client's deadline fires
 # first, its RST_STREAM can reach the client as INTERNAL with this message (grpc/grpc#2685)
 TRANSPORT_DEADLINE = "Internal error from Core"
@@ -37,8 +38,10 @@ def unexpected(o: dict, r: dict) -> str | None:
         return None
     if status in CANCEL_STATUS.get(r["cancel"], set()) and (r["cancel"] != "chunks" or o["cancelled"]):
         return None
-    if status == "ERROR_MESSAGE" and r["cancel"] == "timeout_param" and "deadline" in o["error_message"]:
-        return None  # KServe's own timeout on a stream: reported in the response, the stream goes on
+    if status == "ERROR_MESSAGE" and r["cancel"] in DEADLINES and "deadline" in o["error_message"]:
+        # on a KServe stream a request past its deadline (its `timeout`, or the call's deadline when the
+        # server's copy of it fires first) gets an error response, and the stream goes on to its end
+        return None
     if status == "INTERNAL" and r["cancel"] == "deadline" and o["error_message"] == TRANSPORT_DEADLINE:
         return None
     return f"{status}: {o['error_message'] or ''}"[:300]

@@ -203,11 +203,17 @@ def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
          Outcome(6, "kserve_stream", error_message="the request ran past its deadline")),
         (SoakRequest(7, "kserve_stream", "p", 4),
          Outcome(7, "kserve_stream", error_message="internal error: x")),
+        (SoakRequest(8, "kserve_stream", "p", 4, cancel="deadline"),  # the server's copy of the deadline
+         Outcome(8, "kserve_stream", error_message="the request ran past its deadline")),
+        (SoakRequest(9, "native_unary", "p", 4, cancel="deadline"),  # the transport's report of it
+         Outcome(9, "native_unary", status="INTERNAL", error_message="Internal error from Core")),
+        (SoakRequest(10, "native_unary", "p", 4, cancel="deadline"),  # a server fault, deadline or not
+         Outcome(10, "native_unary", status="INTERNAL", error_message="an engine step failed")),
     ]
-    for i, text in enumerate(["one two", "one two", "one", "one three"], start=10):  # probe 0, greedy
+    for i, text in enumerate(["one two", "one two", "one", "one three"], start=20):  # probe 0, greedy
         cases.append((SoakRequest(i, "kserve_unary", "q", 4, probe=0), Outcome(i, "kserve_unary", text=text)))
     result = check([asdict(r) for r, _ in cases], [asdict(o) for _, o in cases])
-    assert sorted(b["index"] for b in result["unexpected"]["examples"]) == [2, 5, 7]
+    assert sorted(b["index"] for b in result["unexpected"]["examples"]) == [2, 5, 7, 10]
     assert [b["index"] for b in result["tokens"]["examples"]] == [0, 1]
     assert "received 3 tokens, usage.completion_tokens 4" in result["tokens"]["examples"][0]["problems"]
     tokens = result["tokens"]
@@ -216,7 +222,7 @@ def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
     report = {"run": result, "kv_blocks": {"leaked": 0}, "rss": {"growth_pct": 1.0},
               "health": {"latency_ms": {}}}
     got = targets(report, strict_probes=False)
-    assert got["unexpected_errors"]["value"] == 3 and not got["unexpected_errors"]["met"]
+    assert got["unexpected_errors"]["value"] == 4 and not got["unexpected_errors"]["met"]
     assert got["lost_or_duplicated_tokens"]["value"] == 3
     assert got["probe_answers_differing"]["correctness"] is False and got["leaked_kv_blocks"]["met"]
 
