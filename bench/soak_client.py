@@ -1,5 +1,5 @@
-"""One client process of `tandem bench soak`: its share of the streams, each sending its requests one
-after another on the kind each names, cancelling those the plan says to, and recording what came back.
+"""One client process of `tandem bench soak`: its share of the streams, each making its calls one after
+another on the kind each names, cancelling those the plan says to, and recording what came back.
 
 What is recorded per request (`Outcome`) is what the checks need: the status, what the server said it
 generated (native usage.completion_tokens) beside what arrived (token ids; KServe: text only), the
@@ -37,7 +37,7 @@ class Outcome:
     completion_tokens: int | None = None  # native: usage on the last message
     finish_reason: str | None = None  # native
     finals: list[bool] = field(default_factory=list)  # KServe stream: triton_final_response per response
-    error_message: str | None = None  # KServe stream: a response with error_message
+    error_message: str | None = None  # a KServe stream's error response, else the status's details
     cancelled: bool = False  # the soak cancelled the call itself
     prefix_ok: bool | None = None  # KServe without exclude_input: the output starts with the prompt
     text: str | None = None  # probes: the answer without the prompt
@@ -164,8 +164,10 @@ async def _kserve_call(stub: kpb_grpc.GRPCInferenceServiceStub, unit: list[dict]
             if msg.error_message:  # names no request: the first one still waiting for its answer
                 o = next((o for o in out.values() if not _answered(o)), out[lead["index"]])
                 o.error_message = msg.error_message
+            elif (o := out.get(_index(msg.infer_response.id))) is None:
+                o = out[lead["index"]]
+                o.error_message = f"a response for request id {msg.infer_response.id!r}, not on this call"
             else:
-                o = out[int(msg.infer_response.id)]
                 o.finals.append(msg.infer_response.parameters["triton_final_response"].bool_param)
                 texts[o.index].append(_text_output(msg.infer_response))
             o.messages += 1
@@ -182,6 +184,10 @@ async def _kserve_call(stub: kpb_grpc.GRPCInferenceServiceStub, unit: list[dict]
         elif o.status == "OK" and not o.error_message:
             _keep_text(o, r, "".join(texts[o.index]))
     return list(out.values())
+
+
+def _index(request_id: str) -> int | None:
+    return int(request_id) if request_id.isdigit() else None
 
 
 async def _unless(status: str | None, call: grpc.aio.Call) -> AsyncIterator:
