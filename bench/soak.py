@@ -13,10 +13,10 @@ identical answers); KV blocks still in use once the server is idle (GetLoad); th
 server's processes after an untimed warm-up pass and at the end; health latency; throughput.
 The exit status is 1 when a correctness target fails (unexpected statuses, tokens, blocks).
 
-    tandem bench soak --shape tiny --device cpu               # random-init tiny Llama, real tokenizer
-    tandem bench soak --shape 8b --tokenizer DIR              # CUDA: the 8B shape
+    tandem bench soak --shape tiny --device cpu --sampled-fraction 0   # tiny Llama, real tokenizer
+    tandem bench soak --shape 8b --tokenizer DIR --workdir /tmp/soak-8b   # CUDA: the 8B shape
     tandem bench soak --model DIR --server-args='--api-processes 2'
-    tandem bench soak --smoke                                 # 300 requests on CPU, in seconds
+    tandem bench soak --smoke                                 # 300 requests on CPU, in 30 s
 """
 
 from __future__ import annotations
