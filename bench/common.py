@@ -8,33 +8,22 @@ only torch and transformers. `_repo` maps `tandem.service` onto service/ without
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import _repo  # must come before any tandem import
+import _repo  # noqa: F401  (must come before any tandem import)
 import torch
 import transformers
+from machine import machine
+from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
 
 from tandem.service.engine.attention import register
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-
-# Llama shapes of the benchmarks (random-initialised weights), as ../shared/bench/hf_cb_anchor.py
-SHAPES = {
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
-}
 
 
 @dataclass
@@ -262,37 +251,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 1024**3, reps: int = 
     return 2 * nbytes / seconds
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def source_version() -> str | None:
-    """The checkout's commit, '+dirty' when service/ has uncommitted changes (None without git)."""
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", str(_repo.REPO), *args], capture_output=True, text=True,
-                                  timeout=10, check=True).stdout.strip()
-
-        dirty = git("status", "--porcelain", "service")
-        return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def environment(device: torch.device) -> dict:
     env = {
-        "commit": source_version(),
-        "date": datetime.date.today().isoformat(),
-        "cpu": cpu_model(),
-        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        **machine(),
         "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(device),

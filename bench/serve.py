@@ -24,8 +24,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,64 +33,24 @@ import urllib.request
 from pathlib import Path
 
 import _repo
-from common import SHAPES
+from serve_server import (
+    add_model_options,
+    default_tokenizer,
+    make_model,
+    model_limits,
+    resolve_device,
+    settings_env,
+    settings_of,
+    start_server,
+    stop_server,
+    tls_env,
+)
 from serve_stats import summarize
 from serve_workload import Job, describe, jobs, poisson_arrivals
 
 from tandem.health import wait_serving
 
-# the benchmark shapes with the 49,152-token vocabulary of the tokenizer they are served with (SmolLM2's)
-VOCAB = {"tiny": 512, "1b": 49152, "8b": 49152}
-
-
-# -- the model ---------------------------------------------------------------------------------------
-
-
-def default_tokenizer() -> Path:
-    from tandem.service.models.default_model import default_gguf_path
-    from tandem.service.models.loader import convert_gguf, default_cache_dir
-
-    return convert_gguf(default_gguf_path(), default_cache_dir())
-
-
-def make_model(shape: str, tokenizer_dir: Path, folder: Path, device: str) -> Path:
-    """A random-initialised Llama of `shape` saved as a transformers directory, with a real tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    target = folder / f"llama-{shape}"
-    if (target / "config.json").is_file():
-        return target
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
-        **{**SHAPES[shape], "vocab_size": VOCAB[shape]},
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the server and the engine alone get the whole device
-    return target
-
-
 # -- the server ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GaugeSampler:
@@ -220,33 +178,6 @@ def engine_only(levels: list[dict], warmup: dict | None, env: dict[str, str], fo
     return json.loads(out.read_text())
 
 
-def tls_env(folder: Path) -> dict[str, str]:
-    """The server's TLS settings from a folder of ca.crt, server.crt and server.key (for 127.0.0.1)."""
-    return {
-        "TANDEM_TLS_CERT_FILE": str(folder / "server.crt"),
-        "TANDEM_TLS_KEY_FILE": str(folder / "server.key"),
-        "TANDEM_HEALTH_PORT": str(free_port()),  # a TLS port is waited on through the plaintext one
-    }
-
-
-def start_server(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str, str]:
-    port, metrics_port = free_port(), free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics_port),
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd="/")
-    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
-
-
 def serve_levels(
     a: argparse.Namespace,
     levels: list[dict],
@@ -304,14 +235,7 @@ def serve_levels(
                 print(f"{_label(row)}: server {row['server'].get('output_tok_s')} tok/s{ratio}", flush=True)
                 rows.append(row)
     finally:
-        code = None
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = "did not stop in 120 s after SIGTERM"
+        code = None if proc is None else stop_server(proc)
     return rows, code
 
 
@@ -439,14 +363,9 @@ def _floats(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = ap.add_mutually_exclusive_group()
-    where.add_argument("--shape", choices=sorted(SHAPES), help="a random-initialised Llama of this shape")
-    where.add_argument("--model", help="a transformers model directory (or .gguf file) to serve")
+    where = add_model_options(ap)  # --shape, --model, --tokenizer, --device, --set
     where.add_argument("--server", help="HOST:PORT of a running server: no engine-only figure")
     ap.add_argument("--metrics", help="with --server: its /metrics URL, for the idle fraction")
-    ap.add_argument(
-        "--tokenizer", help="with --shape: the tokenizer directory (default: the embedded model's)"
-    )
     ap.add_argument("--concurrency", type=_ints, default=[], help="fixed-concurrency levels, e.g. 1,32,256")
     ap.add_argument("--request-rate", type=_floats, default=[], help="Poisson request rates per second")
     ap.add_argument("--dataset", choices=["fixed", "mixed"], default="fixed")
@@ -468,13 +387,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a server setting for both the server and the engine alone (repeatable)",
-    )
-    ap.add_argument(
         "--api-processes",
         type=_ints,
         default=[],
@@ -487,7 +399,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one server each, beside plaintext",
     )
     ap.add_argument("--no-engine-only", dest="engine_only", action="store_false")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--workdir", default=None, help="where models and logs go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/serve_<shape>.json)")
     ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
@@ -522,15 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     folder = Path(a.workdir or tempfile.mkdtemp(prefix="tandem-bench-serve-"))
     folder.mkdir(parents=True, exist_ok=True)
-    device = a.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "TANDEM_DEVICE": device, "TANDEM_TELEMETRY_WINDOW_S": "2"}
-    for item in a.set:
-        name, _, value = item.partition("=")
-        env[f"TANDEM_{name.upper().replace('-', '_')}"] = value
+    device = resolve_device(a.device)
+    # --set: for both the server and the engine alone
+    env = settings_env(a.set, device, telemetry_window_s="2")
     top = max([*a.concurrency, 1])
     if top > 256 and "TANDEM_MAX_NUM_SEQS" not in env:
         env["TANDEM_MAX_NUM_SEQS"] = str(top)
@@ -574,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "serve",
         "what": a.shape or a.model or a.server,
         "environment": environment(torch.device(device)),
-        "settings": {k: v for k, v in env.items() if k.startswith("TANDEM_") and k != "TANDEM_MODEL"},
+        "settings": settings_of(env),
         "workload": {
             "dataset": a.dataset,
             "prompt": a.prompt,
@@ -620,22 +525,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe_jobs(level: dict) -> dict:
     return describe([Job(**j) for j in level["jobs"]])
-
-
-def model_limits(model_dir: Path | None, server: str | None) -> tuple[int, int]:
-    """(vocabulary, context length) of the model, for prompts of valid ids that fit."""
-    if server is not None:
-        import grpc
-
-        from tandem.v1 import tandem_pb2 as pb
-        from tandem.v1 import tandem_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(server) as channel:
-            info = pb_grpc.TandemStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
-        return info.vocab_size, info.max_context_length
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    return text["vocab_size"], text.get("max_position_embeddings", 2048)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def _operator(args: argparse.Namespace) -> int:
 BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it runs
     "gpu": "gpu_sync.py",
     "serve": "serve.py",
+    "soak": "soak.py",
     "gpu-profile": "profile_gpu.py",
     "cpu": "cpu_throughput.py",
     "autoscale": "autoscale_sim.py",
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser(
         "bench",
-        help="run a benchmark (gpu: engine vs transformers with the roofline; cpu; autoscale)",
+        help="run a benchmark (gpu: engine vs transformers with the roofline; serve; soak; cpu; autoscale)",
         description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them.",
     )
     bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")

@@ -138,3 +138,112 @@ def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path
     assert levels[("concurrency", 4)]["server"]["requests"] == 4
     assert out.with_suffix(".md").read_text().startswith("| level |")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tandem_bench_soak_smoke_finds_the_server_correct(tmp_path, tiny_model_dir):
+    """The soak's smoke through the CLI: every API kind answered, cancels of its own seen as such, no
+    unexpected status, no lost or duplicated token, every KV block free again, and the report's fields."""
+    out = tmp_path / "soak.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run(
+        [str(tandem), "bench", "soak", "--smoke", "--model", str(tiny_model_dir("llama")), "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "soak" and report["passed"] is True and report["server_exit_code"] == 0
+    run = report["run"]
+    assert run["outcomes"] == run["requests"] == 300 and run["stalled"] is None
+    assert run["unexpected"]["count"] == 0, run["unexpected"]["examples"]
+    assert set(run["statuses"]) == {"native_unary", "native_stream", "kserve_unary", "kserve_stream"}
+    assert all(counts.get("OK", 0) > 0 for counts in run["statuses"].values())
+    ended = {s for counts in run["statuses"].values() for s, n in counts.items() if n and s != "OK"}
+    assert {"CANCELLED", "DEADLINE_EXCEEDED"} <= ended  # the soak's own cancels happened
+    tokens = run["tokens"]
+    assert tokens["lost_or_duplicated"] == tokens["probe_answers_differing"] == 0, tokens
+    assert tokens["finished_checked"] > 200
+    answered = [p for p in tokens["probes"].values() if len(p["kinds"]) >= 2]
+    assert answered and all(p["distinct_texts"] == 1 for p in answered)
+    blocks = report["kv_blocks"]
+    assert blocks["leaked"] == 0 and blocks["kv_blocks_free"] == blocks["kv_blocks_total"] > 0
+    roles = {p["process"] for p in report["rss"]["processes_end"]}
+    assert {"supervisor", "engine", "front-0"} <= roles and report["rss"]["after_warmup_mib"] > 0
+    health = report["health"]
+    assert health["checks"] > 10 and health["not_serving"] == 0
+    assert 0 < health["latency_ms"]["p50"] <= health["latency_ms"]["p99"] <= health["latency_ms"]["max"]
+    assert report["throughput"]["generated_tokens"] > 0 and report["throughput"]["requests_s"] > 0
+    assert {"unexpected_errors", "lost_or_duplicated_tokens", "leaked_kv_blocks", "rss_growth_pct",
+            "health_p99_ms"} <= set(report["targets"])
+    assert report["command"].startswith("tandem bench soak --smoke")
+    assert "| unexpected_errors | 0 |" in out.with_suffix(".md").read_text()
+
+
+def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
+    """The soak's checks flag a lost token, a repeated final response, a probe answer with a piece
+    missing, and statuses the soak did not cause; its own cancels and deadlines pass."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from dataclasses import asdict
+
+    from soak_client import Outcome
+    from soak_report import check, targets
+    from soak_workload import SoakRequest
+
+    cases = [  # (request, outcome)
+        (SoakRequest(0, "native_stream", "p", 4), Outcome(0, "native_stream", tokens=3, completion_tokens=4,
+                                                         finish_reason="FINISH_REASON_LENGTH")),
+        (SoakRequest(1, "kserve_stream", "p", 4), Outcome(1, "kserve_stream", finals=[False, True, True])),
+        (SoakRequest(2, "native_unary", "p", 4), Outcome(2, "native_unary", status="UNAVAILABLE")),
+        (SoakRequest(3, "native_stream", "p", 4, cancel="chunks"),
+         Outcome(3, "native_stream", status="CANCELLED", cancelled=True)),
+        (SoakRequest(4, "kserve_unary", "p", 4, cancel="deadline"),
+         Outcome(4, "kserve_unary", status="DEADLINE_EXCEEDED")),
+        (SoakRequest(5, "native_stream", "p", 4), Outcome(5, "native_stream", status="CANCELLED")),
+        (SoakRequest(6, "kserve_stream", "p", 4, cancel="timeout_param"),
+         Outcome(6, "kserve_stream", error_message="the request ran past its deadline")),
+        (SoakRequest(7, "kserve_stream", "p", 4),
+         Outcome(7, "kserve_stream", error_message="internal error: x")),
+        (SoakRequest(8, "kserve_stream", "p", 4, cancel="deadline"),  # the server's copy of the deadline
+         Outcome(8, "kserve_stream", error_message="the request ran past its deadline")),
+        (SoakRequest(9, "native_unary", "p", 4, cancel="deadline"),  # the transport's report of it
+         Outcome(9, "native_unary", status="INTERNAL", error_message="Internal error from Core")),
+        (SoakRequest(10, "native_unary", "p", 4, cancel="deadline"),  # a server fault, deadline or not
+         Outcome(10, "native_unary", status="INTERNAL", error_message="an engine step failed")),
+    ]
+    for i, text in enumerate(["one two", "one two", "one", "one three"], start=20):  # probe 0, greedy
+        cases.append((SoakRequest(i, "kserve_unary", "q", 4, probe=0), Outcome(i, "kserve_unary", text=text)))
+    result = check([asdict(r) for r, _ in cases], [asdict(o) for _, o in cases])
+    assert sorted(b["index"] for b in result["unexpected"]["examples"]) == [2, 5, 7, 10]
+    assert [b["index"] for b in result["tokens"]["examples"]] == [0, 1]
+    assert "received 3 tokens, usage.completion_tokens 4" in result["tokens"]["examples"][0]["problems"]
+    tokens = result["tokens"]
+    assert tokens["probe_answers_differing"] == 2 and tokens["probe_answers_spliced"] == 1  # "one" lost "two"
+    assert tokens["probes"]["0"]["distinct_texts"] == 3
+    report = {"run": result, "kv_blocks": {"leaked": 0}, "rss": {"growth_pct": 1.0},
+              "health": {"latency_ms": {}}}
+    got = targets(report, strict_probes=False)
+    assert got["unexpected_errors"]["value"] == 4 and not got["unexpected_errors"]["met"]
+    assert got["lost_or_duplicated_tokens"]["value"] == 3
+    assert got["probe_answers_differing"]["correctness"] is False and got["leaked_kv_blocks"]["met"]
+
+
+def test_soak_plan_is_seeded_and_shared_kserve_calls_cancel_together(monkeypatch):
+    """The same seed gives the same requests; about the asked share is cancelled; requests riding
+    another's KServe stream follow it and share its client-side cancel."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from soak_workload import KINDS, Mix, as_dicts, calls, plan
+
+    requests = as_dicts(plan(2000, Mix(), seed=3))
+    assert requests == as_dicts(plan(2000, Mix(), seed=3)) != as_dicts(plan(2000, Mix(), seed=4))
+    assert {r["kind"] for r in requests} == set(KINDS)
+    leads = [r for r in requests if r["call"] is None]
+    assert 0.07 < sum(r["cancel"] is not None for r in leads) / len(leads) < 0.13
+    units = calls(requests)
+    assert sorted(r["index"] for u in units for r in u) == [r["index"] for r in requests]
+    shared = [u for u in units if len(u) > 1]
+    assert shared and all(r["kind"] == "kserve_stream" and r["call"] == u[0]["index"] for u in shared
+                          for r in u[1:])
+    for u in shared:
+        if u[0]["cancel"] in ("chunks", "deadline"):
+            assert all((r["cancel"], r["deadline_s"]) == (u[0]["cancel"], u[0]["deadline_s"]) for r in u)
+        assert all(r["cancel"] != "timeout_param" for r in u)  # an error response names no request
