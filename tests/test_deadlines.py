@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "--max-num-seqs", "1", "--metrics-port", str(metrics), log=log,
     ) as (address, _proc):  # fmt: skip
         yield address, f"http://127.0.0.1:{metrics}/metrics"
+        text = log.read_text()  # every deadline above ended with its status, none with a traceback
+        assert "Traceback" not in text and "ExecuteBatchError" not in text, text[-5000:]
 
 
 def test_the_server_bound_ends_a_long_stream_and_frees_its_blocks(server):
@@ -121,3 +124,26 @@ def test_a_request_whose_deadline_passes_while_it_waits_never_starts(server):
         wait_idle(stub)
         time.sleep(0.6)  # the engine reports its counters at least every 0.5 s
         assert prompt_tokens(metrics) - before == first_prompt
+
+
+def test_deadlines_that_expire_with_ours_end_quietly(server):
+    """Unary calls whose client deadline and the server's copy of it expire together: each gets
+    DEADLINE_EXCEEDED, and none makes the server log an abort that failed in grpc core."""
+    address, _ = server
+    rng = random.Random(0)
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        for _ in range(8):
+            calls = [
+                stub.Generate.future(
+                    pb.GenerateRequest(
+                        text="hello " * rng.randint(1, 50),
+                        stopping=pb.StoppingCriteria(max_tokens=500, ignore_eos=True),
+                    ),
+                    timeout=rng.uniform(0.01, 0.5),
+                )
+                for _ in range(64)
+            ]
+            for call in calls:
+                assert call.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK), call.details()
+        wait_idle(stub)

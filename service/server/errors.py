@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from google.protobuf.message import Message
 
@@ -18,8 +20,22 @@ STATUS = {
 
 
 async def abort(context: grpc.aio.ServicerContext, err: RequestError) -> None:
-    """End the call with the error's status; raises, as grpc.aio's abort does."""
-    await context.abort(STATUS[err.kind], err.message)
+    """End the call with the error's status; raises, as grpc.aio's abort does.
+
+    A call that grpc has ended already (its deadline and ours expire together, or the client went)
+    has nobody to tell: it ends as cancelled, quietly, instead of an abort that fails in grpc core
+    and logs an error with two tracebacks.
+    """
+    if context.done():
+        raise asyncio.CancelledError
+    try:
+        await context.abort(STATUS[err.kind], err.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        if context.done():  # it ended between the check and the abort
+            raise asyncio.CancelledError from None
+        raise
 
 
 async def abort_if_too_large(context: grpc.aio.ServicerContext, response: Message, limit: int | None) -> None:
