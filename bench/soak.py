@@ -49,6 +49,7 @@ from serve_server import (
     stop_server,
     tokenizer_size,
 )
+from soak_big import big_prompt_phase
 from soak_workload import SMOKE_MIX, Mix, as_dicts, calls, describe, plan
 
 from tandem.health import wait_serving
@@ -148,6 +149,13 @@ def serve_and_soak(a: argparse.Namespace, env: dict[str, str], folder: Path) -> 
         rss_end = soak_watch.tree_rss(proc.pid, roles)
         time.sleep(1.0)  # the supervisor's counters follow the engine's reports
         tokens_after = soak_watch.metric(metrics_url, "tandem_generation_tokens_total")
+        big = None
+        if a.big_prompts:
+            say(f"big prompts: {a.big_prompts} senders for {a.big_prompt_seconds:.0f} s")
+            with soak_watch.Prober(address, a.health_interval_ms / 1e3) as big_prober:
+                big = big_prompt_phase(address, a.big_prompts, a.big_prompt_seconds)
+            big["health"] = big_prober.summary(a.health_interval_ms / 1e3)
+            big["rss_after"] = soak_watch.tree_rss(proc.pid, roles)
     finally:
         code = stop_server(proc)
     seconds = timed["end"] - timed["start"]
@@ -173,6 +181,7 @@ def serve_and_soak(a: argparse.Namespace, env: dict[str, str], folder: Path) -> 
             "tokens_s": None if generated is None else round(generated / seconds, 1),
             "native_tokens_received": sum(o["tokens"] or 0 for o in timed["outcomes"]),
         },
+        "big_prompts": big,
         "server_exit_code": code,
         "server_log_problems": soak_watch.log_problems(folder / "server.log"),
     }
@@ -207,6 +216,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests with temperature > 0, the rest greedy; 0: no sampling at all, probes included",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--big-prompts",
+        type=int,
+        default=8,
+        help="after the run: this many senders of 4 MB to 64 KB prompts at once, health probed (0 = off)",
+    )
+    ap.add_argument("--big-prompt-seconds", type=float, default=20.0)
     ap.add_argument("--health-interval-ms", type=float, default=50.0)
     ap.add_argument("--stall-s", type=float, default=300.0, help="no request ending this long is a hang")
     ap.add_argument(
@@ -226,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.requests, a.concurrency, a.clients, a.channels = 300, 32, 2, 1
         a.warmup_requests = 32 if a.warmup_requests is None else a.warmup_requests
         a.mix = SMOKE_MIX
+        a.big_prompts, a.big_prompt_seconds = min(a.big_prompts, 2), 3.0
         a.set = ["kv_cache_cpu_gib=0.25", *a.set]  # the 2 GiB default takes seconds to zero
     a.mix = Mix(
         **{**vars(a.mix), "cancel_fraction": a.cancel_fraction, "sampled_fraction": a.sampled_fraction}

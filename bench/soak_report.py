@@ -194,6 +194,11 @@ def targets(report: dict, strict_probes: bool) -> dict:
         "rss_growth_pct": (rss, "< 5", False),
         "health_p99_ms": (p99, "< 100", False),
     }
+    big = report.get("big_prompts")
+    if big is not None:
+        invalid = big["statuses"].get("INVALID_ARGUMENT", 0)
+        rows["big_prompts_not_invalid_argument"] = (sum(big["statuses"].values()) - invalid, "== 0", True)
+        rows["health_p99_ms_during_big_prompts"] = (big["health"]["latency_ms"].get("p99"), "< 100", False)
     out = {}
     for name, (value, bound, correctness) in rows.items():
         met = value is not None and (value == 0 if bound == "== 0" else value < float(bound.split()[1]))
@@ -228,6 +233,18 @@ def markdown(report: dict) -> str:
         f"{report['run']['tokens']['probe_answers_spliced']} with a piece missing or repeated. Server log: "
         f"{report['server_log_problems']['by_level'] or 'no'} errors or warnings, "
         f"{report['server_log_problems']['tracebacks']} tracebacks.",
+    ]
+    big = report.get("big_prompts")
+    if big is not None:
+        lat = big["health"]["latency_ms"]
+        lines += [
+            "",
+            f"Big prompts: {big['senders']} senders of 4 MB to 64 KB texts for {big['seconds']:.0f} s: "
+            f"{big['statuses']}; answer p50 by size in bytes {big['answer_ms_p50_by_bytes']} ms; health "
+            f"meanwhile p50 / p99 / max {lat.get('p50')} / {lat.get('p99')} / {lat.get('max')} ms, "
+            f"{big['health']['not_serving']} not SERVING.",
+        ]
+    lines += [
         "",
         "| API kind | " + " | ".join(STATUS_COLUMNS) + " | other |",
         "|---|" + "---|" * (len(STATUS_COLUMNS) + 1),
