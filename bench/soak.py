@@ -141,7 +141,7 @@ def serve_and_soak(a: argparse.Namespace, env: dict[str, str], folder: Path) -> 
         say(f"warm-up: {len(warm)} requests done; server RSS {rss_warm['total_mib']} MiB")
         with (
             soak_watch.Prober(address, a.health_interval_ms / 1e3) as prober,
-            soak_watch.RssSampler(proc.pid) as rss,
+            soak_watch.RssSampler(proc.pid, roles) as rss,
         ):
             timed = run_pass(address, run, a)
         say(f"run: {len(run)} requests done")

@@ -78,24 +78,27 @@ def server_roles(log: Path, root: int) -> dict[int, str]:
 
 
 def tree_rss(root: int, roles: dict[int, str] | None = None) -> dict:
-    """The sum of VmRSS over the tree (MiB), and each process's (named by `roles`, else its command)."""
-    procs = []
+    """The sum of VmRSS (MiB) over the server's own processes (named by `roles`; all when None), and
+    each process's, helpers included by their command. Helpers come and go (on CUDA, torch.compile's
+    worker processes stay from the warm-up and leave later): they are listed, not counted."""
+    procs, total = [], 0.0
     for pid in tree(root):
         kib = _rss_kib(pid)
         if kib is not None:
             cmdline = _cmdline(pid)
-            name = (roles or {}).get(pid) or (
-                "resource_tracker" if "resource_tracker" in cmdline else cmdline
-            )
+            role = (roles or {}).get(pid)
+            name = role or ("resource_tracker" if "resource_tracker" in cmdline else cmdline)
             procs.append({"pid": pid, "process": name, "rss_mib": round(kib / 1024, 1)})
-    return {"total_mib": round(sum(p["rss_mib"] for p in procs), 1), "processes": procs}
+            if roles is None or role is not None:
+                total += kib / 1024
+    return {"total_mib": round(total, 1), "processes": procs}
 
 
 class RssSampler:
     """The tree's total RSS every `period` seconds while a run goes, for its peak and its course."""
 
-    def __init__(self, root: int, period: float = 1.0) -> None:
-        self.root, self.period = root, period
+    def __init__(self, root: int, roles: dict[int, str] | None = None, period: float = 1.0) -> None:
+        self.root, self.roles, self.period = root, roles, period
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -103,7 +106,9 @@ class RssSampler:
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self._stop.wait(self.period):
-            self.samples.append((round(time.monotonic() - t0, 1), tree_rss(self.root)["total_mib"]))
+            self.samples.append(
+                (round(time.monotonic() - t0, 1), tree_rss(self.root, self.roles)["total_mib"])
+            )
 
     def __enter__(self) -> RssSampler:
         self._thread.start()
