@@ -13,10 +13,11 @@ import json
 import struct
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import _repo  # noqa: F401  (tandem.v1 from this checkout)
 import grpc
+from soak_outcome import Outcome
 
 from tandem.kserve import grpc_service_pb2 as kpb
 from tandem.kserve import grpc_service_pb2_grpc as kpb_grpc
@@ -24,24 +25,6 @@ from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 LONG_TIMEOUT_S = 600.0  # requests the soak does not cancel: past this one counts as a hang
-
-
-@dataclass
-class Outcome:
-    index: int
-    kind: str
-    status: str = "OK"
-    seconds: float = 0.0
-    messages: int = 0
-    tokens: int | None = None  # native: token ids received
-    completion_tokens: int | None = None  # native: usage on the last message
-    finish_reason: str | None = None  # native
-    finals: list[bool] = field(default_factory=list)  # KServe stream: triton_final_response per response
-    error_message: str | None = None  # a KServe stream's error response, else the status's details
-    cancelled: bool = False  # the soak cancelled the call itself
-    prefix_ok: bool | None = None  # KServe without exclude_input: the output starts with the prompt
-    text: str | None = None  # probes: the answer without the prompt
-    token_ids: list[int] | None = None  # native probes
 
 
 def _native_request(r: dict) -> pb.GenerateRequest:

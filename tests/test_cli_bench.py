@@ -185,7 +185,7 @@ def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     from dataclasses import asdict
 
-    from soak_client import Outcome
+    from soak_outcome import Outcome
     from soak_report import check, targets
     from soak_workload import SoakRequest
 

@@ -17,7 +17,7 @@ from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 TIMEOUT = 60.0
-SERVER_BOUND_S = 2.0
+SERVER_BOUND_S = 3.0
 MODEL = "tiny-deadlines"
 
 
@@ -113,7 +113,7 @@ def test_a_request_whose_deadline_passes_while_it_waits_never_starts(server):
         stub = pb_grpc.TandemStub(ch)
         wait_idle(stub)
         before = prompt_tokens(metrics)
-        first = stub.GenerateStream(request(150), timeout=TIMEOUT)  # about a second on the tiny model
+        first = stub.GenerateStream(request(100), timeout=TIMEOUT)  # well over 0.3 s, under the bound
         first_prompt = None
         next(first)
         with pytest.raises(grpc.RpcError) as exc:
