@@ -51,6 +51,11 @@ PANELS = [
     ], 8, "Requests waiting for admission and running in the batch, all pods."),
     ("KV-cache usage", "percentunit", [(f"tandem_kv_cache_usage_ratio{{{SEL}}}", "{{pod}}")], 8,
      "Share of KV-cache blocks in use."),
+    ("Capacity used", "percentunit", [(f"tandem_capacity_utilization{{{SEL}}}", "{{pod}}")], 12,
+     "Generated tokens/s over what the pod could make at its traffic's mix (fitted from its own steps): "
+     "1 - spare capacity."),
+    ("Capacity", "short", [(f"tandem_capacity_tokens_per_second{{{SEL}}}", "{{pod}}")], 12,
+     "Generated tokens per second each pod could make at its traffic's mix, at the largest batch it holds."),
     ("Engine step time (p99) by stage", "s", [
         (
             "histogram_quantile(0.99, sum by (le, stage) "

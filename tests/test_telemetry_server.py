@@ -260,6 +260,18 @@ def test_cost_per_million_tokens_is_price_over_throughput(served: Served):
     assert "tandem_cost_per_million_tokens_usd" not in served.quiet
 
 
+def test_capacity_is_fitted_from_the_steps_and_utilization_is_the_share_used(served: Served):
+    """The spare-capacity signal: what the pod could generate at its traffic's mix, and how much of
+    it the window's tokens used (all of the load's tokens lie in the window)."""
+    capacity = value(served.after, "tandem_capacity_tokens_per_second")
+    utilization = value(served.after, "tandem_capacity_utilization")
+    achieved = served.load.completion_tokens / WINDOW_S
+    # four clients keep at most four sequences running; the pod holds 256 (max_num_seqs, KV cache)
+    assert capacity > 2 * achieved > 0
+    assert 0 < utilization < 0.5
+    assert math.isclose(utilization * capacity, achieved, rel_tol=1e-6)
+
+
 def test_engine_gauges_under_load(served: Served):
     assert value(served.quiet, "tandem_requests_running") == 0
     assert value(served.during, "tandem_requests_running") >= 1

@@ -214,6 +214,8 @@ class EngineCore:
                     **stages,
                     batch_size=len(out.chunks),
                     num_tokens=out.num_tokens,
+                    context_tokens=sum(c.start + c.num_tokens for c in out.chunks),
+                    prefill_tokens=sum(c.num_tokens for c in out.chunks if c.num_tokens > 1),
                     slot=step.slot,
                     graph_bucket=step.graph_bucket,
                 )

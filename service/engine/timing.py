@@ -24,6 +24,8 @@ class StepTiming:
     d2h: Interval | None = None
     batch_size: int = 0  # sequences in the step
     num_tokens: int = 0  # tokens computed (prefill chunks + decodes)
+    context_tokens: int = 0  # positions attended over all rows (the KV read)
+    prefill_tokens: int = 0  # tokens computed in prefill chunks (the rest are decodes, one per row)
     slot: int | None = None  # input slot of the asynchronous loop
     graph_bucket: int | None = None  # CUDA-graph batch-size bucket replayed, None = eager
 

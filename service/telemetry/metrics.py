@@ -49,6 +49,8 @@ class ServerMetrics:
         self.num_gpus = num_gpus
         # what the gauges read when collected: the engine's latest report (None before the first)
         self.engine_stats: Callable[[], EngineStats | None] = lambda: None
+        # (capacity in generated tokens/s, the share the traffic uses); None until the fit can say
+        self.capacity: Callable[[], tuple[float, float] | None] = lambda: None
         self.generation_tokens = meter.create_counter(
             "tandem_generation_tokens",
             unit="{token}",
@@ -100,6 +102,20 @@ class ServerMetrics:
             "idle_fraction",
         )
         meter.create_observable_gauge(
+            "tandem_capacity_tokens_per_second",
+            callbacks=[lambda _: self._observe_capacity(0)],
+            unit="{token}/s",
+            description="Generated tokens per second this pod could make at the current traffic's mix, "
+            "fitted from its own step times (absent until it has seen enough steps).",
+        )
+        meter.create_observable_gauge(
+            "tandem_capacity_utilization",
+            callbacks=[lambda _: self._observe_capacity(1)],
+            unit="1",
+            description="Generated tokens per second over the window / tandem_capacity_tokens_per_second: "
+            "the share of the pod's capacity its traffic uses (1 - spare capacity).",
+        )
+        meter.create_observable_gauge(
             "tandem_cost_per_million_tokens_usd",
             callbacks=[self._observe_cost],
             unit="{USD}",
@@ -124,6 +140,10 @@ class ServerMetrics:
         self.request_duration.record(
             record.duration, attrs if record.error is None else {**attrs, "error.type": record.error}
         )
+
+    def _observe_capacity(self, field: int) -> Iterable[Observation]:
+        capacity = self.capacity()
+        return [] if capacity is None else [Observation(capacity[field])]
 
     def cost_per_million_tokens(self) -> float | None:
         return cost_per_million_tokens(self.price_per_gpu_hour, self.num_gpus, self.tokens.tokens_per_hour())

@@ -11,8 +11,10 @@ from __future__ import annotations
 from opentelemetry import trace
 
 from ..engine.outputs import EngineStats
+from ..engine.timing import StepTiming
 from ..ipc import messages as m
 from ..settings import ServerSettings
+from .capacity import CapacityModel
 from .cost import TokenWindow
 from .metrics import ServerMetrics
 from .otel import SCOPE, meter_provider, tracer_provider
@@ -30,23 +32,43 @@ class PodTelemetry:
         )
         self.metrics.engine_stats = self._engine_stats
         self.steps = StepRecorder(tracer, self.metrics.step_duration, settings.step_trace_sample_rate)
+        self.block_size = settings.block_size
+        self.capacity = CapacityModel(settings.max_num_seqs, kv_tokens=0)  # sized by the first report
+        self.metrics.capacity = self._capacity
         self.stats: EngineStats | None = None  # the engine's latest report
         self.engine_ready = False
 
     def _engine_stats(self) -> EngineStats | None:
         return self.stats
 
+    def _capacity(self) -> tuple[float, float] | None:
+        """(capacity in generated tokens/s, the share of it the window's traffic used)."""
+        capacity = self.capacity.capacity()
+        if capacity is None:
+            return None
+        achieved = self.tokens.tokens() / self.tokens.window_s
+        return capacity[0], achieved / capacity[0]
+
+    def _observe_step(self, timing: StepTiming) -> None:
+        busy = timing.compute or timing.bounds  # the device's part of the step where it is timed
+        if busy is not None:
+            self.capacity.observe(
+                timing.batch_size, timing.context_tokens, timing.prefill_tokens, busy[1] - busy[0]
+            )
+
     def record(self, msg: object) -> None:
         """One message from the engine or a front (on the supervisor's receiving thread)."""
         if isinstance(msg, m.StepReport):
             for timing in msg.timings:
                 self.steps(timing)
+                self._observe_step(timing)
             if msg.generated_tokens:
                 self.tokens.add(msg.generated_tokens)
                 self.metrics.generation_tokens.add(msg.generated_tokens)
             if msg.prompt_tokens:
                 self.metrics.prompt_tokens.add(msg.prompt_tokens)
             self.stats = msg.stats
+            self.capacity.kv_tokens = msg.stats.kv_blocks_total * self.block_size
         elif isinstance(msg, m.RequestRecord):
             self.metrics.record_request(msg)
         elif isinstance(msg, m.EngineReady):
