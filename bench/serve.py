@@ -56,7 +56,13 @@ from tandem.health import wait_serving
 class GaugeSampler:
     """Polls the server's /metrics while levels run: its idle fraction and how many requests run."""
 
-    GAUGES = ("tandem_gpu_idle_fraction", "tandem_requests_running", "tandem_requests_waiting")
+    GAUGES = (
+        "tandem_gpu_idle_fraction",
+        "tandem_requests_running",
+        "tandem_requests_waiting",
+        "tandem_capacity_tokens_per_second",
+        "tandem_capacity_utilization",
+    )
 
     def __init__(self, url: str | None, period: float = 0.25) -> None:
         self.url, self.period = url, period
