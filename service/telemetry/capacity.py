@@ -3,10 +3,11 @@
 An engine step's device time is close to linear in what the step does: a fixed part (the weights
 read once per step, launches), a part per row (sampling, per-sequence work), a part per context
 token attended (the KV cache that decode attention reads) and a part per prefill token (its GEMMs).
-The pod fits `seconds = a + b*rows + c*context + d*prefill` to its own steps (recursive least
-squares, forgetting old steps), and from the current traffic's mix (mean context per row, prefill
-tokens per generated token, both over the same memory) asks what a step at the largest batch the
-pod can hold would take: as many rows as `max_num_seqs` and the KV cache allow at that context.
+The pod fits `seconds = a + b*rows + c*context + d*prefill` to its own steps (least squares over
+sums that forget old steps, with a light ridge on the per-row and per-prefill parts), and from the
+current traffic's mix (context attended and prefill tokens per generated token, over the same
+memory) asks what a step at the largest batch the pod can hold would take: as many rows as
+`max_num_seqs` and the KV cache allow at that context.
 capacity = rows / seconds generated tokens per second; utilization = achieved / capacity.
 
 Unlike the idle fraction, which reads near zero whenever anything runs (the engine steps on), this
@@ -20,19 +21,23 @@ import threading
 
 import numpy as np
 
-# features scaled near 1 at a full step, so that one prior suits every model
+# features scaled near 1 at a full step, so that one ridge suits every model
 SCALE = np.array([1.0, 1 / 256, 1 / 262_144, 1 / 2048])
-PRIOR = 1e4  # the initial covariance: what the fit believes before its first steps (little)
 FORGET = 0.999  # per step: the fit remembers about the last thousand steps
 MIN_STEPS = 32  # before this many steps the fit says nothing
+# Traffic at a steady concurrency runs every step at about the same rows, so the fixed part and the
+# per-row part cannot be told apart from the data; the ridge then gives the time to the fixed part,
+# as on a GPU, where a decode step reads the weights whatever its batch. Steps of varied rows (real
+# traffic) outweigh it at once: it weighs as much as a few steps against the fit's thousand.
+RIDGE = np.diag([0.0, 1.0, 0.0, 1.0])
 
 
 class CapacityModel:
     def __init__(self, max_num_seqs: int, kv_tokens: int) -> None:
         self.max_num_seqs = max_num_seqs
         self.kv_tokens = kv_tokens  # KV-cache capacity in tokens (blocks x block size)
-        self._theta = np.zeros(4)
-        self._p = np.eye(4) * PRIOR
+        self._xx = np.zeros((4, 4))  # forgotten sums of x x^T and x * seconds
+        self._xy = np.zeros(4)
         self._steps = 0
         self._min_seconds = math.inf
         # exponentially forgotten sums, for the traffic's mix
@@ -45,11 +50,8 @@ class CapacityModel:
             return
         x = np.array([1.0, rows, context, prefill]) * SCALE
         with self._lock:
-            # recursive least squares with forgetting
-            px = self._p @ x
-            gain = px / (FORGET + x @ px)
-            self._theta = self._theta + gain * (seconds - x @ self._theta)
-            self._p = (self._p - np.outer(gain, px)) / FORGET
+            self._xx = FORGET * self._xx + np.outer(x, x)
+            self._xy = FORGET * self._xy + x * seconds
             self._steps += 1
             self._min_seconds = min(self._min_seconds, seconds)
             decodes = rows - (1 if prefill else 0)  # a prefill chunk's row is not a decode
@@ -62,8 +64,9 @@ class CapacityModel:
         with self._lock:
             if self._steps < MIN_STEPS:
                 return None
-            coef = np.maximum(self._theta, 0.0)  # no part of a step takes negative time
+            theta = np.linalg.lstsq(self._xx + RIDGE, self._xy, rcond=None)[0]
             floor = self._min_seconds
+        coef = np.maximum(theta, 0.0)  # no part of a step takes negative time
         x = np.array([1.0, rows, context, prefill]) * SCALE
         return max(float(x @ coef), floor)
 
