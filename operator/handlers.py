@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,7 +21,7 @@ from .conditions import now_iso, set_condition
 from .events import post_event
 from .kube import ApiError, KubeApi, NotFound, api_path
 from .policy import Decision, ScalingState, decide
-from .scrape import metrics_url, scrape_pod
+from .scrape import PodSample, Unreadable, metrics_url, scrape_pod
 from .settings import OperatorSettings
 from .spec import InvalidSpec, ModelServerSpec, parse_spec
 from .window import MetricsHistory
@@ -246,7 +247,7 @@ async def scale_once(
     ready = [p for p in pods if _pod_ready(p)]
 
     now = time.time()
-    samples = await asyncio.gather(
+    scrapes = await asyncio.gather(
         *(
             scrape_pod(
                 shared.http,
@@ -259,8 +260,12 @@ async def scale_once(
             for p in ready
         )
     )
+    samples = [s for s in scrapes if isinstance(s, PodSample)]
+    unreadable = [s for s in scrapes if isinstance(s, Unreadable)]
+    for bad in unreadable:
+        logger.warning(f"pod {bad.pod}: {bad.problem}")
     scaling: Scaling = shared.per_object.setdefault(uid, Scaling())
-    scaling.history.add(now, [s for s in samples if s is not None], spec.scaling.metrics_window_seconds)
+    scaling.history.add(now, samples, spec.scaling.metrics_window_seconds)
     window = scaling.history.window(spec.price_per_gpu_hour * spec.gpus_per_pod)
 
     state = scaling.state or ScalingState(current, len(ready))
@@ -284,7 +289,26 @@ async def scale_once(
         patch.status["lastScaleTime"] = now_iso(now)
 
     _write_status(patch, status, body, spec, decision, current, len(ready), window, now)
+    patch.status["conditions"] = _metrics_condition(patch.status["conditions"], unreadable, body)
     return decision
+
+
+def _metrics_condition(conditions: list[dict], unreadable: list[Unreadable], body: kopf.Body) -> list[dict]:
+    """MetricsAvailable names every ready pod whose /metrics could not be used this round."""
+    if not unreadable:
+        return set_condition(
+            conditions, "MetricsAvailable", True, "AllPodsReporting", "every ready pod's metrics were read",
+            body.metadata.get("generation"),
+        )  # fmt: skip
+    names = "; ".join(f"{u.pod}: {u.problem}" for u in sorted(unreadable, key=lambda u: u.pod))
+    return set_condition(
+        conditions,
+        "MetricsAvailable",
+        False,
+        "PodsNotReporting",
+        names[:1024],
+        body.metadata.get("generation"),
+    )
 
 
 def _write_status(
@@ -322,7 +346,8 @@ def _write_status(
             "kvCacheUsage": window.kv_cache_usage,
             "timeToFirstTokenP95Seconds": window.ttft_p95_s,
         }
-        fields.update({k: round(v, 4) for k, v in observed.items() if v is not None})
+        # JSON has no Infinity or NaN: a value a pod's numbers overflowed to is left out
+        fields.update({k: round(v, 4) for k, v in observed.items() if v is not None and math.isfinite(v)})
     for key, value in fields.items():
         patch.status[key] = value
 

@@ -14,7 +14,7 @@ hysteresis that keeps noisy steady load from flapping.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 # A scale-down must leave the pods at most this share of the saturation fill: after it, load may
@@ -25,6 +25,10 @@ SCALE_DOWN_TTFT_SHARE = 0.8
 # Mean queued requests per pod over the window that count as a queue (a request waits for the
 # next step's admission for a few milliseconds even on an idle pod).
 QUEUE_PER_POD = 1.0
+# Metrics come from pods, so any float may arrive: beyond this a value means "more than any
+# cluster has" and is treated as this much, which keeps every product and ceil() finite.
+HUGE = 1e12
+RATIOS = ("idle_fraction", "kv_cache_usage")
 
 Action = Literal["ScaleUp", "ScaleDown", "Hold"]
 
@@ -81,6 +85,21 @@ class Decision:
     reason: str  # one CamelCase word, for conditions and events
     message: str  # one sentence for people
     state: ScalingState = field(repr=False)  # feed into the next call (current_replicas updated)
+
+
+def sanitized(window: MetricsWindow) -> MetricsWindow:
+    """The window with every metric a finite number in range: NaN is missing, +Inf and huge values
+    are HUGE, negatives 0, ratios within 0-1 (the policy is total: any float in, a decision out)."""
+    changes: dict[str, float | None] = {}
+    for f in fields(window):
+        value = getattr(window, f.name)
+        if f.name in ("observed_at", "pods") or value is None:
+            continue
+        if math.isnan(value):
+            changes[f.name] = None
+        else:
+            changes[f.name] = min(max(value, 0.0), 1.0 if f.name in RATIOS else HUGE)
+    return replace(window, **changes)
 
 
 def _clamp(value: int, targets: ScalingTargets) -> int:
@@ -153,23 +172,28 @@ def decide(
         bound = "minReplicas" if bounded > current else "maxReplicas"
         return Decision(action, bounded, reason, f"{current} pods is outside {bound} {bounded}", new_state)
 
+    # "not (age <= limit)": a NaN time counts as stale too
+    if window is not None and not now - window.observed_at <= stale_after_s:
+        age = now - window.observed_at
+        return _hold(state, "MetricsStale", f"no pod has answered a scrape for {age:.0f}s")
+    window = sanitized(window) if window is not None else None
     if window is None or window.pods == 0 or None in (window.requests_running, window.requests_waiting):
         return _hold(state, "MetricsMissing", "no pod metrics in the window")
-    if now - window.observed_at > stale_after_s:
-        age = now - window.observed_at
-        return _hold(state, "MetricsStale", f"newest pod metrics are {age:.0f}s old")
-    seen = min(state.ready_replicas, window.pods)
+    ready = min(state.ready_replicas, current)
+    seen = min(ready, window.pods)
     if seen < current:
-        # Pods are starting (or failing): no scale-down, and a scale-up only when the ready pods
-        # are saturated beyond what the starting ones will absorb (a long cold start must not
-        # stall a burst; the same saturation must not add pods twice).
+        # Pods are starting, failing or not reporting: no scale-down, and a scale-up only when the
+        # pods that report are saturated beyond what the others will absorb (a long cold start
+        # must not stall a burst; the same saturation must not add pods twice).
         if seen > 0:
             raw, reason, message = _recommend(window, targets, seen)
             target = min(_clamp(raw, targets), current + targets.max_scale_up_step)
             if reason == "Saturated" and target > current:
-                note = f"{message} ({current - seen} of {current} pods still starting)"
+                note = f"{message} ({current - seen} of {current} pods not ready or not reporting)"
                 return Decision("ScaleUp", target, reason, note, replace(state, current_replicas=target))
-        return _hold(state, "PodsNotReady", f"{seen} of {current} pods ready and reporting")
+        if ready < current:
+            return _hold(state, "PodsNotReady", f"{ready} of {current} pods ready")
+        return _hold(state, "MetricsMissing", f"{current - seen} of {current} ready pods not reporting")
 
     raw, reason, message = _recommend(window, targets, current)
     raw = _clamp(raw, targets)

@@ -324,3 +324,53 @@ async def test_a_higher_priority_peer_pauses_the_operator(kmock) -> None:
             )
     finally:
         await api.close()
+
+
+def metrics_pods(addresses: Addresses, pods: list[MetricsPod]) -> Callable[[dict], MetricsPod]:
+    def factory(container: dict) -> MetricsPod:
+        metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+        pods.append(MetricsPod(addresses.take(), metrics_port))
+        return pods[-1]
+
+    return factory
+
+
+async def test_a_pod_with_a_bad_body_is_named_and_the_others_still_count(kmock) -> None:
+    """One pod answers bytes that are not UTF-8, then a +Inf gauge: it is named in MetricsAvailable,
+    the decisions go on, and the other pod's saturation still scales up."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    pods: list[MetricsPod] = []
+    factory = metrics_pods(Addresses((9400,)), pods)
+    async with operator_running(kmock, liveness_port=0), kubelet_running(api, factory) as kubelet:
+        scaling = {"minReplicas": 2, "maxReplicas": 3, "metricsWindowSeconds": 2}
+        await api.create(MS, model_server("mixed", maxNumSeqs=4, scaling=scaling))
+        await eventually(lambda: len(pods) == 2, what="two pods")
+        bad_name, good_name = sorted(kubelet.backends)
+        bad, good = kubelet.backends[bad_name], kubelet.backends[good_name]
+        bad.body = b"tandem_requests_running \xff\xfe 1\n"
+        good.load(running=1, waiting=0, kv=0.2, idle=0.0, tokens=50, ttft=0.05)
+
+        async def named(problem: str) -> dict | None:
+            ms = await api.get(MS + "/mixed")
+            metrics = condition(ms, "MetricsAvailable")
+            return ms if metrics.get("status") == "False" and problem in metrics.get("message", "") else None
+
+        ms = await eventually(lambda: named(f"{bad_name}: /metrics body is not UTF-8"), what="bad pod named")
+        assert good_name not in condition(ms, "MetricsAvailable")["message"]
+        assert condition(ms, "Ready")["status"] == "True", "the pods are ready; one does not report"
+        assert ms["status"]["lastDecision"]["reason"] == "MetricsMissing"
+        assert "1 of 2 ready pods not reporting" in ms["status"]["lastDecision"]["message"]
+
+        bad.body = b"tandem_requests_running +Inf\ntandem_requests_waiting 0\n"
+        await eventually(lambda: named(f"{bad_name}: tandem_requests_running is inf"), what="+Inf named")
+        for _ in range(4):  # the good pod saturated: its queue alone asks for a third pod
+            good.load(running=4, waiting=6, kv=0.9, idle=0.0, tokens=400, ttft=2.0)
+            await asyncio.sleep(0.3)
+        await eventually(lambda: _replicas_of(api, "mixed", 3), what="scale up on the good pod's signals")
+    await api.close()
+
+
+async def _replicas_of(api: KubeApi, name: str, n: int) -> bool:
+    dep = await api.get(api_path("apps/v1", "deployments", NS, name))
+    return dep["spec"]["replicas"] == n

@@ -155,14 +155,35 @@ def test_missing_metrics_hold():
 def test_stale_metrics_hold():
     d = decide(window(now=100.0, requests_waiting=999.0), TARGETS, state(), now=1000.0, stale_after_s=60)
     assert (d.action, d.reason) == ("Hold", "MetricsStale")
+    # what the window gives when no pod has answered since t=100 (its rounds since are empty)
+    empty = MetricsWindow(observed_at=100.0, pods=0, requests_running=None, requests_waiting=None)
+    d = decide(empty, TARGETS, state(), now=1000.0, stale_after_s=60)
+    assert (d.action, d.reason) == ("Hold", "MetricsStale")
+    assert decide(empty, TARGETS, state(), now=130.0, stale_after_s=60).reason == "MetricsMissing"
+
+
+def test_non_finite_and_huge_metrics_still_decide():
+    """The pods' numbers reach the policy as floats: +Inf, NaN and 1e308 give a decision."""
+    inf, nan = float("inf"), float("nan")
+    d = run(window(requests_running=inf, requests_waiting=inf, kv_cache_usage=inf), state())
+    assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)  # at most max_scale_up_step
+    d = run(window(requests_running=1e308, requests_waiting=1e308, ttft_p95_s=1e308), state())
+    assert (d.action, d.replicas) == ("ScaleUp", 6)
+    d = run(window(requests_running=nan), state())
+    assert (d.action, d.reason) == ("Hold", "MetricsMissing")  # NaN is no number: missing
+    d = run(window(idle_fraction=nan, cost_per_mtok_usd=inf, ttft_p95_s=nan), state())
+    assert d.action in ("Hold", "ScaleDown") and 1 <= d.replicas <= 2
+    assert run(window(now=nan), state()).reason == "MetricsStale"
 
 
 def test_pods_not_ready_hold_while_starting_pods_will_absorb_the_load():
     # 2 ready pods at 90% fill, a third starting: the third covers it, hold.
     d = run(window(requests_running=180.0), state(3, ready=2))
     assert (d.action, d.reason) == ("Hold", "PodsNotReady")
-    d = run(window(pods=2, requests_running=180.0), state(3))  # one pod's metrics missing
-    assert d.reason == "PodsNotReady"
+    # all three ready, one not reporting: that is missing metrics, not a pod that is not ready
+    d = run(window(pods=2, requests_running=180.0), state(3))
+    assert (d.action, d.reason) == ("Hold", "MetricsMissing")
+    assert d.message == "1 of 3 ready pods not reporting"
     # no scale-down while pods start, however idle the ready ones are
     d = run(window(requests_running=0.0, idle_fraction=1.0, kv_cache_usage=0.0), state(3, ready=2))
     assert (d.action, d.reason) == ("Hold", "PodsNotReady")
@@ -172,7 +193,10 @@ def test_saturation_beyond_the_starting_pods_scales_up_during_a_cold_start():
     # 2 ready pods with 3x their capacity queued; 1 more starting is not enough.
     d = run(window(requests_running=200.0, requests_waiting=400.0), state(3, ready=2))
     assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)
-    assert "still starting" in d.message
+    assert "1 of 3 pods not ready or not reporting" in d.message
+    # the same when the third pod is ready but its /metrics cannot be read
+    d = run(window(pods=2, requests_running=200.0, requests_waiting=400.0), state(3))
+    assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)
 
 
 def test_bounds_apply_before_anything_else():
