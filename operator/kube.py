@@ -1,7 +1,7 @@
 """A small Kubernetes API client for the handlers' own calls, on the credentials kopf logs in with.
 
 kopf has no public client for arbitrary objects; this one does JSON over aiohttp (kopf's own
-HTTP library): get, list, create, merge-patch, delete, on the ConnectionInfo of the login handler.
+HTTP library): get, list, create, merge- and JSON-patch, delete, on the ConnectionInfo of the login handler.
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ class KubeApi:
 
     async def patch(self, path: str, body: dict) -> dict:
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    async def json_patch(self, path: str, operations: list[dict]) -> dict:
+        return await self.request("PATCH", path, operations, content_type="application/json-patch+json")
 
     async def delete(self, path: str) -> None:
         try:

@@ -165,6 +165,11 @@ class ServerPod:
         self.log.close()
 
 
+# What a ModelServer owns, for the garbage collector
+OWNED = (("apps/v1", "deployments"), ("v1", "services"), ("policy/v1", "poddisruptionbudgets"))
+MODELSERVERS = ("tandem.dev/v1alpha1", "modelservers")
+
+
 class Kubelet:
     """Deployment controller + kubelet + garbage collector for one namespace, one tick at a time."""
 
@@ -178,8 +183,23 @@ class Kubelet:
     def pods_of(self, deployment: str) -> list[Backend]:
         return [b for name, b in self.backends.items() if name.startswith(deployment + "-")]
 
+    async def collect_garbage(self) -> None:
+        """Delete what a ModelServer owned once no ModelServer of that uid exists (as Kubernetes'
+        garbage collector does, by the ownerReferences' uid)."""
+        ns = self.namespace
+        alive = {m["metadata"].get("uid") for m in await self.api.list(api_path(*MODELSERVERS, ns))}
+        for api_version, plural in OWNED:
+            for obj in await self.api.list(api_path(api_version, plural, ns)):
+                owners = [
+                    r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") == "ModelServer"
+                ]
+                if owners and not any(r.get("uid") in alive for r in owners):
+                    with contextlib.suppress(NotFound):
+                        await self.api.delete(api_path(api_version, plural, ns, obj["metadata"]["name"]))
+
     async def tick(self) -> None:
         ns = self.namespace
+        await self.collect_garbage()
         deployments = await self.api.list(api_path("apps/v1", "deployments", ns))
         pods = await self.api.list(api_path("v1", "pods", ns))
         names = {d["metadata"]["name"] for d in deployments}

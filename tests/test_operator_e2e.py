@@ -222,7 +222,8 @@ async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: in
         dep = await eventually(rolled, what="Deployment updated")
         assert dep["spec"]["replicas"] == 1
 
-        # delete: the owned objects go, and the ModelServer itself (finalizer released)
+        # delete: the ModelServer goes at once (no finalizer); the garbage collector (the test's
+        # kubelet) takes the owned objects by their owner references' uid
         await api.delete(MS + "/llama")
         for path in (
             api_path("apps/v1", "deployments", NS, "llama"),
@@ -374,3 +375,99 @@ async def test_a_pod_with_a_bad_body_is_named_and_the_others_still_count(kmock) 
 async def _replicas_of(api: KubeApi, name: str, n: int) -> bool:
     dep = await api.get(api_path("apps/v1", "deployments", NS, name))
     return dep["spec"]["replicas"] == n
+
+
+async def test_objects_it_does_not_own_are_never_adopted_or_deleted(kmock) -> None:
+    """A Deployment of the ModelServer's name that someone else runs: not patched, not scaled, not
+    deleted with the ModelServer; Ready=False NotOwned and a Warning Event say why."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    theirs = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "taken", "namespace": NS, "resourceVersion": "1", "labels": {"app": "theirs"}},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "theirs"}},
+            "template": {
+                "metadata": {"labels": {"app": "theirs"}},
+                "spec": {"containers": [{"name": "web", "image": "theirs:1"}]},
+            },
+        },
+    }
+    deployment = api_path("apps/v1", "deployments", NS, "taken")
+    await api.create(api_path("apps/v1", "deployments", NS), theirs)
+    async with operator_running(kmock, liveness_port=0):
+        await api.create(MS, model_server("taken"))
+
+        async def refused() -> dict | None:
+            ms = await api.get(MS + "/taken")
+            return ms if condition(ms, "Ready").get("reason") == "NotOwned" else None
+
+        ms = await eventually(refused, what="NotOwned condition")
+        ready = condition(ms, "Ready")
+        assert ready["status"] == "False" and "Deployment ml/taken" in ready["message"]
+        assert condition(ms, "ScalingActive")["reason"] == "NotOwned"
+        (warning,) = await events(api, "NotOwned")
+        assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == "taken"
+        # nothing of theirs changed, nothing of ours made beside it
+        await asyncio.sleep(1.5)  # several scaling ticks
+        dep = await api.get(deployment)
+        assert dep["spec"] == theirs["spec"] and "ownerReferences" not in dep["metadata"]
+        assert dep["metadata"]["labels"] == {"app": "theirs"}
+        for path in (
+            api_path("v1", "services", NS, "taken"),
+            api_path("policy/v1", "poddisruptionbudgets", NS, "taken"),
+        ):
+            with pytest.raises(NotFound):
+                await api.get(path)
+        assert len(await events(api, "NotOwned")) == 1, "one Warning, not one per tick"
+
+        await api.delete(MS + "/taken")
+        await eventually(lambda: _gone(api, MS + "/taken"), what="ModelServer deleted")
+        await asyncio.sleep(1.0)
+        assert (await api.get(deployment))["spec"] == theirs["spec"], "never deleted with the ModelServer"
+    await api.close()
+
+
+async def test_deletion_needs_no_operator_and_old_finalizers_go(kmock) -> None:
+    """No finalizer on ModelServers: deleting one with the operator down is immediate (the owner
+    references let the garbage collector take its objects); the finalizer of earlier versions is
+    removed by the operator when it sees an object, also from one stuck in deletion."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    legacy = model_server("legacy")
+    legacy["metadata"]["finalizers"] = ["tandem.dev/operator"]
+    stuck = model_server("stuck")
+    stuck["metadata"]["finalizers"] = ["tandem.dev/operator"]
+    await api.create(MS, legacy)
+    await api.create(MS, stuck)
+    await api.delete(MS + "/stuck")  # deleted while no operator runs: Terminating on the finalizer
+    assert (await api.get(MS + "/stuck"))["metadata"]["deletionTimestamp"]
+
+    async def no_finalizers(name: str) -> bool:
+        return not (await api.get(MS + f"/{name}"))["metadata"].get("finalizers")
+
+    pods: list[MetricsPod] = []
+    async with operator_running(kmock, liveness_port=0):
+        async with kubelet_running(api, metrics_pods(Addresses((9400,)), pods)):
+            await eventually(lambda: _gone(api, MS + "/stuck"), what="stuck ModelServer released")
+            await eventually(lambda: no_finalizers("legacy"), what="old finalizer removed")
+            await api.create(MS, model_server("fresh"))
+            await eventually(
+                lambda: api.get(api_path("apps/v1", "deployments", NS, "fresh")), what="Deployment"
+            )
+            await asyncio.sleep(1.0)  # several scaling ticks: still no finalizer
+            assert await no_finalizers("fresh")
+    await api.close()
+    # The operator is gone (kopf cancels the tasks made while it ran, kmock's connections too:
+    # a new client). Deleting the ModelServer does not wait for it.
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    await api.delete(MS + "/fresh")
+    assert await _gone(api, MS + "/fresh")
+    async with kubelet_running(api, metrics_pods(Addresses((9400,)), pods)):
+        await eventually(
+            lambda: _gone(api, api_path("apps/v1", "deployments", NS, "fresh")),
+            what="the garbage collector takes the Deployment",
+        )
+    await api.close()
