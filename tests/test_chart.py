@@ -59,7 +59,7 @@ VALUE_SETS: dict[str, dict] = {
                 "persistentVolumeClaim": "models",
                 "mountPath": "/models",
             },
-            "gpusPerPod": 2,
+            "gpusPerPod": 1,
             "gpuResourceName": "nvidia.com/mig-3g.71gb",
             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -326,6 +326,7 @@ BAD_VALUES = [
     {"operator": {"tolerations": {"key": "gpu"}}},
     {"server": {"image": {"digest": "latest"}}},
     {"exampleModelServer": {"gpusPerPod": -1}},
+    {"exampleModelServer": {"gpusPerPod": 2}},  # the engine uses one GPU
     {"exampleModelServer": {"gpusPerPod": "1"}},
     {"exampleModelServer": {"pricePerGpuHour": -0.5}},
     {"exampleModelServer": {"scaling": {"minReplicas": 0}}},
@@ -568,7 +569,7 @@ def test_every_object_carries_the_common_labels(rendered: dict[str, list[dict]])
 def test_gpu_example_takes_its_resources_from_the_values(rendered: dict[str, list[dict]]) -> None:
     spec = one(rendered["gpu"], "ModelServer")["spec"]
     assert spec["gpuResourceName"] == "nvidia.com/mig-3g.71gb"
-    assert spec["gpusPerPod"] == 2
+    assert spec["gpusPerPod"] == 1
     assert spec["pricePerGpuHour"] == 3.5
     assert spec["image"] == "registry.example.com/ml/tandem-server:0.1.0@sha256:" + "ab" * 32
     assert spec["imagePullPolicy"] == "Always"
@@ -752,7 +753,7 @@ def test_notes_tell_how_to_call_the_server(chart: helm.Chart) -> None:
     assert f"kubectl port-forward -n {NAMESPACE} svc/llama-8b 50051:50051" in notes
     assert "tandem generate --server localhost:50051" in notes
     assert f"llama-8b.{NAMESPACE}.svc:50051" in notes
-    assert "2 x nvidia.com/mig-3g.71gb per pod" in notes
+    assert "1 x nvidia.com/mig-3g.71gb per pod" in notes
     assert f"helm test {RELEASE}" in notes
 
 
