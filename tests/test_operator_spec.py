@@ -134,7 +134,11 @@ def test_deployment_shape():
     assert env["TANDEM_MODEL"] == "/models/llama" and env["TANDEM_MODEL_NAME"] == "llama"
     assert env["TANDEM_NUM_GPUS"] == "1" and env["TANDEM_PRICE_PER_GPU_HOUR"] == "2.5"
     assert env["TANDEM_MAX_MODEL_LEN"] == "8192" and env["TANDEM_PORT"] == "1"  # the user's env wins
-    assert c["resources"] == {"requests": {"memory": "64Gi", "amd.com/gpu": 1}, "limits": {"amd.com/gpu": 1}}
+    # the user's memory request wins; the CPU request is the default of a GPU pod
+    assert c["resources"] == {
+        "requests": {"memory": "64Gi", "cpu": "4", "amd.com/gpu": 1},
+        "limits": {"amd.com/gpu": 1},
+    }
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 905
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
@@ -148,7 +152,9 @@ def test_deployment_shape():
 
 def test_cpu_pods_request_no_gpu():
     dep = resources.deployment("small", parse_spec({"image": "x", "gpusPerPod": 0}), 9400)
-    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"] == {}
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": resources.CPU_POD_REQUESTS
+    }
 
 
 SECURE = {
@@ -237,3 +243,24 @@ def test_plain_spec_has_no_security_extras():
     ]
     ports = resources.service("llama", parse_spec({"image": "x"}), 9400)["spec"]["ports"]
     assert [p["name"] for p in ports] == ["grpc", "metrics"]
+
+
+@pytest.mark.parametrize(
+    ("given", "gpus", "requests", "limits"),
+    [
+        ({}, 1, {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1}, {"nvidia.com/gpu": 1}),
+        ({}, 0, {"cpu": "2", "memory": "4Gi"}, None),
+        # a request or a limit the user gives wins (a limit alone is the request too)
+        (
+            {"requests": {"cpu": "500m"}, "limits": {"memory": "8Gi"}},
+            1,
+            {"cpu": "500m", "nvidia.com/gpu": 1},
+            {"memory": "8Gi", "nvidia.com/gpu": 1},
+        ),
+    ],
+)
+def test_model_pods_get_default_cpu_and_memory_requests(given, gpus, requests, limits):
+    spec = parse_spec({"image": "x", "gpusPerPod": gpus, "resources": given})
+    (c,) = resources.deployment("m", spec, 9400)["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["requests"] == requests
+    assert c["resources"].get("limits") == limits
