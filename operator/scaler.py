@@ -32,6 +32,9 @@ from .window import MetricsHistory
 
 log = logging.getLogger("tandem.operator.scaler")
 PLURAL = "modelservers"
+# A window must hold at least this many scrapes of each pod: with one, there is no rate of
+# tokens (so no cost) and no TTFT increase. Shorter windows are raised to it (SpecAdjusted).
+MIN_WINDOW_SCRAPES = 2
 # Decisions made without fresh metrics of every pod: ScalingActive is False for them.
 NOT_SCALING = ("MetricsMissing", "MetricsStale", "PodsNotReady")
 
@@ -211,7 +214,10 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
         log.warning(f"{namespace}/{name}: pod {bad.pod}: {bad.problem}")
     scaling = shared.scaling.setdefault(uid, Scaling())
     scaling.warned.pop("NotOwned", None)  # the objects are ours (again)
-    scaling.history.add(now, samples, spec.scaling.metrics_window_seconds)
+    window_s, clamped = metrics_window_s(spec, settings)
+    if clamped:
+        await warn_once(shared, body, "MetricsWindowClamped", clamped)
+    scaling.history.add(now, samples, window_s)
     window = scaling.history.window(spec.price_per_gpu_hour * spec.gpus_per_pod)
 
     state = scaling.state or ScalingState(current, len(ready))
@@ -237,9 +243,22 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
         status["lastScaleTime"] = now_iso(now)
 
     status.update(_observed(decision, current, len(ready), window, now))
-    status["conditions"] = _conditions(body, spec, decision, current, len(ready), unreadable)
+    status["conditions"] = _conditions(body, spec, decision, current, len(ready), unreadable, clamped)
     await _write_status(api, body, status)
     return decision
+
+
+def metrics_window_s(spec: ModelServerSpec, settings: OperatorSettings) -> tuple[float, str]:
+    """The window to aggregate over, and why it is not the spec's (empty when it is): the CRD
+    cannot know the operator's scrape interval, so the operator raises a shorter window."""
+    asked = spec.scaling.metrics_window_seconds
+    least = MIN_WINDOW_SCRAPES * settings.scrape_interval_s
+    if asked >= least:
+        return float(asked), ""
+    return least, (
+        f"metricsWindowSeconds {asked} holds fewer than {MIN_WINDOW_SCRAPES} scrapes at the operator's "
+        f"scrape interval of {settings.scrape_interval_s:g} s: using {least:g} s"
+    )
 
 
 def _observed(decision: Decision, current: int, ready: int, window: MetricsWindow | None, now: float) -> dict:
@@ -278,6 +297,7 @@ def _conditions(
     current: int,
     ready: int,
     unreadable: list[Unreadable],
+    clamped: str,
 ) -> list[dict]:
     generation = body["metadata"].get("generation")
     conditions = (body.get("status") or {}).get("conditions")
@@ -307,6 +327,14 @@ def _conditions(
         f"bounds {spec.scaling.min_replicas}-{spec.scaling.max_replicas}",
         generation,
     )
+    if clamped:
+        conditions = set_condition(
+            conditions, "SpecAdjusted", True, "MetricsWindowClamped", clamped, generation
+        )
+    else:
+        conditions = set_condition(
+            conditions, "SpecAdjusted", False, "AsWritten", "the spec is used as written", generation
+        )
     if unreadable:
         names = "; ".join(f"{u.pod}: {u.problem}" for u in sorted(unreadable, key=lambda u: u.pod))
         return set_condition(

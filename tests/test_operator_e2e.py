@@ -75,13 +75,8 @@ async def eventually(probe: Callable[[], Any], timeout: float = 60.0, what: str 
 
 @contextlib.asynccontextmanager
 async def operator_running(kmock: Any, **overrides: Any) -> AsyncIterator[OperatorSettings]:
-    settings = OperatorSettings(
-        api_server=str(kmock.url).rstrip("/"),
-        scrape_interval_s=0.5,
-        scrape_timeout_s=2.0,
-        stale_after_s=10.0,
-        **overrides,
-    )
+    fast = {"scrape_interval_s": 0.5, "scrape_timeout_s": 2.0, "stale_after_s": 10.0}
+    settings = OperatorSettings(api_server=str(kmock.url).rstrip("/"), **{**fast, **overrides})
     stop = asyncio.Event()
     task = asyncio.create_task(run_operator(settings, stop_flag=stop))
     try:
@@ -470,4 +465,24 @@ async def test_deletion_needs_no_operator_and_old_finalizers_go(kmock) -> None:
             lambda: _gone(api, api_path("apps/v1", "deployments", NS, "fresh")),
             what="the garbage collector takes the Deployment",
         )
+    await api.close()
+
+
+async def test_a_metrics_window_shorter_than_two_scrapes_is_raised_and_said(kmock) -> None:
+    """metricsWindowSeconds 1 with a scrape every 1.5 s would hold one scrape per pod (no rate, no
+    cost, no TTFT): the operator uses 3 s and says so in SpecAdjusted and a Warning Event."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    async with operator_running(kmock, liveness_port=0, scrape_interval_s=1.5):
+        await api.create(MS, model_server("short", scaling={"metricsWindowSeconds": 1}))
+
+        async def adjusted() -> dict | None:
+            ms = await api.get(MS + "/short")
+            return ms if condition(ms, "SpecAdjusted").get("reason") == "MetricsWindowClamped" else None
+
+        ms = await eventually(adjusted, what="SpecAdjusted condition")
+        assert condition(ms, "SpecAdjusted")["status"] == "True"
+        assert "using 3 s" in condition(ms, "SpecAdjusted")["message"]
+        (warning,) = await events(api, "MetricsWindowClamped")
+        assert warning["type"] == "Warning" and "metricsWindowSeconds 1" in warning["message"]
     await api.close()
