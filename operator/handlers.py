@@ -83,7 +83,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         if info is not None:
             if shared.api is not None:  # a re-login (e.g. an expired token): its session goes
                 await shared.api.close()
-            shared.api = KubeApi(info)
+            shared.api = KubeApi(info, may_write=shared.leading)
         return info
 
     @kopf.on.cleanup(**on)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +54,8 @@ class Shared:
     """Operator-wide state, reachable from every object's memo (kopf copies memos shallowly)."""
 
     settings: OperatorSettings
+    # with leader election: whether this replica holds the Lease now (its API writes ask it)
+    leading: Callable[[], bool] | None = None
     api: KubeApi | None = None
     scrape_limit: asyncio.Semaphore | None = None
     http: aiohttp.ClientSession | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
@@ -277,49 +276,6 @@ async def test_bad_spec_gets_a_condition_not_a_crash_loop(kmock, spec: dict, pro
         await api.patch(MS + "/bad", {"spec": fixed, "metadata": {"generation": 2}})
         await eventually(lambda: api.get(api_path("apps/v1", "deployments", NS, "bad")), what="Deployment")
     await api.close()
-
-
-async def test_a_higher_priority_peer_pauses_the_operator(kmock) -> None:
-    """kopf peering: while another operator replica with a higher priority is alive, this one
-    does nothing; when that peer is gone, it takes over."""
-    declare_resources(kmock)
-    kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
-        kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
-        verbs={"get", "list", "watch", "patch"}, subresources={"status"},
-    )  # fmt: skip
-    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
-    peerings = api_path("kopf.dev/v1", "clusterkopfpeerings", None)
-    lastseen = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    await api.create(
-        peerings,
-        {
-            "apiVersion": "kopf.dev/v1",
-            "kind": "ClusterKopfPeering",
-            "metadata": {"name": "tandem", "resourceVersion": "1"},
-            "status": {"other-replica": {"priority": 100, "lifetime": 600, "lastseen": lastseen}},
-        },
-    )
-    try:
-        async with operator_running(kmock, liveness_port=0, peering="tandem", priority=1):
-
-            async def registered() -> bool:
-                peering = await api.get(peerings + "/tandem")
-                return len(peering.get("status", {})) == 2  # the other replica and this one
-
-            await eventually(registered, what="this replica in the peering object")
-            await api.create(MS, model_server("paused"))
-            # several scaling intervals: a paused replica creates nothing
-            await asyncio.sleep(3)
-            with pytest.raises(NotFound):
-                await api.get(api_path("apps/v1", "deployments", NS, "paused"))
-
-            await api.patch(peerings + "/tandem", {"status": {"other-replica": None}})  # the peer is gone
-            await eventually(
-                lambda: api.get(api_path("apps/v1", "deployments", NS, "paused")),
-                what="Deployment after takeover",
-            )
-    finally:
-        await api.close()
 
 
 def metrics_pods(addresses: Addresses, pods: list[MetricsPod]) -> Callable[[dict], MetricsPod]:
