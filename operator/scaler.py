@@ -322,14 +322,13 @@ def _conditions(
         decision.reason in ("Underused", "CostAboveCeiling")
         and decision.replicas <= spec.scaling.min_replicas
     )
-    conditions = set_condition(
-        conditions,
-        "ScalingLimited",
-        at_max or at_min,
-        "AtMaximum" if at_max else ("AtMinimum" if at_min else "WithinBounds"),
-        f"bounds {spec.scaling.min_replicas}-{spec.scaling.max_replicas}",
-        generation,
-    )
+    bounds = f"bounds {spec.scaling.min_replicas}-{spec.scaling.max_replicas}"
+    if decision.reason == "CostCeilingUnreachable":  # the SLO wins over the ceiling
+        limited, why, message = True, "CostCeilingUnreachable", decision.message
+    else:
+        limited, message = at_max or at_min, bounds
+        why = "AtMaximum" if at_max else ("AtMinimum" if at_min else "WithinBounds")
+    conditions = set_condition(conditions, "ScalingLimited", limited, why, message, generation)
     if clamped:
         conditions = set_condition(
             conditions, "SpecAdjusted", True, "MetricsWindowClamped", clamped, generation

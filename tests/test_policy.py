@@ -98,8 +98,49 @@ def test_cost_above_ceiling_holds_when_remaining_pods_could_not_carry_it():
     # 2 pods at 55% fill: one pod would be at 110%, so stay even though tokens cost too much.
     w = window(requests_running=110.0, cost_per_mtok_usd=0.9)
     d = run(w, state())
-    assert (d.action, d.replicas, d.reason) == ("Hold", 2, "CostAboveCeiling")
+    assert (d.action, d.replicas, d.reason) == ("Hold", 2, "CostCeilingUnreachable")
     assert "could not carry" in d.message
+
+
+def test_an_unreachable_cost_ceiling_does_not_fight_the_slo():
+    """Long prompts, short answers: the ceiling asks for fewer pods than the TTFT target needs.
+    The first cost scale-down breaks TTFT and scales back up; from then on the policy remembers
+    what a pod carried when saturated and holds (CostCeilingUnreachable) instead of cycling."""
+    targets = replace(TARGETS, scale_down_stabilization_s=0)
+    # 4 pods, low fill (few running: short answers), tokens too expensive
+    cheap_fill = dict(requests_running=40.0, kv_cache_usage=0.1, tokens_per_s=400.0, cost_per_mtok_usd=2.0)
+    d = run(window(pods=4, **cheap_fill), state(4), targets=targets)
+    assert (d.action, d.reason, d.replicas) == ("ScaleDown", "CostAboveCeiling", 2)
+    # at 2 pods the same load breaks TTFT (prefill-bound): scale up again
+    d = run(
+        window(pods=2, **{**cheap_fill, "ttft_p95_s": 3.0}),
+        replace(d.state, ready_replicas=2),
+        1015.0,
+        targets,
+    )
+    assert (d.action, d.reason) == ("ScaleUp", "Saturated") and d.replicas >= 3
+    assert d.state.saturated_tokens_per_pod == 200.0
+    # at 4 pods again, TTFT fine, cost still above the ceiling: down to 3 pods at most, where the
+    # remembered rate (200 tokens/s per pod at saturation) leaves room, not to 2 again
+    s = replace(d.state, current_replicas=4, ready_replicas=4)
+    d = run(window(pods=4, **cheap_fill), s, 1030.0, targets)
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 3, "CostAboveCeiling")
+    # at 3 pods: hold, and say why
+    d = run(window(pods=3, **cheap_fill), replace(d.state, ready_replicas=3), 1031.0, targets)
+    assert (d.action, d.replicas, d.reason) == ("Hold", 3, "CostCeilingUnreachable")
+    assert "the TTFT target needs 3 pods at this load" in d.message
+    # a quarter of the load: that rate says fewer pods do; the cost rule may scale down again
+    quarter = {**cheap_fill, "requests_running": 10.0, "tokens_per_s": 100.0}
+    d = run(window(pods=3, **quarter), d.state, 1045.0, targets)
+    assert (d.action, d.reason) == ("ScaleDown", "CostAboveCeiling")
+    # pods that carry more than the remembered rate without saturating: the memory goes
+    d = run(
+        window(pods=3, **{**cheap_fill, "tokens_per_s": 900.0}),
+        replace(d.state, current_replicas=3),
+        1060.0,
+        targets,
+    )
+    assert d.state.saturated_tokens_per_pod is None
 
 
 def test_no_cost_trigger_without_ceiling():
