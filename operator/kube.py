@@ -1,7 +1,7 @@
 """A small Kubernetes API client for the handlers' own calls, on the credentials kopf logs in with.
 
 kopf has no public client for arbitrary objects; this one does JSON over aiohttp (kopf's own
-HTTP library): get, list, create, merge-patch, delete, on the ConnectionInfo of the login handler.
+HTTP library): get, list, create, merge- and JSON-patch, delete, on the ConnectionInfo of the login handler.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import ssl
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -17,6 +18,10 @@ import kopf
 
 class NotFound(Exception):
     pass
+
+
+class NotLeading(Exception):
+    """A write refused locally: this replica does not hold the leader Lease (leader.py)."""
 
 
 class ApiError(Exception):
@@ -60,7 +65,9 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
 
 
 class KubeApi:
-    def __init__(self, info: kopf.ConnectionInfo) -> None:
+    def __init__(self, info: kopf.ConnectionInfo, may_write: Callable[[], bool] | None = None) -> None:
+        # asked before every write: a replica that lost the leader Lease writes nothing more
+        self.may_write = may_write
         self.server = info.server.rstrip("/")
         self.headers = {"Accept": "application/json"}
         if info.token:
@@ -89,10 +96,14 @@ class KubeApi:
         body: Any = None,
         params: dict | None = None,
         content_type: str | None = None,
+        timeout: float | None = None,
     ) -> dict:
+        if method != "GET" and self.may_write is not None and not self.may_write():
+            raise NotLeading(f"{method} {path}: this replica does not hold the leader Lease")
         headers = {"Content-Type": content_type or "application/json"} if body is not None else {}
+        limit = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout is not None else {}
         async with self._client().request(
-            method, self.server + path, json=body, params=params, headers=headers, ssl=self.ssl
+            method, self.server + path, json=body, params=params, headers=headers, ssl=self.ssl, **limit
         ) as response:
             if response.status == 404:
                 raise NotFound(path)
@@ -100,8 +111,8 @@ class KubeApi:
                 raise ApiError(response.status, await response.text())
             return await response.json(content_type=None)
 
-    async def get(self, path: str) -> dict:
-        return await self.request("GET", path)
+    async def get(self, path: str, timeout: float | None = None) -> dict:
+        return await self.request("GET", path, timeout=timeout)
 
     async def list(self, path: str, label_selector: dict[str, str] | None = None) -> list[dict]:
         params = (
@@ -114,11 +125,18 @@ class KubeApi:
             items = [i for i in items if _matches(i, label_selector)]
         return items
 
-    async def create(self, path: str, body: dict) -> dict:
-        return await self.request("POST", path, body)
+    async def create(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        return await self.request("POST", path, body, timeout=timeout)
+
+    async def put(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        """An update: with metadata.resourceVersion set, refused (409) if the object changed since."""
+        return await self.request("PUT", path, body, timeout=timeout)
 
     async def patch(self, path: str, body: dict) -> dict:
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    async def json_patch(self, path: str, operations: list[dict]) -> dict:
+        return await self.request("PATCH", path, operations, content_type="application/json-patch+json")
 
     async def delete(self, path: str) -> None:
         try:

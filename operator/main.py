@@ -1,27 +1,34 @@
-"""`tandem operator`: run the kopf operator with the handlers of handlers.py."""
+"""`tandem operator`: run the kopf operator with the handlers of handlers.py, alone or, with
+leader election, only while this replica holds the leader Lease (leader.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import uuid
+from pathlib import Path
 
 import kopf
 
-from .handlers import Shared, register
+from .handlers import Shared, connection_info, register
+from .kube import KubeApi
+from .leader import LeaderElector, LeadershipLost
 from .settings import OperatorSettings
 
+log = logging.getLogger("tandem.operator")
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
-async def run_operator(settings: OperatorSettings, stop_flag: asyncio.Event | None = None) -> None:
+
+async def _kopf(settings: OperatorSettings, shared: Shared, stop_flag: asyncio.Event) -> None:
     registry = kopf.OperatorRegistry()
     register(registry, settings)
     namespaces = settings.namespace_list()
     port = settings.liveness_port
     await kopf.operator(
         registry=registry,
-        memo=kopf.Memo(shared=Shared(settings)),
-        standalone=not settings.peering,
-        peering_name=settings.peering or None,
-        priority=settings.priority,
+        memo=kopf.Memo(shared=shared),
+        standalone=True,  # no kopf peering: the Lease decides who acts
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=f"http://0.0.0.0:{port}/healthz" if port else None,
@@ -29,8 +36,42 @@ async def run_operator(settings: OperatorSettings, stop_flag: asyncio.Event | No
     )
 
 
+def lease_namespace(settings: OperatorSettings) -> str:
+    if settings.leader_election_namespace:
+        return settings.leader_election_namespace
+    if SERVICE_ACCOUNT_NAMESPACE.exists():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return "default"
+
+
+async def run_operator(settings: OperatorSettings, stop_flag: asyncio.Event | None = None) -> None:
+    """Run until `stop_flag` is set; with leader election, raise LeadershipLost when the Lease
+    could not be renewed (the caller exits: a new process is a candidate again)."""
+    stop = stop_flag or asyncio.Event()
+    if not settings.leader_election:
+        await _kopf(settings, Shared(settings), stop)
+        return
+    info = connection_info(settings, logger=log, settings=kopf.OperatorSettings())
+    if info is None:
+        raise RuntimeError("no credentials for the Kubernetes API (service account or kubeconfig)")
+    identity = settings.leader_election_identity or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    api = KubeApi(info)
+    elector = LeaderElector(
+        api, lease_namespace(settings), settings.leader_election_lease, identity, settings.timings()
+    )
+    shared = Shared(settings, leading=elector.leading)
+    try:
+        await elector.run(lambda: _kopf(settings, shared, stop), stop)
+    finally:
+        await api.close()
+
+
 def main(settings: OperatorSettings) -> int:
     kopf.configure(verbose=settings.log_level == "DEBUG", log_prefix=True)
     logging.getLogger().setLevel(settings.log_level)
-    asyncio.run(run_operator(settings))
+    try:
+        asyncio.run(run_operator(settings))
+    except LeadershipLost as exc:
+        log.error(f"{exc}: exiting, to start again as a candidate")
+        return 1
     return 0

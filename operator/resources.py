@@ -15,6 +15,11 @@ MODEL_LABEL = "tandem.dev/modelserver"
 SERVER_GID = 10001  # the server image's group (Dockerfile): the mounted Secret files belong to it
 SECRET_MODE = 0o440  # owner and group read: the key and the tokens are for the server alone
 TLS_DIR, CLIENT_CA_DIR, AUTH_DIR = "/etc/tandem/tls", "/etc/tandem/client-ca", "/etc/tandem/auth"
+# Requests when spec.resources names none for cpu or memory: a pod with no requests is BestEffort,
+# the first to be evicted. A GPU pod's host side tokenizes, detokenizes and feeds the device
+# (a few cores) and holds the weights in memory while loading them; a CPU pod runs small models.
+DEFAULT_REQUESTS = {"cpu": "4", "memory": "16Gi"}
+CPU_POD_REQUESTS = {"cpu": "2", "memory": "4Gi"}
 
 
 def labels(name: str) -> dict[str, str]:
@@ -112,6 +117,11 @@ def _env(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
 
 def _resources(spec: ModelServerSpec) -> dict:
     resources = {k: dict(v) for k, v in spec.resources.items() if isinstance(v, dict)}
+    requests, limits = resources.setdefault("requests", {}), resources.get("limits", {})
+    for name, value in (DEFAULT_REQUESTS if spec.gpus_per_pod else CPU_POD_REQUESTS).items():
+        # the user's word wins: a limit alone is the request too (Kubernetes copies it over)
+        if name not in requests and name not in limits:
+            requests[name] = value
     if spec.gpus_per_pod:
         for kind in ("requests", "limits"):
             resources.setdefault(kind, {})[spec.gpu_resource_name] = spec.gpus_per_pod

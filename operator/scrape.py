@@ -1,4 +1,10 @@
-"""Read one pod's Prometheus /metrics and keep what the scaling policy needs."""
+"""Read one pod's Prometheus /metrics and keep what the scaling policy needs.
+
+A pod's body is untrusted input: whatever it sends (no answer, an error status, bytes that are
+not UTF-8, text the parser refuses, a value that is not a finite number in range), the result is
+either a sample or an `Unreadable` naming the problem, never an exception, so that one bad pod
+cannot stop the decisions for the others.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,10 @@ KV_USAGE = "tandem_kv_cache_usage_ratio"
 IDLE = "tandem_gpu_idle_fraction"
 GENERATED = "tandem_generation_tokens"  # counter: samples named ..._total
 TTFT = "gen_ai_server_time_to_first_token_seconds"  # histogram
+REQUIRED = (RUNNING, WAITING)  # without these a pod's load is unknown
+RATIOS = (KV_USAGE, IDLE)  # 0-1
+# The server's /metrics is a few kilobytes; a body far beyond that is not one.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 def metrics_url(pod_ip: str, port: int) -> str:
@@ -35,6 +45,14 @@ class PodSample:
     ttft_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """A ready pod whose metrics could not be used this round, and why (for its condition)."""
+
+    pod: str
+    problem: str
+
+
 def parse_metrics(pod: str, when: float, text: str) -> PodSample:
     """Gauges and counters are summed over label sets (one model per pod: usually one set)."""
     values: dict[str, float] = {}
@@ -48,17 +66,52 @@ def parse_metrics(pod: str, when: float, text: str) -> PodSample:
                 values[family.name] = values.get(family.name, 0.0) + sample.value
             elif family.name == GENERATED and sample.name == GENERATED + "_total":
                 values[GENERATED] = values.get(GENERATED, 0.0) + sample.value
-    clean = {k: v for k, v in values.items() if not math.isnan(v)}
     return PodSample(
         pod=pod,
         time=when,
-        running=clean.get(RUNNING),
-        waiting=clean.get(WAITING),
-        kv_usage=clean.get(KV_USAGE),
-        idle_fraction=clean.get(IDLE),
-        generated_tokens=clean.get(GENERATED),
+        running=values.get(RUNNING),
+        waiting=values.get(WAITING),
+        kv_usage=values.get(KV_USAGE),
+        idle_fraction=values.get(IDLE),
+        generated_tokens=values.get(GENERATED),
         ttft_buckets=dict(sorted(buckets.items())),
     )
+
+
+def problem_of(sample: PodSample) -> str | None:
+    """Why the sample cannot be used, or None: a required metric missing, or a value the policy
+    must not see (not finite, negative, a ratio outside 0-1)."""
+    named = {
+        RUNNING: sample.running,
+        WAITING: sample.waiting,
+        KV_USAGE: sample.kv_usage,
+        IDLE: sample.idle_fraction,
+        GENERATED + "_total": sample.generated_tokens,
+    }
+    for name in REQUIRED:
+        if named[name] is None:
+            return f"does not export {name}"
+    for name, value in named.items():
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0:
+            return f"{name} is {value}"
+        if name in RATIOS and value > 1:
+            return f"{name} is {value}, not within 0-1"
+    for le, count in sample.ttft_buckets.items():
+        if math.isnan(le) or not math.isfinite(count) or count < 0:
+            return f"{TTFT}_bucket{{le={le}}} is {count}"
+    return None
+
+
+async def _body(response: aiohttp.ClientResponse) -> bytes | None:
+    chunks, size = [], 0
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def scrape_pod(
@@ -68,17 +121,32 @@ async def scrape_pod(
     url: str,
     timeout_s: float,
     now: float,
-) -> PodSample | None:
-    """The pod's sample, or None when it did not answer in time or answered garbage."""
+) -> PodSample | Unreadable:
+    """The pod's sample, or what made it unreadable this round."""
     async with limit:
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
                 if response.status != 200:
-                    return None
-                text = await response.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return None
+                    return Unreadable(pod, f"/metrics answered HTTP {response.status}")
+                body = await _body(response)
+        except asyncio.TimeoutError:
+            return Unreadable(pod, f"/metrics did not answer within {timeout_s:g} s")
+        except (aiohttp.ClientError, OSError) as exc:
+            return Unreadable(pod, f"/metrics unreachable: {type(exc).__name__}")
+    if body is None:
+        return Unreadable(pod, f"/metrics body is larger than {MAX_BODY_BYTES // 1024 // 1024} MiB")
+    return read_body(pod, now, body)
+
+
+def read_body(pod: str, now: float, body: bytes) -> PodSample | Unreadable:
+    """A /metrics body, whatever its bytes, as a usable sample or the reason it is not one."""
     try:
-        return parse_metrics(pod, now, text)
-    except ValueError:
-        return None
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return Unreadable(pod, "/metrics body is not UTF-8 text")
+    try:
+        sample = parse_metrics(pod, now, text)
+    except Exception as exc:  # untrusted text: whatever the parser raises, only this pod is lost
+        return Unreadable(pod, f"/metrics is not Prometheus text ({type(exc).__name__})")
+    problem = problem_of(sample)
+    return sample if problem is None else Unreadable(pod, problem)

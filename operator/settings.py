@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .leader import Timings
 
 ENV_PREFIX = "TANDEM_OPERATOR_"
 
@@ -17,11 +19,29 @@ class OperatorSettings(BaseSettings):
         "",
         description="Comma-separated namespaces to serve (globs allowed); empty = all namespaces.",
     )
-    peering: str = Field(
-        "",
-        description="kopf peering object shared by operator replicas so only one acts; empty = standalone.",
+    leader_election: bool = Field(
+        False,
+        description="Act only while holding the leader Lease, so that of several replicas exactly one "
+        "acts (the chart turns it on); off = this replica acts alone.",
     )
-    priority: int = Field(0, description="Peering priority of this replica (the highest one acts).")
+    leader_election_lease: str = Field(
+        "tandem-operator", min_length=1, description="Name of the coordination.k8s.io Lease."
+    )
+    leader_election_namespace: str = Field(
+        "",
+        description="Namespace of the Lease; empty = the namespace of the pod's service account, "
+        "else `default`.",
+    )
+    leader_election_identity: str = Field(
+        "", description="This replica's holderIdentity in the Lease; empty = host name and a random suffix."
+    )
+    lease_duration_s: float = Field(
+        15.0, gt=0, description="How long a Lease not renewed stays another replica's (client-go's default)."
+    )
+    renew_deadline_s: float = Field(
+        10.0, gt=0, description="The leader stops acting when it could not renew the Lease for this long."
+    )
+    retry_period_s: float = Field(2.0, gt=0, description="How often the Lease is renewed or tried.")
     liveness_port: int = Field(
         8080, ge=0, le=65535, description="Port of the liveness endpoint GET /healthz (0 = off)."
     )
@@ -42,6 +62,15 @@ class OperatorSettings(BaseSettings):
     )
     metrics_port: int = Field(9400, ge=1, le=65535, description="The model pods' Prometheus /metrics port.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @model_validator(mode="after")
+    def _lease_timings(self) -> OperatorSettings:
+        if self.leader_election:
+            self.timings().check()
+        return self
+
+    def timings(self) -> Timings:
+        return Timings(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -7,7 +7,7 @@ condition instead of a crash loop.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from .policy import ScalingTargets
@@ -68,11 +68,15 @@ class Scaling(_Camel):
         return self
 
 
+# The engine uses one device per process; 0 = CPU pods.
+MAX_GPUS_PER_POD = 1
+
+
 class ModelServerSpec(_Camel):
     image: str = Field(min_length=1)
     image_pull_policy: str = "IfNotPresent"
     model: ModelSource = ModelSource()
-    gpus_per_pod: int = Field(1, ge=0, le=16)
+    gpus_per_pod: int = Field(1, ge=0)  # at most MAX_GPUS_PER_POD, with a message of its own
     gpu_resource_name: str = "nvidia.com/gpu"
     price_per_gpu_hour: float = Field(0.0, ge=0)
     resources: dict = Field(default_factory=dict)
@@ -89,6 +93,16 @@ class ModelServerSpec(_Camel):
     tls: TLS | None = None
     auth: Auth | None = None
     reflection: bool = True
+
+    @field_validator("gpus_per_pod")
+    @classmethod
+    def _one_gpu(cls, value: int) -> int:
+        if value > MAX_GPUS_PER_POD:
+            raise ValueError(
+                f"{value} GPUs per pod: the engine runs a model on one GPU (no tensor parallelism "
+                f"yet), so at most {MAX_GPUS_PER_POD}; more would be paid for and left idle"
+            )
+        return value
 
     def targets(self) -> ScalingTargets:
         s = self.scaling

@@ -21,17 +21,27 @@ class Round:
 class MetricsHistory:
     def __init__(self) -> None:
         self.rounds: deque[Round] = deque()
+        # When a pod last answered, kept beyond the window: the policy's MetricsStale reads it.
+        self.last_answer: float | None = None
 
     def add(self, time: float, samples: list[PodSample], window_s: float) -> None:
         self.rounds.append(Round(time, tuple(samples)))
+        if samples:
+            self.last_answer = time
         while self.rounds and self.rounds[0].time < time - window_s:
             self.rounds.popleft()
 
     def window(self, cost_per_pod_hour: float) -> MetricsWindow | None:
-        if not self.rounds or not self.rounds[-1].samples:
-            return None
-        last = self.rounds[-1]
+        """The window of the rounds in which pods answered, observed at the newest of them; with
+        none in the window, an empty one observed when a pod last answered (None if never)."""
         rounds = [r for r in self.rounds if r.samples]
+        if not rounds:
+            if self.last_answer is None:
+                return None
+            return MetricsWindow(
+                observed_at=self.last_answer, pods=0, requests_running=None, requests_waiting=None
+            )
+        last = rounds[-1]
 
         def mean_of_sums(attr: str) -> float | None:
             sums = []

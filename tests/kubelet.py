@@ -3,7 +3,8 @@ each backed by something that answers on its own loopback address 127.0.0.N.
 
 Two kinds of pod backends:
 - `MetricsPod`: a real HTTP server serving Prometheus text from a real prometheus_client
-  registry with the server's metric names; the test sets the load it reports.
+  registry with the server's metric names; the test sets the load it reports, or the raw bytes
+  it answers with instead (a bad body).
 - `ServerPod`: a real `tandem serve` process on the tiny model, started with the environment of
   the Deployment's container; it is ready when its gRPC health says SERVING (what the kubelet's
   readiness probe asks).
@@ -20,12 +21,21 @@ import random
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from tandem.operator.kube import KubeApi, NotFound, api_path
 from tandem.operator.resources import MODEL_LABEL
@@ -82,7 +92,25 @@ class MetricsPod:
             "gen_ai_server_time_to_first_token_seconds", "TTFT.", buckets=TTFT_BUCKETS, registry=r
         )
         self.idle.set(1.0)
-        self.server, self.thread = start_http_server(port, addr=address, registry=self.registry)
+        self.body: bytes | None = None  # set: answered instead of the registry's text
+        pod = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body = pod.body if pod.body is not None else generate_latest(pod.registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((address, port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
 
     def load(
         self, running: float, waiting: float, kv: float, idle: float, tokens: float, ttft: float
@@ -137,6 +165,11 @@ class ServerPod:
         self.log.close()
 
 
+# What a ModelServer owns, for the garbage collector
+OWNED = (("apps/v1", "deployments"), ("v1", "services"), ("policy/v1", "poddisruptionbudgets"))
+MODELSERVERS = ("tandem.dev/v1alpha1", "modelservers")
+
+
 class Kubelet:
     """Deployment controller + kubelet + garbage collector for one namespace, one tick at a time."""
 
@@ -150,8 +183,23 @@ class Kubelet:
     def pods_of(self, deployment: str) -> list[Backend]:
         return [b for name, b in self.backends.items() if name.startswith(deployment + "-")]
 
+    async def collect_garbage(self) -> None:
+        """Delete what a ModelServer owned once no ModelServer of that uid exists (as Kubernetes'
+        garbage collector does, by the ownerReferences' uid)."""
+        ns = self.namespace
+        alive = {m["metadata"].get("uid") for m in await self.api.list(api_path(*MODELSERVERS, ns))}
+        for api_version, plural in OWNED:
+            for obj in await self.api.list(api_path(api_version, plural, ns)):
+                owners = [
+                    r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") == "ModelServer"
+                ]
+                if owners and not any(r.get("uid") in alive for r in owners):
+                    with contextlib.suppress(NotFound):
+                        await self.api.delete(api_path(api_version, plural, ns, obj["metadata"]["name"]))
+
     async def tick(self) -> None:
         ns = self.namespace
+        await self.collect_garbage()
         deployments = await self.api.list(api_path("apps/v1", "deployments", ns))
         pods = await self.api.list(api_path("v1", "pods", ns))
         names = {d["metadata"]["name"] for d in deployments}

@@ -19,7 +19,7 @@ from autoscale.pods import Cluster  # noqa: E402
 from autoscale.scalers import KnativeLike, TandemScaler, UtilisationHPA  # noqa: E402
 from autoscale.trace import TraceConfig, make_trace  # noqa: E402
 
-from tandem.operator.policy import ScalingTargets  # noqa: E402
+from tandem.operator.policy import ScalingTargets, decide  # noqa: E402
 
 
 def run(scaler, rate_rps: float, seconds: int, replicas: int = 2) -> tuple[Cluster, list[int], float, float]:
@@ -94,3 +94,32 @@ def test_tandem_bench_autoscale_writes_json_and_plot(tmp_path: Path):
     for result in report["results"].values():
         assert result["cost_per_million_tokens_usd"] > 0 and 0 <= result["ttft_p95_slo_attainment"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unreachable_cost_ceiling_costs_one_try_not_a_cycle():
+    """Prefill-heavy load (2,000-token prompts, 40-token answers) whose tokens cost more than the
+    $0.5/Mtok ceiling at any pod count that meets the TTFT target: the cost rule may try fewer
+    pods once; TTFT breaks, the pods scale back, and from then on the policy holds, saying the
+    ceiling is unreachable (before the fix: a scale-down and a scale-up every few minutes)."""
+    targets = ScalingTargets(
+        min_replicas=1, max_replicas=16, cost_ceiling_usd_per_mtok=0.5, target_batch_fill=0.2
+    )
+    scaler = TandemScaler(targets, 3.5)
+    cluster = Cluster(2, cold_start_s=120)
+    history: deque = deque(maxlen=900)
+    events = []
+    for t in range(3600):
+        cluster.route(t, [[float(t), 16.0, 2000.0, 40.0]])
+        history.append(cluster.step(t))
+        if t and t % scaler.interval_s == 0:
+            wanted = scaler(float(t), cluster.replicas, history)
+            if wanted != cluster.replicas:
+                events.append(t)
+                cluster.scale(wanted, float(t))
+    assert len(events) <= 6, events
+    assert not [t for t in events if t > 1800], "no scaling in the second half hour"
+    assert scaler.state.saturated_tokens_per_pod is not None
+    window = scaler.window(history)
+    assert window.cost_per_mtok_usd > 0.5  # the ceiling is indeed out of reach
+    d = decide(window, targets, scaler.state, 3600.0, stale_after_s=60)
+    assert (d.action, d.reason) == ("Hold", "CostCeilingUnreachable")

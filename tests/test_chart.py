@@ -59,7 +59,7 @@ VALUE_SETS: dict[str, dict] = {
                 "persistentVolumeClaim": "models",
                 "mountPath": "/models",
             },
-            "gpusPerPod": 2,
+            "gpusPerPod": 1,
             "gpuResourceName": "nvidia.com/mig-3g.71gb",
             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -115,7 +115,6 @@ VALUE_SETS: dict[str, dict] = {
     "no-example": {
         "exampleModelServer": {"enabled": False},
         "tests": {"target": "llama-8b.ml.svc:50051"},
-        "peering": {"create": False},
         "serviceAccount": {"create": False, "name": "platform-operator"},
     },
 }
@@ -270,14 +269,13 @@ def test_every_manifest_passes_the_api_schemas(
 
 def test_crds_pass_the_api_schemas(chart: helm.Chart) -> None:
     crds = crd_docs(chart)
-    assert set(crds) == {"ModelServer", "ClusterKopfPeering", "KopfPeering"}
+    assert set(crds) == {"ModelServer"}  # no kopf peering CRDs: a Lease elects the leader
     for crd in crds.values():
         for version in KUBE_VERSIONS:
             kubernetes_validate.validate(crd, version, strict=True)
     model_server = crds["ModelServer"]
     assert model_server["metadata"]["name"] == "modelservers.tandem.dev"
     assert [v["name"] for v in model_server["spec"]["versions"]] == ["v1alpha1"]
-    assert {crds["ClusterKopfPeering"]["spec"]["group"], crds["KopfPeering"]["spec"]["group"]} == {"kopf.dev"}
 
 
 def test_crd_schema_check_catches_unknown_and_wrong_fields(chart: helm.Chart, rendered) -> None:
@@ -305,11 +303,10 @@ def test_crd_schema_check_catches_unknown_and_wrong_fields(chart: helm.Chart, re
 
 def test_every_kind_is_expected(rendered: dict[str, list[dict]]) -> None:
     kinds = {name: sorted({d["kind"] for d in docs}) for name, docs in rendered.items()}
-    base = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Pod"]
-    assert kinds["default"] == sorted([*base, "ClusterKopfPeering", "ModelServer", "ServiceAccount"])
+    base = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Pod", "Role", "RoleBinding"]
+    assert kinds["default"] == sorted([*base, "ModelServer", "ServiceAccount"])
     assert kinds["monitoring"] == sorted(
-        [*base, "ConfigMap", "KopfPeering", "ModelServer", "NetworkPolicy", "PodMonitor", "Role",
-         "RoleBinding", "ServiceAccount", "ServiceMonitor"]
+        [*base, "ConfigMap", "ModelServer", "NetworkPolicy", "PodMonitor", "ServiceAccount", "ServiceMonitor"]
     )
     assert kinds["no-example"] == sorted(base)
 
@@ -326,6 +323,7 @@ BAD_VALUES = [
     {"operator": {"tolerations": {"key": "gpu"}}},
     {"server": {"image": {"digest": "latest"}}},
     {"exampleModelServer": {"gpusPerPod": -1}},
+    {"exampleModelServer": {"gpusPerPod": 2}},  # the engine uses one GPU
     {"exampleModelServer": {"gpusPerPod": "1"}},
     {"exampleModelServer": {"pricePerGpuHour": -0.5}},
     {"exampleModelServer": {"scaling": {"minReplicas": 0}}},
@@ -416,35 +414,46 @@ def test_service_account_does_not_hand_out_tokens(rendered: dict[str, list[dict]
 
 # docs/operator.md, "Permissions": exactly these, nothing more.
 NAMESPACED_RULES = {
-    ("tandem.dev", "modelservers"): {"get", "list", "watch", "patch"},
-    ("tandem.dev", "modelservers/status"): {"get", "patch"},
-    ("apps", "deployments"): {"get", "create", "patch", "delete"},
-    ("apps", "deployments/scale"): {"get", "patch"},
-    ("", "services"): {"get", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
+    ("tandem.dev", "modelservers"): {"list", "watch", "patch"},
+    ("tandem.dev", "modelservers/status"): {"patch"},
+    ("apps", "deployments"): {"get", "create", "patch"},
+    ("apps", "deployments/scale"): {"patch"},
+    ("", "services"): {"get", "create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"get", "create", "patch"},
     ("", "pods"): {"list"},
     ("", "events"): {"create"},
 }
-CRD_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}
-CLUSTER_PEERING = {("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "patch"}}
-NAMESPACED_PEERING = {("kopf.dev", "kopfpeerings"): {"get", "list", "watch", "patch"}}
+CRD_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
+# leader election: create any Lease (create cannot be limited by name), read and update the one
+LEASE_RULES = {
+    ("coordination.k8s.io", "leases"): {"create"},
+    ("coordination.k8s.io", "leases/tandem-operator"): {"get", "update"},
+}
 
 
 def rule_table(role: dict) -> dict[tuple[str, str], set[str]]:
+    """(group, resource) -> verbs; a rule naming objects counts as (group, resource/name)."""
     table: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        assert "nonResourceURLs" not in rule
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 assert "*" not in (group, resource) and "*" not in rule["verbs"]
-                table.setdefault((group, resource), set()).update(rule["verbs"])
+                for name in rule.get("resourceNames") or [None]:
+                    key = (group, f"{resource}/{name}" if name else resource)
+                    table.setdefault(key, set()).update(rule["verbs"])
     return table
+
+
+def lease_role(docs: list[dict]) -> dict:
+    (role,) = [r for r in objects(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    return role
 
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(rendered: dict[str, list[dict]]) -> None:
     docs = rendered["default"]
     role = one(docs, "ClusterRole")
-    assert rule_table(role) == {**CRD_RULES, **CLUSTER_PEERING, **NAMESPACED_RULES}
+    assert rule_table(role) == {**CRD_RULES, **NAMESPACED_RULES}
     binding = one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]
@@ -452,38 +461,44 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(rendered: dict[str
     sa = one(docs, "ServiceAccount")
     subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
     assert binding["subjects"] == [subject]
-    assert objects(docs, "Role") == []
+    # the Lease's rules only in the release namespace, apart from everything else
+    assert [r["metadata"]["name"] for r in objects(docs, "Role")] == [lease_role(docs)["metadata"]["name"]]
+    assert lease_role(docs)["metadata"]["namespace"] == NAMESPACE
+    assert rule_table(lease_role(docs)) == LEASE_RULES
 
 
 def test_namespaced_rbac_grants_only_the_watched_namespaces(rendered: dict[str, list[dict]]) -> None:
     docs = rendered["monitoring"]
     assert rule_table(one(docs, "ClusterRole")) == CRD_RULES
-    roles = {r["metadata"]["namespace"]: r for r in objects(docs, "Role")}
+    leases = lease_role(docs)
+    assert rule_table(leases) == LEASE_RULES and leases["metadata"]["namespace"] == NAMESPACE
+    roles = {r["metadata"]["namespace"]: r for r in objects(docs, "Role") if r is not leases}
     assert set(roles) == {"ml", NAMESPACE, "staging"}
     for role in roles.values():
-        assert rule_table(role) == {**NAMESPACED_RULES, **NAMESPACED_PEERING}
-    bindings = {b["metadata"]["namespace"]: b for b in objects(docs, "RoleBinding")}
+        assert rule_table(role) == NAMESPACED_RULES
+    bindings = {
+        b["metadata"]["namespace"]: b
+        for b in objects(docs, "RoleBinding")
+        if not b["metadata"]["name"].endswith("-leader-election")
+    }
     assert set(bindings) == {"ml", NAMESPACE, "staging"}
     for namespace, binding in bindings.items():
         assert binding["roleRef"]["name"] == roles[namespace]["metadata"]["name"]
         assert binding["subjects"][0]["namespace"] == NAMESPACE
 
 
-def test_peering_objects_follow_the_operator_scope(rendered: dict[str, list[dict]]) -> None:
-    env = {
-        name: {e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]
-               ["containers"][0]["env"]}
-        for name, docs in rendered.items()
-    }
-    cluster = one(rendered["default"], "ClusterKopfPeering")
-    assert env["default"]["TANDEM_OPERATOR_PEERING"] == cluster["metadata"]["name"] == "tandem"
-    assert env["default"]["TANDEM_OPERATOR_NAMESPACES"] == ""
-    namespaced = objects(rendered["monitoring"], "KopfPeering")
-    assert sorted(p["metadata"]["namespace"] for p in namespaced) == sorted(["ml", NAMESPACE, "staging"])
-    assert env["monitoring"]["TANDEM_OPERATOR_NAMESPACES"] == f"ml,{NAMESPACE},staging"
-    assert {p["metadata"]["name"] for p in namespaced} == {env["monitoring"]["TANDEM_OPERATOR_PEERING"]}
-    # no peering object: the operator runs standalone rather than waiting for one
-    assert env["no-example"]["TANDEM_OPERATOR_PEERING"] == ""
+def test_operator_elects_a_leader_on_the_lease_the_rbac_names(rendered: dict[str, list[dict]]) -> None:
+    for name, docs in rendered.items():
+        (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["TANDEM_OPERATOR_LEADER_ELECTION"] == "true", name
+        assert env["TANDEM_OPERATOR_LEADER_ELECTION_NAMESPACE"] == NAMESPACE
+        assert env["TANDEM_OPERATOR_LEADER_ELECTION_IDENTITY"] == "$(POD_NAME)"  # set above it
+        names = [e["name"] for e in container["env"]]
+        assert names.index("POD_NAME") < names.index("TANDEM_OPERATOR_LEADER_ELECTION_IDENTITY")
+        (named,) = [r for r in lease_role(docs)["rules"] if r.get("resourceNames")]
+        assert named["resourceNames"] == [env["TANDEM_OPERATOR_LEADER_ELECTION_LEASE"]] == ["tandem-operator"]
+        assert "TANDEM_OPERATOR_PEERING" not in env
 
 
 # ---------------------------------------------------------------- the operator Deployment
@@ -495,11 +510,14 @@ def test_operator_deployment(rendered: dict[str, list[dict]]) -> None:
     template = deployment["spec"]["template"]
     assert selector.items() <= template["metadata"]["labels"].items()
     assert deployment["spec"]["replicas"] == 2
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # a real lock (the Lease): a rolling update may run the new pod beside the old one
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}
+    }
     spec = template["spec"]
     (container,) = spec["containers"]
     assert container["image"] == "tandem-operator:0.1.0"
-    assert container["command"] == ["/bin/sh", "-c"], "standbys draw their own peering priority"
+    assert "command" not in container and container["args"] == ["operator"], "no peering priorities to draw"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["TANDEM_OPERATOR_SCRAPE_INTERVAL_S"] == "10"
     assert env["TANDEM_OPERATOR_LOG_LEVEL"] == "INFO"
@@ -521,25 +539,6 @@ def test_single_operator_runs_tandem_operator_directly(rendered: dict[str, list[
     (container,) = one(rendered["default"], "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "command" not in container, "the image's entrypoint is `tandem`"
     assert container["args"] == ["operator"]
-
-
-def test_standby_operators_get_distinct_random_priorities(rendered: dict, tmp_path: Path) -> None:
-    """The replicas>1 start script, run by /bin/sh with a `tandem` on PATH that reports what it got."""
-    (container,) = one(rendered["monitoring"], "Deployment")["spec"]["template"]["spec"]["containers"]
-    report = tmp_path / "tandem"
-    report.write_text('#!/bin/sh\necho "$TANDEM_OPERATOR_PRIORITY $*"\n')
-    report.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-    draws = []
-    script = [*container["command"], *container["args"]]
-    for _ in range(5):
-        out = subprocess.run(script, capture_output=True, text=True, env=env)
-        assert out.returncode == 0, out.stderr
-        priority, command = out.stdout.split(" ", 1)
-        assert command.strip() == "operator"
-        assert 0 <= int(priority) <= 65535
-        draws.append(int(priority))
-    assert len(set(draws)) > 1
 
 
 def test_chart_app_version_is_the_package_version(chart: helm.Chart) -> None:
@@ -568,7 +567,7 @@ def test_every_object_carries_the_common_labels(rendered: dict[str, list[dict]])
 def test_gpu_example_takes_its_resources_from_the_values(rendered: dict[str, list[dict]]) -> None:
     spec = one(rendered["gpu"], "ModelServer")["spec"]
     assert spec["gpuResourceName"] == "nvidia.com/mig-3g.71gb"
-    assert spec["gpusPerPod"] == 2
+    assert spec["gpusPerPod"] == 1
     assert spec["pricePerGpuHour"] == 3.5
     assert spec["image"] == "registry.example.com/ml/tandem-server:0.1.0@sha256:" + "ab" * 32
     assert spec["imagePullPolicy"] == "Always"
@@ -752,7 +751,7 @@ def test_notes_tell_how_to_call_the_server(chart: helm.Chart) -> None:
     assert f"kubectl port-forward -n {NAMESPACE} svc/llama-8b 50051:50051" in notes
     assert "tandem generate --server localhost:50051" in notes
     assert f"llama-8b.{NAMESPACE}.svc:50051" in notes
-    assert "2 x nvidia.com/mig-3g.71gb per pod" in notes
+    assert "1 x nvidia.com/mig-3g.71gb per pod" in notes
     assert f"helm test {RELEASE}" in notes
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
@@ -75,13 +74,8 @@ async def eventually(probe: Callable[[], Any], timeout: float = 60.0, what: str 
 
 @contextlib.asynccontextmanager
 async def operator_running(kmock: Any, **overrides: Any) -> AsyncIterator[OperatorSettings]:
-    settings = OperatorSettings(
-        api_server=str(kmock.url).rstrip("/"),
-        scrape_interval_s=0.5,
-        scrape_timeout_s=2.0,
-        stale_after_s=10.0,
-        **overrides,
-    )
+    fast = {"scrape_interval_s": 0.5, "scrape_timeout_s": 2.0, "stale_after_s": 10.0}
+    settings = OperatorSettings(api_server=str(kmock.url).rstrip("/"), **{**fast, **overrides})
     stop = asyncio.Event()
     task = asyncio.create_task(run_operator(settings, stop_flag=stop))
     try:
@@ -222,7 +216,8 @@ async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: in
         dep = await eventually(rolled, what="Deployment updated")
         assert dep["spec"]["replicas"] == 1
 
-        # delete: the owned objects go, and the ModelServer itself (finalizer released)
+        # delete: the ModelServer goes at once (no finalizer); the garbage collector (the test's
+        # kubelet) takes the owned objects by their owner references' uid
         await api.delete(MS + "/llama")
         for path in (
             api_path("apps/v1", "deployments", NS, "llama"),
@@ -283,44 +278,167 @@ async def test_bad_spec_gets_a_condition_not_a_crash_loop(kmock, spec: dict, pro
     await api.close()
 
 
-async def test_a_higher_priority_peer_pauses_the_operator(kmock) -> None:
-    """kopf peering: while another operator replica with a higher priority is alive, this one
-    does nothing; when that peer is gone, it takes over."""
+def metrics_pods(addresses: Addresses, pods: list[MetricsPod]) -> Callable[[dict], MetricsPod]:
+    def factory(container: dict) -> MetricsPod:
+        metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+        pods.append(MetricsPod(addresses.take(), metrics_port))
+        return pods[-1]
+
+    return factory
+
+
+async def test_a_pod_with_a_bad_body_is_named_and_the_others_still_count(kmock) -> None:
+    """One pod answers bytes that are not UTF-8, then a +Inf gauge: it is named in MetricsAvailable,
+    the decisions go on, and the other pod's saturation still scales up."""
     declare_resources(kmock)
-    kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
-        kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
-        verbs={"get", "list", "watch", "patch"}, subresources={"status"},
-    )  # fmt: skip
     api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
-    peerings = api_path("kopf.dev/v1", "clusterkopfpeerings", None)
-    lastseen = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    await api.create(
-        peerings,
-        {
-            "apiVersion": "kopf.dev/v1",
-            "kind": "ClusterKopfPeering",
-            "metadata": {"name": "tandem", "resourceVersion": "1"},
-            "status": {"other-replica": {"priority": 100, "lifetime": 600, "lastseen": lastseen}},
+    pods: list[MetricsPod] = []
+    factory = metrics_pods(Addresses((9400,)), pods)
+    async with operator_running(kmock, liveness_port=0), kubelet_running(api, factory) as kubelet:
+        scaling = {"minReplicas": 2, "maxReplicas": 3, "metricsWindowSeconds": 2}
+        await api.create(MS, model_server("mixed", maxNumSeqs=4, scaling=scaling))
+        await eventually(lambda: len(pods) == 2, what="two pods")
+        bad_name, good_name = sorted(kubelet.backends)
+        bad, good = kubelet.backends[bad_name], kubelet.backends[good_name]
+        bad.body = b"tandem_requests_running \xff\xfe 1\n"
+        good.load(running=1, waiting=0, kv=0.2, idle=0.0, tokens=50, ttft=0.05)
+
+        async def named(problem: str) -> dict | None:
+            ms = await api.get(MS + "/mixed")
+            metrics = condition(ms, "MetricsAvailable")
+            return ms if metrics.get("status") == "False" and problem in metrics.get("message", "") else None
+
+        ms = await eventually(lambda: named(f"{bad_name}: /metrics body is not UTF-8"), what="bad pod named")
+        assert good_name not in condition(ms, "MetricsAvailable")["message"]
+        assert condition(ms, "Ready")["status"] == "True", "the pods are ready; one does not report"
+        assert ms["status"]["lastDecision"]["reason"] == "MetricsMissing"
+        assert "1 of 2 ready pods not reporting" in ms["status"]["lastDecision"]["message"]
+
+        bad.body = b"tandem_requests_running +Inf\ntandem_requests_waiting 0\n"
+        await eventually(lambda: named(f"{bad_name}: tandem_requests_running is inf"), what="+Inf named")
+        for _ in range(4):  # the good pod saturated: its queue alone asks for a third pod
+            good.load(running=4, waiting=6, kv=0.9, idle=0.0, tokens=400, ttft=2.0)
+            await asyncio.sleep(0.3)
+        await eventually(lambda: _replicas_of(api, "mixed", 3), what="scale up on the good pod's signals")
+    await api.close()
+
+
+async def _replicas_of(api: KubeApi, name: str, n: int) -> bool:
+    dep = await api.get(api_path("apps/v1", "deployments", NS, name))
+    return dep["spec"]["replicas"] == n
+
+
+async def test_objects_it_does_not_own_are_never_adopted_or_deleted(kmock) -> None:
+    """A Deployment of the ModelServer's name that someone else runs: not patched, not scaled, not
+    deleted with the ModelServer; Ready=False NotOwned and a Warning Event say why."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    theirs = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "taken", "namespace": NS, "resourceVersion": "1", "labels": {"app": "theirs"}},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "theirs"}},
+            "template": {
+                "metadata": {"labels": {"app": "theirs"}},
+                "spec": {"containers": [{"name": "web", "image": "theirs:1"}]},
+            },
         },
-    )
-    try:
-        async with operator_running(kmock, liveness_port=0, peering="tandem", priority=1):
+    }
+    deployment = api_path("apps/v1", "deployments", NS, "taken")
+    await api.create(api_path("apps/v1", "deployments", NS), theirs)
+    async with operator_running(kmock, liveness_port=0):
+        await api.create(MS, model_server("taken"))
 
-            async def registered() -> bool:
-                peering = await api.get(peerings + "/tandem")
-                return len(peering.get("status", {})) == 2  # the other replica and this one
+        async def refused() -> dict | None:
+            ms = await api.get(MS + "/taken")
+            return ms if condition(ms, "Ready").get("reason") == "NotOwned" else None
 
-            await eventually(registered, what="this replica in the peering object")
-            await api.create(MS, model_server("paused"))
-            # several scaling intervals: a paused replica creates nothing
-            await asyncio.sleep(3)
+        ms = await eventually(refused, what="NotOwned condition")
+        ready = condition(ms, "Ready")
+        assert ready["status"] == "False" and "Deployment ml/taken" in ready["message"]
+        assert condition(ms, "ScalingActive")["reason"] == "NotOwned"
+        (warning,) = await events(api, "NotOwned")
+        assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == "taken"
+        # nothing of theirs changed, nothing of ours made beside it
+        await asyncio.sleep(1.5)  # several scaling ticks
+        dep = await api.get(deployment)
+        assert dep["spec"] == theirs["spec"] and "ownerReferences" not in dep["metadata"]
+        assert dep["metadata"]["labels"] == {"app": "theirs"}
+        for path in (
+            api_path("v1", "services", NS, "taken"),
+            api_path("policy/v1", "poddisruptionbudgets", NS, "taken"),
+        ):
             with pytest.raises(NotFound):
-                await api.get(api_path("apps/v1", "deployments", NS, "paused"))
+                await api.get(path)
+        assert len(await events(api, "NotOwned")) == 1, "one Warning, not one per tick"
 
-            await api.patch(peerings + "/tandem", {"status": {"other-replica": None}})  # the peer is gone
+        await api.delete(MS + "/taken")
+        await eventually(lambda: _gone(api, MS + "/taken"), what="ModelServer deleted")
+        await asyncio.sleep(1.0)
+        assert (await api.get(deployment))["spec"] == theirs["spec"], "never deleted with the ModelServer"
+    await api.close()
+
+
+async def test_deletion_needs_no_operator_and_old_finalizers_go(kmock) -> None:
+    """No finalizer on ModelServers: deleting one with the operator down is immediate (the owner
+    references let the garbage collector take its objects); the finalizer of earlier versions is
+    removed by the operator when it sees an object, also from one stuck in deletion."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    legacy = model_server("legacy")
+    legacy["metadata"]["finalizers"] = ["tandem.dev/operator"]
+    stuck = model_server("stuck")
+    stuck["metadata"]["finalizers"] = ["tandem.dev/operator"]
+    await api.create(MS, legacy)
+    await api.create(MS, stuck)
+    await api.delete(MS + "/stuck")  # deleted while no operator runs: Terminating on the finalizer
+    assert (await api.get(MS + "/stuck"))["metadata"]["deletionTimestamp"]
+
+    async def no_finalizers(name: str) -> bool:
+        return not (await api.get(MS + f"/{name}"))["metadata"].get("finalizers")
+
+    pods: list[MetricsPod] = []
+    async with operator_running(kmock, liveness_port=0):
+        async with kubelet_running(api, metrics_pods(Addresses((9400,)), pods)):
+            await eventually(lambda: _gone(api, MS + "/stuck"), what="stuck ModelServer released")
+            await eventually(lambda: no_finalizers("legacy"), what="old finalizer removed")
+            await api.create(MS, model_server("fresh"))
             await eventually(
-                lambda: api.get(api_path("apps/v1", "deployments", NS, "paused")),
-                what="Deployment after takeover",
+                lambda: api.get(api_path("apps/v1", "deployments", NS, "fresh")), what="Deployment"
             )
-    finally:
-        await api.close()
+            await asyncio.sleep(1.0)  # several scaling ticks: still no finalizer
+            assert await no_finalizers("fresh")
+    await api.close()
+    # The operator is gone (kopf cancels the tasks made while it ran, kmock's connections too:
+    # a new client). Deleting the ModelServer does not wait for it.
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    await api.delete(MS + "/fresh")
+    assert await _gone(api, MS + "/fresh")
+    async with kubelet_running(api, metrics_pods(Addresses((9400,)), pods)):
+        await eventually(
+            lambda: _gone(api, api_path("apps/v1", "deployments", NS, "fresh")),
+            what="the garbage collector takes the Deployment",
+        )
+    await api.close()
+
+
+async def test_a_metrics_window_shorter_than_two_scrapes_is_raised_and_said(kmock) -> None:
+    """metricsWindowSeconds 1 with a scrape every 1.5 s would hold one scrape per pod (no rate, no
+    cost, no TTFT): the operator uses 3 s and says so in SpecAdjusted and a Warning Event."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    async with operator_running(kmock, liveness_port=0, scrape_interval_s=1.5):
+        await api.create(MS, model_server("short", scaling={"metricsWindowSeconds": 1}))
+
+        async def adjusted() -> dict | None:
+            ms = await api.get(MS + "/short")
+            return ms if condition(ms, "SpecAdjusted").get("reason") == "MetricsWindowClamped" else None
+
+        ms = await eventually(adjusted, what="SpecAdjusted condition")
+        assert condition(ms, "SpecAdjusted")["status"] == "True"
+        assert "using 3 s" in condition(ms, "SpecAdjusted")["message"]
+        (warning,) = await events(api, "MetricsWindowClamped")
+        assert warning["type"] == "Warning" and "metricsWindowSeconds 1" in warning["message"]
+    await api.close()

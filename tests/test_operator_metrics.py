@@ -3,13 +3,16 @@ parsed with prometheus_client's parser, aggregated over a window, quantiles from
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tandem.operator.histogram import histogram_quantile
-from tandem.operator.scrape import metrics_url, parse_metrics
+from tandem.operator.scrape import PodSample, Unreadable, metrics_url, parse_metrics, read_body
 from tandem.operator.window import MetricsHistory
 
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -68,6 +71,49 @@ def test_parse_rejects_garbage():
         parse_metrics("pod-a", 1.0, "this is { not prometheus")
 
 
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b"tandem_requests_running \xff\xfe 1\n", "/metrics body is not UTF-8 text"),
+        (b"this is { not prometheus", "/metrics is not Prometheus text"),
+        (b"up 1\n", "does not export tandem_requests_running"),
+        (b"tandem_requests_running 1\n", "does not export tandem_requests_waiting"),
+        (b"tandem_requests_running +Inf\ntandem_requests_waiting 0\n", "tandem_requests_running is inf"),
+        (b"tandem_requests_running 1\ntandem_requests_waiting NaN\n", "tandem_requests_waiting is nan"),
+        (b"tandem_requests_running -3\ntandem_requests_waiting 0\n", "tandem_requests_running is -3"),
+        (
+            b"tandem_requests_running 1\ntandem_requests_waiting 0\ntandem_kv_cache_usage_ratio 1.5\n",
+            "tandem_kv_cache_usage_ratio is 1.5, not within 0-1",
+        ),
+        (
+            b"tandem_requests_running 1\ntandem_requests_waiting 0\n"
+            b"# TYPE gen_ai_server_time_to_first_token_seconds histogram\n"
+            b'gen_ai_server_time_to_first_token_seconds_bucket{le="1.0"} -Inf\n',
+            "gen_ai_server_time_to_first_token_seconds_bucket",
+        ),
+    ],
+)
+def test_a_bad_body_is_unreadable_with_its_problem(body: bytes, problem: str):
+    got = read_body("pod-a", 1.0, body)
+    assert isinstance(got, Unreadable) and got.pod == "pod-a" and problem in got.problem, got
+
+
+def test_a_huge_but_finite_value_is_read():
+    got = read_body("pod-a", 1.0, b"tandem_requests_running 1e308\ntandem_requests_waiting 1e308\n")
+    assert isinstance(got, PodSample) and got.running == 1e308  # the policy copes (test_policy_properties)
+
+
+@given(st.binary(max_size=400) | st.text(max_size=400).map(str.encode))
+@settings(max_examples=300, deadline=None)
+def test_any_body_gives_a_sample_or_a_reason(body: bytes):
+    got = read_body("pod-a", 1.0, body)
+    if isinstance(got, PodSample):  # then every value is one the policy may see
+        values = [got.running, got.waiting, got.kv_usage, got.idle_fraction, got.generated_tokens]
+        assert all(v is None or (math.isfinite(v) and v >= 0) for v in values)
+    else:
+        assert got.problem
+
+
 def test_window_aggregates_pods_over_time():
     a, b = FakeServer(), FakeServer()
     history = MetricsHistory()
@@ -112,6 +158,20 @@ def test_window_drops_old_rounds_and_survives_a_counter_reset():
     w = history.window(1.0)
     assert len(history.rounds) == 1 and w.requests_running == 1.0
     assert w.tokens_per_s is None and w.ttft_p95_s is None  # one scrape: no rate yet
+
+
+def test_a_window_whose_pods_stopped_answering_is_observed_when_they_last_did():
+    """MetricsStale needs the time of the last answer: rounds in which no pod answered must not
+    make the window look fresh, nor drop that time once the answers leave the window."""
+    s = FakeServer()
+    history = MetricsHistory()
+    history.add(0.0, [parse_metrics("a", 0.0, s.text())], window_s=10)
+    for t in (5.0, 10.0, 20.0, 30.0):  # no pod answers any more
+        history.add(t, [], window_s=10)
+        w = history.window(1.0)
+        assert w is not None and w.observed_at == 0.0
+    assert w.pods == 0  # the answer itself has left the window
+    assert MetricsHistory().window(1.0) is None  # never an answer
 
 
 def test_window_of_a_pod_missing_a_metric_has_it_missing():

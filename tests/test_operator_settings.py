@@ -14,12 +14,14 @@ from tandem.operator.settings import OperatorSettings
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TANDEM_OPERATOR_NAMESPACES", "ml, staging,")
-    monkeypatch.setenv("TANDEM_OPERATOR_PEERING", "tandem")
+    monkeypatch.setenv("TANDEM_OPERATOR_LEADER_ELECTION", "true")
+    monkeypatch.setenv("TANDEM_OPERATOR_LEADER_ELECTION_NAMESPACE", "tandem-system")
     monkeypatch.setenv("TANDEM_OPERATOR_LIVENESS_PORT", "8080")
     monkeypatch.setenv("TANDEM_OPERATOR_LOG_LEVEL", "warning")
     s = OperatorSettings()
     assert s.namespace_list() == ["ml", "staging"]
-    assert (s.peering, s.liveness_port, s.log_level) == ("tandem", 8080, "WARNING")
+    assert (s.leader_election, s.leader_election_namespace) == (True, "tandem-system")
+    assert (s.liveness_port, s.log_level) == (8080, "WARNING")
     assert OperatorSettings(namespaces="").namespace_list() == []  # all namespaces
 
 
@@ -42,3 +44,9 @@ def test_cli_rejects_a_bad_setting():
         env={**os.environ, "PYTHONSAFEPATH": "1"},
     )  # fmt: skip
     assert proc.returncode != 0 and "scrape_interval_s" in proc.stderr
+
+
+def test_lease_timings_must_let_the_leader_stop_before_another_may_start():
+    OperatorSettings(leader_election=True)  # client-go's defaults: 15 s > 10 s > 1.2 x 2 s
+    with pytest.raises(ValueError, match="lease duration > renew deadline"):
+        OperatorSettings(leader_election=True, lease_duration_s=10, renew_deadline_s=10)

@@ -8,7 +8,15 @@ import pytest
 import yaml
 
 from tandem.operator import resources
-from tandem.operator.spec import TLS, Auth, InvalidSpec, ModelServerSpec, Scaling, parse_spec
+from tandem.operator.spec import (
+    MAX_GPUS_PER_POD,
+    TLS,
+    Auth,
+    InvalidSpec,
+    ModelServerSpec,
+    Scaling,
+    parse_spec,
+)
 
 CRD = Path(__file__).resolve().parent.parent / "charts/tandem/crds/modelservers.tandem.dev.yaml"
 
@@ -30,6 +38,14 @@ def test_crd_names_and_subresources():
     assert columns["$/Mtok"] == ".status.costPerMillionTokensUsd" and "Age" in columns
     rules = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["scaling"]
     assert rules["x-kubernetes-validations"][0]["rule"] == "self.minReplicas <= self.maxReplicas"
+
+
+def test_one_gpu_per_pod_at_most_in_the_crd_and_the_operator():
+    gpus = crd_schema()["properties"]["gpusPerPod"]
+    assert (gpus["minimum"], gpus["maximum"]) == (0, MAX_GPUS_PER_POD) == (0, 1)
+    assert parse_spec({"image": "x", "gpusPerPod": 0}).gpus_per_pod == 0  # CPU pods stay allowed
+    with pytest.raises(InvalidSpec, match="at most 1"):
+        parse_spec({"image": "x", "gpusPerPod": 2})
 
 
 def _constraint(field: object, name: str) -> object:
@@ -75,6 +91,10 @@ def test_crd_defaults_and_fields_match_the_operator(model: type, path: tuple[str
         ),
         ({"image": "x", "scaling": {"targetBatchFill": 1.5}}, "spec.scaling.targetBatchFill"),
         ({"image": "x", "gpusPerPod": -1}, "spec.gpusPerPod"),
+        (
+            {"image": "x", "gpusPerPod": 2},
+            "spec.gpusPerPod: 2 GPUs per pod: the engine runs a model on one GPU",
+        ),
         ({}, "spec.image: Field required"),
         ({"image": "x", "tls": {}}, "spec.tls.secretName: Field required"),
         ({"image": "x", "tls": {"secretName": "Server_TLS"}}, "spec.tls.secretName: String should match"),
@@ -93,7 +113,7 @@ def test_deployment_shape():
         {
             "image": "tandem:1",
             "model": {"source": "/models/llama", "name": "llama", "persistentVolumeClaim": "weights"},
-            "gpusPerPod": 2,
+            "gpusPerPod": 1,
             "gpuResourceName": "amd.com/gpu",
             "pricePerGpuHour": 2.5,
             "resources": {"requests": {"memory": "64Gi"}},
@@ -112,9 +132,13 @@ def test_deployment_shape():
     assert c["args"] == ["serve"] and c["image"] == "tandem:1"
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["TANDEM_MODEL"] == "/models/llama" and env["TANDEM_MODEL_NAME"] == "llama"
-    assert env["TANDEM_NUM_GPUS"] == "2" and env["TANDEM_PRICE_PER_GPU_HOUR"] == "2.5"
+    assert env["TANDEM_NUM_GPUS"] == "1" and env["TANDEM_PRICE_PER_GPU_HOUR"] == "2.5"
     assert env["TANDEM_MAX_MODEL_LEN"] == "8192" and env["TANDEM_PORT"] == "1"  # the user's env wins
-    assert c["resources"] == {"requests": {"memory": "64Gi", "amd.com/gpu": 2}, "limits": {"amd.com/gpu": 2}}
+    # the user's memory request wins; the CPU request is the default of a GPU pod
+    assert c["resources"] == {
+        "requests": {"memory": "64Gi", "cpu": "4", "amd.com/gpu": 1},
+        "limits": {"amd.com/gpu": 1},
+    }
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 905
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
@@ -128,7 +152,9 @@ def test_deployment_shape():
 
 def test_cpu_pods_request_no_gpu():
     dep = resources.deployment("small", parse_spec({"image": "x", "gpusPerPod": 0}), 9400)
-    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"] == {}
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": resources.CPU_POD_REQUESTS
+    }
 
 
 SECURE = {
@@ -217,3 +243,24 @@ def test_plain_spec_has_no_security_extras():
     ]
     ports = resources.service("llama", parse_spec({"image": "x"}), 9400)["spec"]["ports"]
     assert [p["name"] for p in ports] == ["grpc", "metrics"]
+
+
+@pytest.mark.parametrize(
+    ("given", "gpus", "requests", "limits"),
+    [
+        ({}, 1, {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1}, {"nvidia.com/gpu": 1}),
+        ({}, 0, {"cpu": "2", "memory": "4Gi"}, None),
+        # a request or a limit the user gives wins (a limit alone is the request too)
+        (
+            {"requests": {"cpu": "500m"}, "limits": {"memory": "8Gi"}},
+            1,
+            {"cpu": "500m", "nvidia.com/gpu": 1},
+            {"memory": "8Gi", "nvidia.com/gpu": 1},
+        ),
+    ],
+)
+def test_model_pods_get_default_cpu_and_memory_requests(given, gpus, requests, limits):
+    spec = parse_spec({"image": "x", "gpusPerPod": gpus, "resources": given})
+    (c,) = resources.deployment("m", spec, 9400)["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["requests"] == requests
+    assert c["resources"].get("limits") == limits

@@ -98,8 +98,49 @@ def test_cost_above_ceiling_holds_when_remaining_pods_could_not_carry_it():
     # 2 pods at 55% fill: one pod would be at 110%, so stay even though tokens cost too much.
     w = window(requests_running=110.0, cost_per_mtok_usd=0.9)
     d = run(w, state())
-    assert (d.action, d.replicas, d.reason) == ("Hold", 2, "CostAboveCeiling")
+    assert (d.action, d.replicas, d.reason) == ("Hold", 2, "CostCeilingUnreachable")
     assert "could not carry" in d.message
+
+
+def test_an_unreachable_cost_ceiling_does_not_fight_the_slo():
+    """Long prompts, short answers: the ceiling asks for fewer pods than the TTFT target needs.
+    The first cost scale-down breaks TTFT and scales back up; from then on the policy remembers
+    what a pod carried when saturated and holds (CostCeilingUnreachable) instead of cycling."""
+    targets = replace(TARGETS, scale_down_stabilization_s=0)
+    # 4 pods, low fill (few running: short answers), tokens too expensive
+    cheap_fill = dict(requests_running=40.0, kv_cache_usage=0.1, tokens_per_s=400.0, cost_per_mtok_usd=2.0)
+    d = run(window(pods=4, **cheap_fill), state(4), targets=targets)
+    assert (d.action, d.reason, d.replicas) == ("ScaleDown", "CostAboveCeiling", 2)
+    # at 2 pods the same load breaks TTFT (prefill-bound): scale up again
+    d = run(
+        window(pods=2, **{**cheap_fill, "ttft_p95_s": 3.0}),
+        replace(d.state, ready_replicas=2),
+        1015.0,
+        targets,
+    )
+    assert (d.action, d.reason) == ("ScaleUp", "Saturated") and d.replicas >= 3
+    assert d.state.saturated_tokens_per_pod == 200.0
+    # at 4 pods again, TTFT fine, cost still above the ceiling: down to 3 pods at most, where the
+    # remembered rate (200 tokens/s per pod at saturation) leaves room, not to 2 again
+    s = replace(d.state, current_replicas=4, ready_replicas=4)
+    d = run(window(pods=4, **cheap_fill), s, 1030.0, targets)
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 3, "CostAboveCeiling")
+    # at 3 pods: hold, and say why
+    d = run(window(pods=3, **cheap_fill), replace(d.state, ready_replicas=3), 1031.0, targets)
+    assert (d.action, d.replicas, d.reason) == ("Hold", 3, "CostCeilingUnreachable")
+    assert "the TTFT target needs 3 pods at this load" in d.message
+    # a quarter of the load: that rate says fewer pods do; the cost rule may scale down again
+    quarter = {**cheap_fill, "requests_running": 10.0, "tokens_per_s": 100.0}
+    d = run(window(pods=3, **quarter), d.state, 1045.0, targets)
+    assert (d.action, d.reason) == ("ScaleDown", "CostAboveCeiling")
+    # pods that carry more than the remembered rate without saturating: the memory goes
+    d = run(
+        window(pods=3, **{**cheap_fill, "tokens_per_s": 900.0}),
+        replace(d.state, current_replicas=3),
+        1060.0,
+        targets,
+    )
+    assert d.state.saturated_tokens_per_pod is None
 
 
 def test_no_cost_trigger_without_ceiling():
@@ -155,14 +196,35 @@ def test_missing_metrics_hold():
 def test_stale_metrics_hold():
     d = decide(window(now=100.0, requests_waiting=999.0), TARGETS, state(), now=1000.0, stale_after_s=60)
     assert (d.action, d.reason) == ("Hold", "MetricsStale")
+    # what the window gives when no pod has answered since t=100 (its rounds since are empty)
+    empty = MetricsWindow(observed_at=100.0, pods=0, requests_running=None, requests_waiting=None)
+    d = decide(empty, TARGETS, state(), now=1000.0, stale_after_s=60)
+    assert (d.action, d.reason) == ("Hold", "MetricsStale")
+    assert decide(empty, TARGETS, state(), now=130.0, stale_after_s=60).reason == "MetricsMissing"
+
+
+def test_non_finite_and_huge_metrics_still_decide():
+    """The pods' numbers reach the policy as floats: +Inf, NaN and 1e308 give a decision."""
+    inf, nan = float("inf"), float("nan")
+    d = run(window(requests_running=inf, requests_waiting=inf, kv_cache_usage=inf), state())
+    assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)  # at most max_scale_up_step
+    d = run(window(requests_running=1e308, requests_waiting=1e308, ttft_p95_s=1e308), state())
+    assert (d.action, d.replicas) == ("ScaleUp", 6)
+    d = run(window(requests_running=nan), state())
+    assert (d.action, d.reason) == ("Hold", "MetricsMissing")  # NaN is no number: missing
+    d = run(window(idle_fraction=nan, cost_per_mtok_usd=inf, ttft_p95_s=nan), state())
+    assert d.action in ("Hold", "ScaleDown") and 1 <= d.replicas <= 2
+    assert run(window(now=nan), state()).reason == "MetricsStale"
 
 
 def test_pods_not_ready_hold_while_starting_pods_will_absorb_the_load():
     # 2 ready pods at 90% fill, a third starting: the third covers it, hold.
     d = run(window(requests_running=180.0), state(3, ready=2))
     assert (d.action, d.reason) == ("Hold", "PodsNotReady")
-    d = run(window(pods=2, requests_running=180.0), state(3))  # one pod's metrics missing
-    assert d.reason == "PodsNotReady"
+    # all three ready, one not reporting: that is missing metrics, not a pod that is not ready
+    d = run(window(pods=2, requests_running=180.0), state(3))
+    assert (d.action, d.reason) == ("Hold", "MetricsMissing")
+    assert d.message == "1 of 3 ready pods not reporting"
     # no scale-down while pods start, however idle the ready ones are
     d = run(window(requests_running=0.0, idle_fraction=1.0, kv_cache_usage=0.0), state(3, ready=2))
     assert (d.action, d.reason) == ("Hold", "PodsNotReady")
@@ -172,7 +234,10 @@ def test_saturation_beyond_the_starting_pods_scales_up_during_a_cold_start():
     # 2 ready pods with 3x their capacity queued; 1 more starting is not enough.
     d = run(window(requests_running=200.0, requests_waiting=400.0), state(3, ready=2))
     assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)
-    assert "still starting" in d.message
+    assert "1 of 3 pods not ready or not reporting" in d.message
+    # the same when the third pod is ready but its /metrics cannot be read
+    d = run(window(pods=2, requests_running=200.0, requests_waiting=400.0), state(3))
+    assert (d.action, d.reason, d.replicas) == ("ScaleUp", "Saturated", 6)
 
 
 def test_bounds_apply_before_anything_else():

@@ -72,13 +72,45 @@ windows = st.none() | st.builds(
     cost_per_mtok_usd=maybe,
 )
 
+# Anything a pod's /metrics can make of a number: NaN, +-Inf, 1e308 and sums that overflowed.
+any_float = (
+    st.none()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([float("inf"), float("-inf"), float("nan"), 1e308, -1e308, 5e-324])
+)
+wild_windows = st.builds(
+    MetricsWindow,
+    observed_at=st.floats(NOW - 500, NOW) | st.sampled_from([float("nan"), float("-inf"), float("inf")]),
+    pods=st.integers(0, 50),
+    requests_running=any_float,
+    requests_waiting=any_float,
+    idle_fraction=any_float,
+    kv_cache_usage=any_float,
+    ttft_p95_s=any_float,
+    tokens_per_s=any_float,
+    cost_per_mtok_usd=any_float,
+)
+
 histories = st.lists(st.tuples(st.floats(NOW - 1000, NOW), st.integers(0, 60)), max_size=20).map(
     lambda h: tuple(sorted(h))
 )
 
 
-MISSING = ["none", "no pods", "no running", "stale"]
 since_st = st.none() | st.floats(0, NOW)
+
+
+@given(targets_st(), wild_windows, st.integers(0, 60), st.integers(0, 60), histories, since_st)
+@settings(max_examples=400, deadline=None)
+def test_the_policy_is_total_on_any_float(targets, window, current, ready, history, since):
+    """Any float in, a decision out: no exception, and the bounds and step limits still hold."""
+    d = decide(window, targets, ScalingState(current, ready, history, since), NOW, stale_after_s=1000)
+    assert targets.min_replicas <= d.replicas <= targets.max_replicas
+    if targets.min_replicas <= current <= targets.max_replicas:
+        assert current - targets.max_scale_down_step <= d.replicas <= current + targets.max_scale_up_step
+    assert d.message and d.reason
+
+
+MISSING = ["none", "no pods", "no running", "stale"]
 
 
 @given(targets_st(), windows, st.integers(0, 60), st.integers(0, 60), histories, since_st)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class TandemScaler(Scaler):
         ready = history[-1].ready
         if self.state is None:
             self.state = ScalingState(replicas, ready)
-        self.state = ScalingState(replicas, ready, self.state.recommendations, self.state.history_since)
+        self.state = replace(self.state, current_replicas=replicas, ready_replicas=ready)
         d = decide(self.window(history), self.targets, self.state, now, stale_after_s=60)
         self.state = d.state
         if d.action != "Hold":

@@ -1,0 +1,346 @@
+"""The scaling loop: one task per ModelServer that scrapes its ready pods, decides, scales and
+writes the status every scrape interval.
+
+Not a kopf timer: kopf puts a finalizer on every object that has a timer, and a finalizer makes
+deleting a ModelServer wait for the operator. These tasks start when the watch first sees a
+ModelServer and stop when it is gone; the owner references let the garbage collector remove the
+Deployment, Service and PDB, with or without the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+
+from . import owned
+from .conditions import now_iso, set_condition
+from .events import post_event
+from .kube import ApiError, KubeApi, NotFound, api_path
+from .policy import Decision, MetricsWindow, ScalingState, decide
+from .resources import selector
+from .scrape import PodSample, Unreadable, metrics_url, scrape_pod
+from .settings import OperatorSettings
+from .spec import InvalidSpec, ModelServerSpec, parse_spec
+from .window import MetricsHistory
+
+log = logging.getLogger("tandem.operator.scaler")
+PLURAL = "modelservers"
+# A window must hold at least this many scrapes of each pod: with one, there is no rate of
+# tokens (so no cost) and no TTFT increase. Shorter windows are raised to it (SpecAdjusted).
+MIN_WINDOW_SCRAPES = 2
+# Decisions made without fresh metrics of every pod: ScalingActive is False for them.
+NOT_SCALING = ("MetricsMissing", "MetricsStale", "PodsNotReady")
+
+
+@dataclass
+class Scaling:
+    """What the loop remembers about one ModelServer between ticks."""
+
+    history: MetricsHistory = field(default_factory=MetricsHistory)
+    state: ScalingState | None = None
+    warned: dict[str, str] = field(default_factory=dict)  # reason -> message of the last Warning
+
+
+@dataclass
+class Shared:
+    """Operator-wide state, reachable from every object's memo (kopf copies memos shallowly)."""
+
+    settings: OperatorSettings
+    # with leader election: whether this replica holds the Lease now (its API writes ask it)
+    leading: Callable[[], bool] | None = None
+    api: KubeApi | None = None
+    scrape_limit: asyncio.Semaphore | None = None
+    http: aiohttp.ClientSession | None = None
+    bodies: dict[str, dict] = field(default_factory=dict)  # uid -> newest ModelServer seen
+    scaling: dict[str, Scaling] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+
+
+def watch(shared: Shared, body: dict, deleted: bool) -> None:
+    """Follow the watch: start a ModelServer's loop when it appears, stop it when it is gone."""
+    uid = body["metadata"]["uid"]
+    if deleted:
+        shared.bodies.pop(uid, None)
+        shared.scaling.pop(uid, None)
+        task = shared.tasks.pop(uid, None)
+        if task is not None:
+            task.cancel()
+        return
+    shared.bodies[uid] = body
+    if uid not in shared.tasks:
+        shared.tasks[uid] = asyncio.create_task(_loop(shared, uid), name=f"scale {uid}")
+
+
+async def stop_all(shared: Shared) -> None:
+    tasks = list(shared.tasks.values())
+    shared.tasks.clear()
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _loop(shared: Shared, uid: str) -> None:
+    interval = shared.settings.scrape_interval_s
+    await asyncio.sleep(interval)  # the create handler goes first
+    while uid in shared.bodies:
+        started = time.monotonic()
+        body = shared.bodies[uid]
+        try:
+            await tick(shared, body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one ModelServer's failure must not end its loop: next tick
+            meta = body["metadata"]
+            log.warning(f"{meta.get('namespace')}/{meta.get('name')}: scaling tick failed: {exc!r}")
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+def _pod_ready(pod: dict) -> bool:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    return (
+        ready
+        and status.get("phase") == "Running"
+        and bool(status.get("podIP"))
+        and not meta.get("deletionTimestamp")
+    )
+
+
+async def event(api: KubeApi, body: dict, type_: str, reason: str, message: str) -> None:
+    try:
+        await post_event(api, body, type_, reason, message)
+    except (ApiError, aiohttp.ClientError) as exc:  # an Event is worth a try, not a failed decision
+        log.warning(f"could not post the {reason} Event: {exc}")
+
+
+async def _write_status(api: KubeApi, body: dict, status: dict) -> None:
+    meta = body["metadata"]
+    path = api_path(f"{owned.GROUP}/{owned.VERSION}", PLURAL, meta["namespace"], meta["name"]) + "/status"
+    with contextlib.suppress(NotFound):  # deleted meanwhile
+        await api.patch(path, {"status": status})
+
+
+def problem_conditions(body: dict, reason: str, message: str) -> list[dict]:
+    """Ready and ScalingActive False for a problem only a person can fix (InvalidSpec, NotOwned)."""
+    generation = body["metadata"].get("generation")
+    conditions = (body.get("status") or {}).get("conditions")
+    conditions = set_condition(conditions, "Ready", False, reason, message, generation)
+    return set_condition(conditions, "ScalingActive", False, reason, message, generation)
+
+
+async def warn_once(shared: Shared, body: dict, reason: str, message: str) -> None:
+    """A Warning Event when a problem appears or changes, not on every tick it lasts."""
+    scaling = shared.scaling.setdefault(body["metadata"]["uid"], Scaling())
+    if scaling.warned.get(reason) != message:
+        scaling.warned[reason] = message
+        assert shared.api is not None
+        await event(shared.api, body, "Warning", reason, message)
+
+
+async def tick(shared: Shared, body: dict) -> Decision | None:
+    """One round for one ModelServer: the Deployment's state, the pods' metrics, a decision."""
+    api, settings = shared.api, shared.settings
+    assert api is not None
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return None  # being deleted: the garbage collector takes its objects
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except InvalidSpec as exc:
+        await _write_status(api, body, {"conditions": problem_conditions(body, "InvalidSpec", str(exc))})
+        return None
+    try:
+        deployment = await api.get(api_path("apps/v1", "deployments", namespace, name))
+        if not owned.controlled_by(deployment, uid):
+            raise owned.NotOwned("Deployment", namespace, name, owned.controller_of(deployment))
+    except NotFound:
+        # not made yet, or refused before (a foreign Service, say): try again; it may be gone
+        objects = owned.build(name, namespace, uid, spec, settings.metrics_port)
+        try:
+            for what in await owned.ensure(api, name, namespace, uid, objects):
+                log.info(f"{namespace}/{name}: {what}")
+        except owned.NotOwned as exc:
+            await _not_owned(shared, body, exc)
+        return None
+    except owned.NotOwned as exc:
+        await _not_owned(shared, body, exc)
+        return None
+    return await scale_once(shared, body, spec, deployment)
+
+
+async def _not_owned(shared: Shared, body: dict, exc: owned.NotOwned) -> None:
+    assert shared.api is not None
+    await warn_once(shared, body, "NotOwned", str(exc))
+    await _write_status(shared.api, body, {"conditions": problem_conditions(body, "NotOwned", str(exc))})
+
+
+async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployment: dict) -> Decision:
+    """Scrape the ready pods, decide, scale, write the status."""
+    api, settings = shared.api, shared.settings
+    assert api is not None and shared.http is not None and shared.scrape_limit is not None
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    current = int((deployment.get("spec") or {}).get("replicas") or 0)
+    pods = await api.list(api_path("v1", "pods", namespace), selector(name))
+    ready = [p for p in pods if _pod_ready(p)]
+
+    now = time.time()
+    scrapes = await asyncio.gather(
+        *(
+            scrape_pod(
+                shared.http,
+                shared.scrape_limit,
+                p["metadata"]["name"],
+                metrics_url(p["status"]["podIP"], settings.metrics_port),
+                settings.scrape_timeout_s,
+                now,
+            )
+            for p in ready
+        )
+    )
+    samples = [s for s in scrapes if isinstance(s, PodSample)]
+    unreadable = [s for s in scrapes if isinstance(s, Unreadable)]
+    for bad in unreadable:
+        log.warning(f"{namespace}/{name}: pod {bad.pod}: {bad.problem}")
+    scaling = shared.scaling.setdefault(uid, Scaling())
+    scaling.warned.pop("NotOwned", None)  # the objects are ours (again)
+    window_s, clamped = metrics_window_s(spec, settings)
+    if clamped:
+        await warn_once(shared, body, "MetricsWindowClamped", clamped)
+    scaling.history.add(now, samples, window_s)
+    window = scaling.history.window(spec.price_per_gpu_hour * spec.gpus_per_pod)
+
+    state = scaling.state or ScalingState(current, len(ready))
+    state = replace(state, current_replicas=current, ready_replicas=len(ready))
+    decision = decide(window, spec.targets(), state, now, settings.stale_after_s)
+    scaling.state = decision.state
+
+    status: dict[str, Any] = {}
+    if decision.action != "Hold":
+        try:
+            await api.patch(
+                api_path("apps/v1", "deployments", namespace, name) + "/scale",
+                {"spec": {"replicas": decision.replicas}},
+            )
+        except ApiError as exc:
+            scaling.state = state  # not applied: decide again next tick
+            log.warning(f"{namespace}/{name}: scaling to {decision.replicas} failed: {exc}")
+            return decision
+        reason = "ScaledUp" if decision.action == "ScaleUp" else "ScaledDown"
+        message = f"{current} -> {decision.replicas} pods ({decision.reason}): {decision.message}"
+        log.info(f"{namespace}/{name}: {message}")
+        await event(api, body, "Normal", reason, message)
+        status["lastScaleTime"] = now_iso(now)
+
+    status.update(_observed(decision, current, len(ready), window, now))
+    status["conditions"] = _conditions(body, spec, decision, current, len(ready), unreadable, clamped)
+    await _write_status(api, body, status)
+    return decision
+
+
+def metrics_window_s(spec: ModelServerSpec, settings: OperatorSettings) -> tuple[float, str]:
+    """The window to aggregate over, and why it is not the spec's (empty when it is): the CRD
+    cannot know the operator's scrape interval, so the operator raises a shorter window."""
+    asked = spec.scaling.metrics_window_seconds
+    least = MIN_WINDOW_SCRAPES * settings.scrape_interval_s
+    if asked >= least:
+        return float(asked), ""
+    return least, (
+        f"metricsWindowSeconds {asked} holds fewer than {MIN_WINDOW_SCRAPES} scrapes at the operator's "
+        f"scrape interval of {settings.scrape_interval_s:g} s: using {least:g} s"
+    )
+
+
+def _observed(decision: Decision, current: int, ready: int, window: MetricsWindow | None, now: float) -> dict:
+    fields: dict[str, Any] = {
+        "replicas": current,
+        "readyReplicas": ready,
+        "desiredReplicas": decision.replicas,
+        "lastDecision": {
+            "action": decision.action,
+            "fromReplicas": current,
+            "toReplicas": decision.replicas,
+            "reason": decision.reason,
+            "message": decision.message,
+            "time": now_iso(now),
+        },
+    }
+    if window is not None:
+        observed = {
+            "idleFraction": window.idle_fraction,
+            "costPerMillionTokensUsd": window.cost_per_mtok_usd,
+            "tokensPerSecond": window.tokens_per_s,
+            "requestsRunning": window.requests_running,
+            "requestsWaiting": window.requests_waiting,
+            "kvCacheUsage": window.kv_cache_usage,
+            "timeToFirstTokenP95Seconds": window.ttft_p95_s,
+        }
+        # JSON has no Infinity or NaN: a value a pod's numbers overflowed to is left out
+        fields.update({k: round(v, 4) for k, v in observed.items() if v is not None and math.isfinite(v)})
+    return fields
+
+
+def _conditions(
+    body: dict,
+    spec: ModelServerSpec,
+    decision: Decision,
+    current: int,
+    ready: int,
+    unreadable: list[Unreadable],
+    clamped: str,
+) -> list[dict]:
+    generation = body["metadata"].get("generation")
+    conditions = (body.get("status") or {}).get("conditions")
+    pods_ready = current > 0 and ready >= current
+    conditions = set_condition(
+        conditions,
+        "Ready",
+        pods_ready,
+        "AllPodsReady" if pods_ready else "PodsNotReady",
+        f"{ready} of {current} pods ready",
+        generation,
+    )
+    active = decision.reason not in NOT_SCALING
+    conditions = set_condition(
+        conditions, "ScalingActive", active, decision.reason, decision.message, generation
+    )
+    at_max = decision.reason == "Saturated" and decision.replicas >= spec.scaling.max_replicas
+    at_min = (
+        decision.reason in ("Underused", "CostAboveCeiling")
+        and decision.replicas <= spec.scaling.min_replicas
+    )
+    bounds = f"bounds {spec.scaling.min_replicas}-{spec.scaling.max_replicas}"
+    if decision.reason == "CostCeilingUnreachable":  # the SLO wins over the ceiling
+        limited, why, message = True, "CostCeilingUnreachable", decision.message
+    else:
+        limited, message = at_max or at_min, bounds
+        why = "AtMaximum" if at_max else ("AtMinimum" if at_min else "WithinBounds")
+    conditions = set_condition(conditions, "ScalingLimited", limited, why, message, generation)
+    if clamped:
+        conditions = set_condition(
+            conditions, "SpecAdjusted", True, "MetricsWindowClamped", clamped, generation
+        )
+    else:
+        conditions = set_condition(
+            conditions, "SpecAdjusted", False, "AsWritten", "the spec is used as written", generation
+        )
+    if unreadable:
+        names = "; ".join(f"{u.pod}: {u.problem}" for u in sorted(unreadable, key=lambda u: u.pod))
+        return set_condition(
+            conditions, "MetricsAvailable", False, "PodsNotReporting", names[:1024], generation
+        )
+    message = "every ready pod's metrics were read"
+    return set_condition(conditions, "MetricsAvailable", True, "AllPodsReporting", message, generation)
