@@ -61,7 +61,9 @@ def main() -> int:
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[7, 8, 9, 10])
-    parser.add_argument("--tune-shape", choices=list(SHAPES), default="chat")
+    parser.add_argument(
+        "--tune-shape", choices=[*SHAPES, "each"], default="chat", help="each: tune every shape on itself"
+    )
     parser.add_argument("--tune-seed", type=int, default=7)
     parser.add_argument(
         "--grid-points", type=int, default=None, help="sweep only this many targets of each grid"
@@ -92,7 +94,8 @@ def main() -> int:
     started = time.monotonic()
     seeds = list(dict.fromkeys(args.seeds))
     report, runs = compare(
-        setup, args.shapes, seeds, args.hours, args.tune_shape, args.tune_seed, args.grid_points, args.jobs,
+        setup, args.shapes, seeds, args.hours, None if args.tune_shape == "each" else args.tune_shape,
+        args.tune_seed, args.grid_points, args.jobs,
         series=not args.no_plot, log=True,
     )  # fmt: skip
     report = {
@@ -116,7 +119,7 @@ def main() -> int:
     md = args.markdown or args.out.with_suffix(".md")
     md.write_text(markdown(report) + "\n")
     if not args.no_plot:
-        load = make_trace(shape(args.tune_shape, args.hours, args.tune_seed)).counts
+        load = make_trace(shape(report["tuning"]["plotted"], args.hours, args.tune_seed)).counts
         plot(report, runs, load, args.plot)
     for name, per_seed in report["verdicts"].items():
         met = sum(v["target_met"] for v in per_seed.values())

@@ -204,7 +204,7 @@ def test_tandem_runs_with_the_crd_defaults():
     assert targets.target_batch_fill == defaults.target_batch_fill
     assert targets.cost_ceiling_usd_per_mtok == defaults.cost_ceiling_per_million_tokens_usd
     assert targets.scale_down_idle_fraction == defaults.scale_down_idle_fraction
-    assert (targets.min_replicas, targets.max_replicas) == (2, 16)
+    assert (targets.min_replicas, targets.max_replicas) == (2, 24)
 
 
 def test_choose_takes_the_cheapest_target_within_the_slo():
@@ -217,9 +217,10 @@ def test_choose_takes_the_cheapest_target_within_the_slo():
     assert fair.choose({t: s for t, s in sweep.items() if t == 0.8}) == 0.8  # none within: most within
 
 
-def test_report_holds_every_cell_and_every_swept_target():
+@pytest.mark.parametrize("tune_shape", ["chat", None])
+def test_report_holds_every_cell_and_every_swept_target(tune_shape: str | None):
     shapes, seeds = list(SHAPES), [1, 2]
-    report, _ = fair.compare(Setup(), shapes, seeds, 0.05, "chat", 1, grid_points=2, jobs=1, series=False)
+    report, _ = fair.compare(Setup(), shapes, seeds, 0.05, tune_shape, 1, grid_points=2, jobs=1, series=False)
     names = {c.name for c in fair.CONTENDERS}
     for sh in shapes:
         for sd in seeds:
@@ -229,7 +230,9 @@ def test_report_holds_every_cell_and_every_swept_target():
                 assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
             assert set(report["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
     tuned = {c.name for c in fair.CONTENDERS if c.grid}
-    assert set(report["sweep"]) == tuned and all(len(report["sweep"][n]) == 2 for n in tuned)
+    assert list(report["sweep"]) == ([tune_shape] if tune_shape else shapes)
+    for per in report["sweep"].values():
+        assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
     report |= {"date": "today", "command": "test"}
     lines = markdown(report).splitlines()
     for c in fair.CONTENDERS:  # a row for every cell

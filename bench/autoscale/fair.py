@@ -5,6 +5,7 @@ Method:
 1. Sweep: each tuned scaler runs every target of its grid on one trace (the tuning shape and
    seed); the cheapest target that keeps >= 99% of minutes within the TTFT SLO is its target
    (if none does, the one with the most minutes within). Tandem's CRD defaults are not tuned.
+   (With tuning per shape, each shape's sweep runs on that shape, at the same seed.)
 2. Cells: every scaler at that target, on every shape and seed.
 3. Verdict per shape and seed: Tandem (CRD defaults) meets the target when its minutes within
    the SLO are >= 99%, its scaling events <= 3 an hour, and its cost per million tokens <= that of
@@ -189,14 +190,15 @@ def compare(
     shapes: list[str],
     seeds: list[int],
     hours: float,
-    tune_shape: str,
+    tune_shape: str | None,
     tune_seed: int,
     grid_points: int | None,
     jobs: int,
     series: bool,
     log: bool = False,
 ) -> tuple[dict, dict[Cell, Run]]:
-    """Sweep, choose, run every cell; the report and the runs."""
+    """Sweep, choose, run every cell; the report and the runs. `tune_shape` None: every shape's
+    targets are tuned on that shape (at `tune_seed`), not on one shape for all."""
 
     def grid(c: Contender) -> tuple[float, ...]:
         if grid_points is None or grid_points >= len(c.grid):
@@ -204,20 +206,26 @@ def compare(
         step = (len(c.grid) - 1) / max(grid_points - 1, 1)
         return tuple(c.grid[round(i * step)] for i in range(grid_points))
 
-    keep = lambda sh, sd: series and sh == tune_shape and sd == tune_seed  # noqa: E731
+    tuned_on = {sh: tune_shape or sh for sh in shapes}
+    plotted = tune_shape or shapes[0]
+    keep = lambda sh, sd: series and sh == plotted and sd == tune_seed  # noqa: E731
     sweep_cells = [
-        Cell(c.name, t, tune_shape, tune_seed, hours, keep(tune_shape, tune_seed))
+        Cell(c.name, t, sh, tune_seed, hours, keep(sh, tune_seed))
+        for sh in dict.fromkeys(tuned_on.values())
         for c in CONTENDERS
         for t in grid(c)
     ]
     runs = run_cells(sweep_cells, setup, jobs, log)
-    sweeps: dict[str, dict[float, dict]] = {}
+    sweeps: dict[str, dict[str, dict[float, dict]]] = {}
     for cell, run in runs.items():
-        sweeps.setdefault(cell.contender, {})[cell.target] = run.summary
-    chosen = {c.name: (choose(sweeps[c.name]) if c.grid else c.fixed) for c in CONTENDERS}
+        sweeps.setdefault(cell.shape, {}).setdefault(cell.contender, {})[cell.target] = run.summary
+    chosen = {
+        sh: {c.name: choose(sweeps[tuned_on[sh]][c.name]) if c.grid else c.fixed for c in CONTENDERS}
+        for sh in shapes
+    }
 
     cells = [
-        Cell(c.name, chosen[c.name], sh, sd, hours, keep(sh, sd))
+        Cell(c.name, chosen[sh][c.name], sh, sd, hours, keep(sh, sd))
         for sh in shapes
         for sd in seeds
         for c in CONTENDERS
@@ -234,12 +242,12 @@ def compare(
         "setup": asdict(setup),
         "slo_attainment_required": SLO_ATTAINMENT,
         "events_per_hour_allowed": EVENTS_PER_HOUR,
-        "tuning": {"shape": tune_shape, "seed": tune_seed},
+        "tuning": {"seed": tune_seed, "tuned_on": tuned_on, "plotted": plotted},
         "contenders": {
             c.name: {
                 "label": c.label,
                 "target_means": c.target_means,
-                "target": chosen[c.name],
+                "targets": {sh: chosen[sh][c.name] for sh in shapes},
                 "baseline": c.baseline,
                 "grid": list(grid(c)),
             }
@@ -247,9 +255,12 @@ def compare(
         },
         "tandem_defaults": asdict(crd_defaults(setup)),
         "sweep": {
-            name: {str(t): s for t, s in sorted(by.items())}
-            for name, by in sweeps.items()
-            if BY_NAME[name].grid
+            sh: {
+                name: {str(t): s for t, s in sorted(by.items())}
+                for name, by in per.items()
+                if BY_NAME[name].grid
+            }
+            for sh, per in sweeps.items()
         },
         "results": results,
         "verdicts": verdicts,

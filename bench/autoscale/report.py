@@ -32,14 +32,15 @@ def _brief(s: dict) -> str:
     return f"{cost:.3f}, {_pct(slo)}, {s['scaling_events_per_hour']:.2f}"
 
 
-def sweep_table(report: dict) -> str:
+def sweep_table(report: dict, shape: str) -> str:
     lines = []
-    for name, by_target in report["sweep"].items():
+    for name, by_target in report["sweep"][shape].items():
         c = report["contenders"][name]
-        lines += [f"**{c['label']}** ({c['target_means']}; chosen: {_target(c['target'])})", ""]
+        chosen = c["targets"][next(sh for sh, on in report["tuning"]["tuned_on"].items() if on == shape)]
+        lines += [f"**{c['label']}** ({c['target_means']}; chosen: {_target(chosen)})", ""]
         lines += _header("target", "$ / million tokens", "minutes within SLO", "events / hour", "mean pods")
         for target, s in by_target.items():
-            mark = "**" if float(target) == c["target"] else ""
+            mark = "**" if float(target) == chosen else ""
             lines.append(
                 _row(
                     f"{mark}{float(target):g}{mark}",
@@ -64,7 +65,7 @@ def cells_table(report: dict, shape: str) -> str:
             lines.append(
                 _row(
                     c["label"],
-                    _target(c["target"]),
+                    _target(c["targets"][shape]),
                     seed,
                     f"{s['cost_per_million_tokens_usd']:.3f}",
                     _pct(s["ttft_p95_slo_attainment"]),
@@ -121,8 +122,7 @@ def markdown(report: dict) -> str:
         f"# Autoscaling, fair comparison ({report['date']})",
         "",
         f"`{report['command']}`; SLO: p95 TTFT <= {report['setup']['ttft_slo_s']:g} s in a minute; "
-        f"required: >= {SLO_ATTAINMENT:.0%} of minutes. Targets tuned on "
-        f"{report['tuning']['shape']}, seed {report['tuning']['seed']}, then held fixed.",
+        f"required: >= {SLO_ATTAINMENT:.0%} of minutes. {_tuning(report)}",
         "",
         "## Verdict per trace",
         "",
@@ -137,8 +137,16 @@ def markdown(report: dict) -> str:
     ]
     for shape in report["results"]:
         parts += [f"### {shape}", "", cells_table(report, shape), ""]
-    parts += ["## Sweep (tuning trace)", "", sweep_table(report)]
+    for shape in report["sweep"]:
+        parts += [f"## Sweep on {shape}, seed {report['tuning']['seed']}", "", sweep_table(report, shape)]
     return "\n".join(parts)
+
+
+def _tuning(report: dict) -> str:
+    tuned_on, seed = report["tuning"]["tuned_on"], report["tuning"]["seed"]
+    if all(on == sh for sh, on in tuned_on.items()) and len(tuned_on) > 1:
+        return f"Targets tuned on each shape at seed {seed}, then held fixed for its other seeds."
+    return f"Targets tuned on {next(iter(tuned_on.values()))}, seed {seed}, then held fixed for every trace."
 
 
 COLORS = {
@@ -159,14 +167,13 @@ def plot(report: dict, runs: dict[Cell, Run], load: np.ndarray, path: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tune = report["tuning"]
-    chosen = {n: c["target"] for n, c in report["contenders"].items()}
+    shape, seed = report["tuning"]["plotted"], report["tuning"]["seed"]
+    chosen = {n: c["targets"][shape] for n, c in report["contenders"].items()}
     shown = {
         cell.contender: run
         for cell, run in runs.items()
-        if cell.shape == tune["shape"] and cell.seed == tune["seed"] and cell.target == chosen[cell.contender]
-        and cell.series
-    }  # fmt: skip
+        if (cell.shape, cell.seed, cell.target) == (shape, seed, chosen[cell.contender]) and cell.series
+    }
     seconds = len(load)
     hours = np.arange(seconds) / 3600
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8), sharex=True, height_ratios=[3, 2])
@@ -183,9 +190,7 @@ def plot(report: dict, runs: dict[Cell, Run], load: np.ndarray, path: Path) -> N
         bottom.plot(np.nonzero(served)[0] / 60, np.maximum(p95, 1e-3), color=COLORS[name], lw=0.7)
     top.set_ylabel("pods (GPUs)")
     top.legend(loc="upper left", fontsize=8)
-    top.set_title(
-        f"Pods over one day, {tune['shape']} trace, seed {tune['seed']}, each scaler at its chosen target"
-    )
+    top.set_title(f"Pods over one day, {shape} trace, seed {seed}, each scaler at its chosen target")
     slo = report["setup"]["ttft_slo_s"]
     bottom.axhline(slo, color="k", ls="--", lw=0.8, label=f"SLO {slo:g} s")
     bottom.set_yscale("log")

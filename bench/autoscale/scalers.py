@@ -174,6 +174,8 @@ class KnativeLike(Scaler):
         self.up_rate, self.down_rate = max_scale_up_rate, max_scale_down_rate
         self.panic_since: float | None = None  # last time over the panic threshold
         self.max_panic_pods = 0
+        self.inflight: deque[float] = deque(maxlen=int(stable_s))
+        self.seen = -math.inf
 
     def decide(self, now: float, ready: int, stable: float, panic: float) -> int:
         """The desired pods for the windows' mean concurrency (all pods together)."""
@@ -194,8 +196,12 @@ class KnativeLike(Scaler):
         return max(self.min, min(self.max, desired))
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
-        def concurrency(seconds: float) -> float:
-            seen = _last(history, seconds)
-            return sum(s.running + s.waiting for s in seen) / len(seen)
-
-        return self.decide(now, history[-1].ready, concurrency(self.stable_s), concurrency(self.panic_s))
+        # in-flight requests per second, kept here: this runs every 2 s over a 60 s window
+        new = [s for s in islice(reversed(history), int(self.interval_s) + 1) if s.time > self.seen]
+        for s in reversed(new):
+            self.inflight.append(s.running + s.waiting)
+        self.seen = history[-1].time
+        values = self.inflight
+        panic = list(islice(reversed(values), int(self.panic_s)))
+        stable = sum(values) / len(values)
+        return self.decide(now, history[-1].ready, stable, sum(panic) / len(panic))

@@ -22,7 +22,7 @@ class Setup:
     cold_start_s: float = 120.0
     ttft_slo_s: float = 1.0
     min_replicas: int = 2
-    max_replicas: int = 16
+    max_replicas: int = 24  # so that the highest burst of every trace fits (~22 pods of chat)
     start_replicas: int = 2
 
 
