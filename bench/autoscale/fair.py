@@ -37,8 +37,10 @@ from tandem.operator.spec import parse_spec
 SLO_ATTAINMENT = 0.99
 EVENTS_PER_HOUR = 3.0
 
-FILL_GRID = (0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.95)
-REQUESTS_GRID = (24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 160.0, 192.0, 224.0)  # per pod
+# Wide enough that every shape's best target is inside: prefill-bound pods run few requests
+# (a 2,000-token prompt takes 90 ms to prefill, its 40 tokens 0.4 s to decode)
+FILL_GRID = (0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 0.95)
+REQUESTS_GRID = (4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 160.0, 192.0)  # per pod
 QUEUE_GRID = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # waiting requests per pod
 
 

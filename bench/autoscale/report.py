@@ -149,14 +149,12 @@ def _tuning(report: dict) -> str:
     return f"Targets tuned on {next(iter(tuned_on.values()))}, seed {seed}, then held fixed for every trace."
 
 
+# what the plot shows (KEDA's 2 <-> 24 swings and the near-duplicates would hide the rest)
 COLORS = {
-    "tandem_default": "tab:green",
-    "tandem_tuned": "tab:olive",
-    "hpa_running": "tab:orange",
-    "hpa_batch_fill": "tab:brown",
-    "keda_queue": "tab:purple",
-    "knative_concurrency": "tab:blue",
     "hpa_gpu_util": "tab:red",
+    "hpa_running": "tab:orange",
+    "knative_concurrency": "tab:blue",
+    "tandem_default": "tab:green",
 }
 
 
@@ -172,7 +170,9 @@ def plot(report: dict, runs: dict[Cell, Run], load: np.ndarray, path: Path) -> N
     shown = {
         cell.contender: run
         for cell, run in runs.items()
-        if (cell.shape, cell.seed, cell.target) == (shape, seed, chosen[cell.contender]) and cell.series
+        if (cell.shape, cell.seed, cell.target) == (shape, seed, chosen[cell.contender])
+        and cell.series
+        and cell.contender in COLORS
     }
     seconds = len(load)
     hours = np.arange(seconds) / 3600
@@ -183,14 +183,18 @@ def plot(report: dict, runs: dict[Cell, Run], load: np.ndarray, path: Path) -> N
     ax_load.set_ylabel("requests / s (grey)")
     top.set_zorder(ax_load.get_zorder() + 1)
     top.patch.set_visible(False)
-    for name, run in shown.items():
+    for name in COLORS:
+        if name not in shown:
+            continue
+        run = shown[name]
         label = report["contenders"][name]["label"]
-        top.step(hours, run.pods, where="post", color=COLORS[name], lw=1.0, label=label)
+        lw = 1.6 if name == "tandem_default" else 0.9
+        top.step(hours, run.pods, where="post", color=COLORS[name], lw=lw, label=label)
         served, p95 = run.p95_minutes
         bottom.plot(np.nonzero(served)[0] / 60, np.maximum(p95, 1e-3), color=COLORS[name], lw=0.7)
     top.set_ylabel("pods (GPUs)")
     top.legend(loc="upper left", fontsize=8)
-    top.set_title(f"Pods over one day, {shape} trace, seed {seed}, each scaler at its chosen target")
+    top.set_title(f"Pods over one day, {shape} trace, seed {seed}, at the chosen targets (KEDA not shown)")
     slo = report["setup"]["ttft_slo_s"]
     bottom.axhline(slo, color="k", ls="--", lw=0.8, label=f"SLO {slo:g} s")
     bottom.set_yscale("log")
