@@ -80,15 +80,24 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=None, help="with --one: the scaler's target")
     parser.add_argument("--shape", choices=list(SHAPES), default="chat", help="with --one")
     parser.add_argument("--seed", type=int, default=7, help="with --one")
+    parser.add_argument("--cost-ceiling", type=float, default=None, help="with --one: Tandem's cost ceiling")
     args = parser.parse_args()
-    setup = Setup(price_per_gpu_hour=args.price, cold_start_s=args.cold_start_s, ttft_slo_s=args.ttft_slo_s)
+    if args.cost_ceiling is not None and not args.one:
+        parser.error("--cost-ceiling is for --one runs (the comparison runs the CRD's defaults)")
+    setup = Setup(
+        price_per_gpu_hour=args.price,
+        cold_start_s=args.cold_start_s,
+        ttft_slo_s=args.ttft_slo_s,
+        tandem_cost_ceiling=args.cost_ceiling,
+    )
 
     if args.one:
         contender = BY_NAME[args.one]
         if args.target is None and contender.grid:
             parser.error(f"--one {args.one} needs --target ({contender.target_means})")
-        _, run = run_cell(Cell(args.one, args.target, args.shape, args.seed, args.hours), setup)
-        print(json.dumps(run.summary))
+        cell = Cell(args.one, args.target, args.shape, args.seed, args.hours)
+        _, run = run_cell(cell, setup)
+        print(json.dumps({"cell": asdict(cell), "tandem_cost_ceiling": args.cost_ceiling, **run.summary}))
         return 0
 
     started = time.monotonic()

@@ -57,7 +57,7 @@ def crd_defaults(setup: Setup) -> ScalingTargets:
 
 
 def _tandem(target: float | None, setup: Setup) -> Scaler:
-    targets = crd_defaults(setup)
+    targets = replace(crd_defaults(setup), cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling)
     if target is not None:
         targets = replace(targets, target_batch_fill=target)
     return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)

@@ -24,6 +24,8 @@ class Setup:
     min_replicas: int = 2
     max_replicas: int = 24  # so that the highest burst of every trace fits (~22 pods of chat)
     start_replicas: int = 2
+    # Tandem's costCeilingPerMillionTokensUsd; the CRD's default is none (only for --one runs)
+    tandem_cost_ceiling: float | None = None
 
 
 @dataclass
