@@ -1,11 +1,16 @@
-"""Autoscaling simulation: Tandem's policy against an HPA on GPU utilisation and a Knative-like
-concurrency target, on one day of diurnal, bursty LLM traffic served by simulated H200 pods.
+"""Autoscaling simulation: Tandem's policy against the scalers a platform team would deploy (HPA on
+running requests, HPA on batch fill, KEDA on queue length, a Knative-like concurrency target, and
+the naive HPA on GPU utilisation), on a day of diurnal, bursty traffic of three shapes (chat,
+decode-heavy, prefill-heavy) and several seeds, served by simulated H200 pods.
 
-    python bench/autoscale_sim.py                      # 24 h trace, writes the JSON and the plot
-    python bench/autoscale_sim.py --hours 2 --no-plot  # a quick look
+    python bench/autoscale_sim.py          # the full comparison: JSON, markdown, plot
+    python bench/autoscale_sim.py --hours 2 --seeds 7 --grid-points 3 --no-plot --out /tmp/f.json
+    python bench/autoscale_sim.py --one hpa_running --target 64 --shape decode_heavy --seed 8
 
-Reports per scaler: cost per million generated tokens, the share of minutes whose p95 time to
-first token meets the SLO, scaling events per hour, mean and peak pods. See docs/autoscaling.md.
+Reports every cell (shape, seed, scaler): cost per million generated tokens, the share of minutes
+whose p95 time to first token meets the SLO, scaling events per hour, mean and peak pods; and per
+trace whether Tandem at the CRD's defaults is within the SLO, calm (<= 3 events/h) and no dearer
+than the cheapest baseline within the SLO. See docs/autoscaling.md.
 """
 
 from __future__ import annotations
@@ -13,118 +18,40 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
-from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
 import _repo  # noqa: F401  (makes tandem.operator importable without installing)
-import numpy as np
-from autoscale.pods import (
-    KV_CAPACITY_TOKENS,
-    PREFILL_TOKENS_PER_S,
-    STEP_BASE_S,
-    STEP_PER_SEQ_S,
-    TTFT_BUCKETS,
-    Cluster,
-)
-from autoscale.scalers import KnativeLike, Scaler, TandemScaler, UtilisationHPA
-from autoscale.trace import Trace, TraceConfig, make_trace
-
-from tandem.operator.histogram import histogram_quantile
-from tandem.operator.policy import ScalingTargets
+from autoscale.fair import BY_NAME, Cell, compare, run_cell
+from autoscale.pods import KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S, STEP_BASE_S, STEP_PER_SEQ_S
+from autoscale.report import markdown, plot
+from autoscale.sim import Setup
+from autoscale.trace import SHAPES, make_trace, shape
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def simulate(trace: Trace, scaler: Scaler, args: argparse.Namespace) -> dict:
-    cluster = Cluster(args.start_replicas, args.cold_start_s)
-    history: deque = deque(maxlen=900)
-    minutes = trace.seconds // 60 + 1
-    ttft_minutes = np.zeros((minutes, len(TTFT_BUCKETS)))
-    replicas = np.zeros(trace.seconds, dtype=np.int32)
-    pods = np.zeros(trace.seconds, dtype=np.int32)
-    gpu_seconds = tokens = 0.0
-    events = 0
-    quarter = trace.counts / 4
-    for t in range(trace.seconds):
-        arrivals = []
-        if quarter[t] > 0:
-            arrivals = [
-                [float(t), quarter[t], p, o]
-                for p, o in zip(trace.prompt_tokens, trace.output_tokens, strict=True)
-            ]
-        cluster.route(t, arrivals)
-        snap = cluster.step(t)
-        history.append(snap)
-        ttft_minutes[t // 60] += snap.ttft_buckets
-        gpu_seconds += snap.pods * args.gpus_per_pod
-        tokens += snap.tokens
-        if t > 0 and t % scaler.interval_s == 0:
-            wanted = scaler(float(t), cluster.replicas, history)
-            if wanted != cluster.replicas:
-                events += 1
-                cluster.scale(wanted, float(t))
-        replicas[t], pods[t] = cluster.replicas, snap.pods
-
-    cumulative = np.cumsum(ttft_minutes, axis=1)
-    served = cumulative[:, -1] > 0
-    p95 = np.array([histogram_quantile(0.95, TTFT_BUCKETS, c) or 0.0 for c in cumulative[served]])
-    slo_bucket = int(np.searchsorted(TTFT_BUCKETS, args.ttft_slo_s))  # the SLO is a bucket bound
-    hours = trace.seconds / 3600
-    result = {
-        "scaler": scaler.name,
-        "cost_per_million_tokens_usd": round(gpu_seconds / 3600 * args.price / tokens * 1e6, 4),
-        "ttft_p95_slo_attainment": round(float((p95 <= args.ttft_slo_s).mean()), 4),
-        "requests_within_ttft_slo": round(
-            float(cumulative[:, slo_bucket].sum() / cumulative[:, -1].sum()), 4
-        ),
-        "scaling_events_per_hour": round(events / hours, 2),
-        "scaling_events": events,
-        "gpu_hours": round(gpu_seconds / 3600, 2),
-        "tokens_generated": round(tokens),
-        "mean_pods": round(float(pods.mean()), 2),
-        "peak_pods": int(pods.max()),
-        "worst_minute_ttft_p95_s": round(float(p95.max()), 3),
-    }
-    if isinstance(scaler, TandemScaler):
-        reasons = scaler.last_reasons
-        result["decision_reasons"] = {r: reasons.count(r) for r in sorted(set(reasons))}
-    return {"summary": result, "replicas": replicas, "pods": pods, "p95_minutes": (served, p95)}
-
-
-def plot(trace: Trace, runs: dict, args: argparse.Namespace, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hours = np.arange(trace.seconds) / 3600
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7.5), sharex=True, height_ratios=[3, 2])
-    load = top.twinx()
-    per_minute = trace.counts[: trace.seconds // 60 * 60].reshape(-1, 60).mean(axis=1)
-    load.fill_between(np.arange(len(per_minute)) / 60, per_minute, color="0.85", label="load")
-    load.set_ylabel("requests / s (grey)")
-    top.set_zorder(load.get_zorder() + 1)
-    top.patch.set_visible(False)
-    colors = {"tandem": "tab:green", "hpa_gpu_util_70": "tab:red", "knative_concurrency_70": "tab:blue"}
-    for name, run in runs.items():
-        top.step(hours, run["pods"], where="post", color=colors[name], lw=1.2, label=name)
-        served, p95 = run["p95_minutes"]
-        minute_hours = np.nonzero(served)[0] / 60
-        bottom.plot(minute_hours, np.maximum(p95, 1e-3), color=colors[name], lw=0.8, label=name)
-    top.set_ylabel("pods (GPUs)")
-    top.legend(loc="upper left")
-    top.set_title("Autoscaling simulation: pods and load over one day (H200, Llama-3.1-8B shape)")
-    bottom.axhline(args.ttft_slo_s, color="k", ls="--", lw=0.8, label=f"SLO {args.ttft_slo_s:g} s")
-    bottom.set_yscale("log")
-    bottom.set_ylabel("TTFT p95 per minute, s")
-    bottom.set_xlabel("hour of day")
-    bottom.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+def traces(shapes: list[str], seeds: list[int], hours: float) -> dict:
+    out = {}
+    for name in shapes:
+        per_seed = {}
+        for seed in seeds:
+            tr = make_trace(shape(name, hours, seed))
+            per_seed[str(seed)] = {
+                "requests": int(tr.counts.sum()),
+                "peak_rate_rps": round(float(tr.rate.max()), 1),
+            }
+        tr = make_trace(shape(name, min(hours, 0.01), seeds[0]))
+        out[name] = {
+            "config": {k: v for k, v in asdict(SHAPES[name]).items() if k not in ("hours", "seed")},
+            "cohort_prompt_tokens": [round(p) for p in tr.prompt_tokens],
+            "cohort_output_tokens": [round(o) for o in tr.output_tokens],
+            "seeds": per_seed,
+        }
+    return out
 
 
 def main() -> int:
@@ -132,92 +59,81 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--hours", type=float, default=24.0)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[7, 8, 9, 10])
+    parser.add_argument(
+        "--tune-shape", choices=[*SHAPES, "each"], default="chat", help="each: tune every shape on itself"
+    )
+    parser.add_argument("--tune-seed", type=int, default=7)
+    parser.add_argument(
+        "--grid-points", type=int, default=None, help="sweep only this many targets of each grid"
+    )
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--price", type=float, default=3.5, help="USD per GPU-hour")
-    parser.add_argument("--gpus-per-pod", type=int, default=1)
     parser.add_argument("--cold-start-s", type=float, default=120.0)
     parser.add_argument("--ttft-slo-s", type=float, default=1.0)
-    parser.add_argument("--cost-ceiling", type=float, default=0.50, help="Tandem: USD per million tokens")
-    parser.add_argument("--target-batch-fill", type=float, default=0.2, help="Tandem: saturation fill")
-    parser.add_argument("--min-replicas", type=int, default=2)
-    parser.add_argument("--max-replicas", type=int, default=16)
-    parser.add_argument("--start-replicas", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/autoscale_sim.json")
-    parser.add_argument("--plot", type=Path, default=REPO / "docs/images/autoscale_sim.png")
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/autoscale_fair.json")
+    parser.add_argument("--markdown", type=Path, default=None, help="default: --out with .md")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs/images/autoscale_fair.png")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument(
-        "--only",
-        choices=["tandem", "hpa_gpu_util_70", "knative_concurrency_70"],
-        default=None,
-        help="run one scaler only (for tuning; writes no files)",
-    )
+    parser.add_argument("--one", choices=list(BY_NAME), help="run one cell and print it (writes no files)")
+    parser.add_argument("--target", type=float, default=None, help="with --one: the scaler's target")
+    parser.add_argument("--shape", choices=list(SHAPES), default="chat", help="with --one")
+    parser.add_argument("--seed", type=int, default=7, help="with --one")
+    parser.add_argument("--cost-ceiling", type=float, default=None, help="with --one: Tandem's cost ceiling")
     args = parser.parse_args()
-
-    trace = make_trace(TraceConfig(hours=args.hours, seed=args.seed))
-    targets = ScalingTargets(
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
-        target_ttft_s=args.ttft_slo_s,
-        cost_ceiling_usd_per_mtok=args.cost_ceiling,
-        target_batch_fill=args.target_batch_fill,
+    if args.cost_ceiling is not None and not args.one:
+        parser.error("--cost-ceiling is for --one runs (the comparison runs the CRD's defaults)")
+    setup = Setup(
+        price_per_gpu_hour=args.price,
+        cold_start_s=args.cold_start_s,
+        ttft_slo_s=args.ttft_slo_s,
+        tandem_cost_ceiling=args.cost_ceiling,
     )
-    scalers: list[Scaler] = [
-        TandemScaler(targets, args.price * args.gpus_per_pod),
-        UtilisationHPA(args.min_replicas, args.max_replicas),
-        KnativeLike(args.min_replicas, args.max_replicas),
-    ]
-    if args.only:
-        scalers = [s for s in scalers if s.name == args.only]
-    runs = {}
-    for scaler in scalers:
-        started = time.monotonic()
-        runs[scaler.name] = simulate(trace, scaler, args)
-        runs[scaler.name]["summary"]["simulated_in_s"] = round(time.monotonic() - started, 1)
-        print(json.dumps(runs[scaler.name]["summary"]), file=sys.stderr)
 
-    if args.only:
+    if args.one:
+        contender = BY_NAME[args.one]
+        if args.target is None and contender.grid:
+            parser.error(f"--one {args.one} needs --target ({contender.target_means})")
+        cell = Cell(args.one, args.target, args.shape, args.seed, args.hours)
+        _, run = run_cell(cell, setup)
+        print(json.dumps({"cell": asdict(cell), "tandem_cost_ceiling": args.cost_ceiling, **run.summary}))
         return 0
-    summaries = {name: run["summary"] for name, run in runs.items()}
-    tandem, hpa = summaries["tandem"], summaries["hpa_gpu_util_70"]
-    saving = 1 - tandem["cost_per_million_tokens_usd"] / hpa["cost_per_million_tokens_usd"]
-    targets_check = {
-        "cost_saving_vs_hpa": round(saving, 4),
-        "cost_saving_target": 0.20,
-        "slo_attainment_at_least_hpa": tandem["ttft_p95_slo_attainment"] >= hpa["ttft_p95_slo_attainment"],
-        "events_per_hour_target": 6,
-        "events_per_hour_met": tandem["scaling_events_per_hour"] <= 6,
-    }
+
+    started = time.monotonic()
+    seeds = list(dict.fromkeys(args.seeds))
+    report, runs = compare(
+        setup, args.shapes, seeds, args.hours, None if args.tune_shape == "each" else args.tune_shape,
+        args.tune_seed, args.grid_points, args.jobs,
+        series=not args.no_plot, log=True,
+    )  # fmt: skip
     report = {
-        "benchmark": "autoscale_sim",
+        "benchmark": "autoscale_fair",
         "date": datetime.date.today().isoformat(),
         "command": "python bench/autoscale_sim.py " + " ".join(sys.argv[1:]),
-        "trace": {
-            **{k: v for k, v in asdict(trace.config).items()},
-            "requests": int(trace.counts.sum()),
-            "peak_rate_rps": round(float(trace.rate.max()), 1),
-            "cohort_prompt_tokens": [round(p) for p in trace.prompt_tokens],
-            "cohort_output_tokens": [round(o) for o in trace.output_tokens],
-        },
+        "hours": args.hours,
+        "seeds": seeds,
+        "traces": traces(args.shapes, seeds, args.hours),
         "pod_model": {
             "decode_step_s": f"{STEP_BASE_S} + {STEP_PER_SEQ_S} x sequences (H200, 8B shape, measured)",
             "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
             "kv_capacity_tokens": round(KV_CAPACITY_TOKENS),
             "max_num_seqs": 256,
-            "cold_start_s": args.cold_start_s,
-            "price_per_gpu_hour_usd": args.price,
-            "gpus_per_pod": args.gpus_per_pod,
         },
-        "ttft_slo_s": args.ttft_slo_s,
-        "tandem_targets": asdict(targets),
-        "results": summaries,
-        "targets": targets_check,
+        **report,
+        "simulated_in_s": round(time.monotonic() - started, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    md = args.markdown or args.out.with_suffix(".md")
+    md.write_text(markdown(report) + "\n")
     if not args.no_plot:
-        plot(trace, runs, args, args.plot)
-    print(json.dumps(report["results"], indent=2))
-    print(json.dumps(targets_check, indent=2))
+        load = make_trace(shape(report["tuning"]["plotted"], args.hours, args.tune_seed)).counts
+        plot(report, runs, load, args.plot)
+    for name, per_seed in report["verdicts"].items():
+        met = sum(v["target_met"] for v in per_seed.values())
+        print(f"{name}: target met on {met} of {len(per_seed)} seeds", file=sys.stderr)
+    print(f"wrote {args.out} and {md} in {report['simulated_in_s']} s", file=sys.stderr)
     return 0
 
 

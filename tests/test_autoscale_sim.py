@@ -1,5 +1,6 @@
-"""The autoscaling simulation (bench/autoscale_sim.py) on short traces: it conserves work, keeps
-every scaler within its bounds, and shows the effect it exists to measure."""
+"""The autoscaling simulation (bench/autoscale_sim.py) on short traces and hand-made metric series:
+the pods conserve work, each baseline follows its published algorithm, the trace shapes carry the
+token mix they claim, and the report holds every cell."""
 
 from __future__ import annotations
 
@@ -10,76 +11,242 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
+from autoscale import fair, pods  # noqa: E402
+from autoscale.hpa import (  # noqa: E402
+    HorizontalPodAutoscaler,
+    Keda,
+    KedaScaler,
+    external_metric_replicas,
+    pods_metric_replicas,
+)
 from autoscale.pods import Cluster  # noqa: E402
-from autoscale.scalers import KnativeLike, TandemScaler, UtilisationHPA  # noqa: E402
-from autoscale.trace import TraceConfig, make_trace  # noqa: E402
+from autoscale.report import markdown  # noqa: E402
+from autoscale.scalers import KnativeLike, MetricHPA, TandemScaler, gpu_util_per_pod  # noqa: E402
+from autoscale.sim import Setup, simulate  # noqa: E402
+from autoscale.trace import SHAPES, TraceConfig, make_trace, shape  # noqa: E402
 
 from tandem.operator.policy import ScalingTargets, decide  # noqa: E402
+from tandem.operator.spec import Scaling  # noqa: E402
 
 
-def run(scaler, rate_rps: float, seconds: int, replicas: int = 2) -> tuple[Cluster, list[int], float, float]:
-    """A steady Poisson load of `rate_rps` 600-token prompts asking 200 tokens each."""
+def run(
+    scaler, rate_rps: float, seconds: int, replicas: int = 2, prompt: float = 600.0, output: float = 200.0
+):
+    """A steady load of `rate_rps` requests a second of one size; the cluster, replicas per second,
+    tokens made and tokens asked for."""
     cluster = Cluster(replicas, cold_start_s=60)
     history: deque = deque(maxlen=900)
-    seen, tokens = [], 0.0
+    seen, tokens, snaps = [], 0.0, []
     for t in range(seconds):
-        cluster.route(t, [[float(t), rate_rps, 600.0, 200.0]])
+        cluster.route(t, [[float(t), rate_rps, prompt, output]])
         snap = cluster.step(t)
         history.append(snap)
+        snaps.append(snap)
         tokens += snap.tokens
-        if t and t % scaler.interval_s == 0:
+        if scaler is not None and t and t % scaler.interval_s == 0:
             wanted = scaler(float(t), cluster.replicas, history)
             if wanted != cluster.replicas:
                 cluster.scale(wanted, float(t))
         seen.append(cluster.replicas)
-    return cluster, seen, tokens, rate_rps * seconds * 200
+    return cluster, seen, tokens, rate_rps * seconds * output, snaps
 
 
-def test_trace_is_diurnal_with_bursts_and_reproducible():
-    a, b = make_trace(TraceConfig(hours=24, seed=3)), make_trace(TraceConfig(hours=24, seed=3))
+# --- traces ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_shape_is_diurnal_with_bursts_and_reproducible(name: str):
+    a, b = make_trace(shape(name, 24, 3)), make_trace(shape(name, 24, 3))
     assert (a.counts == b.counts).all()
     night, afternoon = a.rate[4 * 3600 : 5 * 3600].mean(), a.rate[13 * 3600 : 15 * 3600].mean()
     assert afternoon > 5 * night
-    assert a.rate.max() > 1.2 * TraceConfig().peak_rps  # a burst above the diurnal peak
+    assert a.rate.max() > 1.2 * SHAPES[name].peak_rps  # a burst above the diurnal peak
 
 
-@pytest.mark.parametrize("name", ["tandem", "hpa", "knative"])
+def test_shapes_have_the_token_mix_they_claim():
+    def mix(name: str) -> tuple[float, float]:
+        tr = make_trace(shape(name, 0.01, 1))
+        return float(np.mean(tr.prompt_tokens)), float(np.mean(tr.output_tokens))
+
+    chat, decode, prefill = mix("chat"), mix("decode_heavy"), mix("prefill_heavy")
+    assert 450 < chat[0] < 650 and 180 < chat[1] < 280  # the chat mix of docs/autoscaling.md
+    assert decode[1] > 5 * decode[0] and decode[0] < 150  # short prompts, long answers
+    assert 1900 < prefill[0] < 2200 and 35 < prefill[1] < 50  # 2,000-token prompts, 40-token answers
+    assert SHAPES["chat"] == TraceConfig()  # the chat trace is the documented default
+
+
+# --- pods -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["hpa_running", "keda_queue", "knative_concurrency", "tandem_default"])
 def test_scalers_serve_all_work_within_bounds(name: str):
-    scaler = {
-        "tandem": TandemScaler(
-            ScalingTargets(min_replicas=1, max_replicas=6, cost_ceiling_usd_per_mtok=0.5), 3.5
-        ),
-        "hpa": UtilisationHPA(1, 6),
-        "knative": KnativeLike(1, 6),
-    }[name]
-    cluster, seen, tokens, asked = run(scaler, rate_rps=20.0, seconds=900)
+    setup = Setup(min_replicas=1, max_replicas=6)
+    target = {"hpa_running": 32.0, "keda_queue": 1.0, "knative_concurrency": 32.0}.get(name)
+    scaler = fair.BY_NAME[name].make(target, setup)
+    cluster, seen, tokens, asked, _ = run(scaler, rate_rps=20.0, seconds=900)
     assert all(1 <= r <= 6 for r in seen)
-    in_flight = sum(
-        float((p.count * p.remaining).sum()) + sum(q[1] * q[3] for q in p.queue) for p in cluster.pods
+    assert tokens + cluster.output_in_flight() == pytest.approx(asked, rel=1e-6)  # made or on its way
+
+
+def test_a_prefill_bound_pod_reports_its_backlog_as_waiting():
+    # 15 requests/s of 2,000-token prompts need 30,000 prefill tokens/s; one pod does 22,500
+    _, _, _, _, snaps = run(None, rate_rps=15.0, seconds=120, replicas=1, prompt=2000.0, output=40.0)
+    last = snaps[-1]
+    assert last.waiting > 100  # as the engine's scheduler counts them: not yet prefilled
+    assert last.running < 64  # decoding only what is prefilled, far below max_num_seqs
+
+
+def test_merging_identical_pods_changes_nothing(monkeypatch: pytest.MonkeyPatch):
+    trace = make_trace(shape("chat", 0.5, 2))
+    setup = Setup()
+
+    def summary() -> dict:
+        run = simulate(trace, fair.BY_NAME["knative_concurrency"].make(4.0, setup), setup)
+        return {k: v for k, v in run.summary.items() if k != "scaler"}
+
+    merged = summary()
+    monkeypatch.setattr(pods, "MERGE_EVERY_S", 10**9)
+    assert merged["scaling_events"] > 3  # several groups of pods were started apart
+    assert summary() == pytest.approx(merged, rel=1e-4)
+
+
+def test_gpu_utilisation_reads_busy_with_a_light_load_so_its_hpa_goes_to_max():
+    # the naive reference: 5 requests/s keep one H200 pod's batch small but its GPU "busy"
+    _, seen, _, _, snaps = run(MetricHPA("util", gpu_util_per_pod, 0.7, 1, 8), rate_rps=5.0, seconds=900)
+    assert min(s.util for s in snaps[60:]) > 0.99
+    assert max(s.running / s.ready for s in snaps[60:]) < 20
+    assert seen[-1] == 8
+
+
+# --- the HPA's algorithm --------------------------------------------------------------------------
+
+
+def test_hpa_tolerance_and_ceiling():
+    assert pods_metric_replicas(4, 1.08 * 50, 4, 0, 50) == 4  # within 10%: no change
+    assert pods_metric_replicas(4, 0.92 * 50, 4, 0, 50) == 4
+    assert pods_metric_replicas(4, 1.12 * 50, 4, 0, 50) == 5  # ceil(1.12 x 4)
+    assert pods_metric_replicas(4, 0.5 * 50, 4, 0, 50) == 2
+
+
+def test_hpa_counts_starting_pods_as_idle_up_and_at_target_down():
+    # 2 of 6 pods start: up, they count as 0 (8 pods' worth over 6 -> 8); down, as at the target
+    assert pods_metric_replicas(6, 2.0 * 50, 4, 2, 50) == 8
+    assert pods_metric_replicas(6, 1.5 * 50, 4, 2, 50) == 6  # (4 x 1.5) / 6 = 1.0: within tolerance
+    assert pods_metric_replicas(6, 0.5 * 50, 4, 2, 50) == 4  # (4 x 0.5 + 2) / 6 -> ceil(4.0)
+
+
+def test_hpa_scale_down_waits_for_the_stabilization_window():
+    hpa = HorizontalPodAutoscaler(1, 10)
+    assert hpa.normalize(0.0, 8, 8) == 8
+    for t in range(15, 300, 15):
+        assert hpa.normalize(float(t), 8, 2) == 8  # the recommendation of 8 is within 300 s
+    assert hpa.normalize(300.0, 8, 2) == 2  # now it is not; 100% a period may go at once
+
+
+def test_hpa_scale_up_is_limited_to_double_or_four_pods_per_period():
+    hpa = HorizontalPodAutoscaler(1, 10)
+    assert hpa.normalize(0.0, 2, 20) == 6  # max(2 x 2, 2 + 4)
+    assert hpa.normalize(5.0, 6, 20) == 6  # same period: it started at 2
+    assert hpa.normalize(15.0, 6, 20) == 10  # max(12, 10), then maxReplicas
+
+
+def test_external_metric_per_pod_average():
+    assert external_metric_replicas(5, 10.0, 2.0) == 5  # 10 / (2 x 5) = 1.0
+    assert external_metric_replicas(4, 10.0, 2.0) == 5  # ratio 1.25 -> ceil(10 / 2)
+    assert external_metric_replicas(4, 0.0, 2.0) == 0  # the HPA's minReplicas bounds it later
+
+
+def test_keda_activation_and_cooldown_apply_only_from_and_to_zero():
+    keda = KedaScaler(
+        Keda(min_replica_count=0, activation_threshold=5.0), max_replicas=10, target_per_pod=2.0
     )
-    in_flight += sum(q[1] * q[3] for q in cluster.pending)
-    assert tokens + in_flight == pytest.approx(asked, rel=1e-6)  # every asked token is made or on its way
+    assert keda(0.0, 0, 4.0) == 0  # below the activation threshold: stays at zero
+    assert keda(30.0, 0, 6.0) == 1  # active: KEDA scales 0 -> 1
+    assert keda(45.0, 1, 6.0) == 3  # then the HPA: ceil(6 / 2)
+    assert keda(60.0, 3, 0.0) == 3  # inactive, within cooldown; the HPA's window holds 3
+    assert keda(330.0, 3, 0.0) == 0  # cooldownPeriod (300 s) after the last active poll
 
-
-def test_utilisation_hpa_over_scales_a_light_steady_load_and_tandem_does_not():
-    # 5 requests/s keep one H200 pod's batch small but its GPU "busy" all the time
-    _, hpa, _, _ = run(UtilisationHPA(1, 8), rate_rps=5.0, seconds=900)
-    _, tandem, _, _ = run(
-        TandemScaler(ScalingTargets(min_replicas=1, max_replicas=8), 3.5), rate_rps=5.0, seconds=900
+    floor = KedaScaler(
+        Keda(min_replica_count=2, activation_threshold=5.0), max_replicas=10, target_per_pod=2.0
     )
-    assert hpa[-1] == 8
-    assert tandem[-1] <= 2
+    assert floor(0.0, 2, 0.0) == 2
+    assert floor(400.0, 2, 4.0) == 2  # 4 <= activation, but with minReplicaCount >= 1 it is ignored
+    assert floor(415.0, 2, 8.0) == 4
 
 
-def test_tandem_bench_autoscale_writes_json_and_plot(tmp_path: Path):
+# --- the Knative-like decider ---------------------------------------------------------------------
+
+
+def test_knative_panics_at_twice_the_ready_pods_and_does_not_scale_down_in_panic():
+    kpa = KnativeLike(1, 20, target=10.0)
+    assert kpa.decide(0.0, 2, stable=20.0, panic=30.0) == 2  # panic count 3 < 2 x 2
+    assert kpa.decide(2.0, 2, stable=20.0, panic=50.0) == 5  # 5 >= 4: panic, up to the panic count
+    assert kpa.decide(30.0, 5, stable=20.0, panic=10.0) == 5  # still panicking: no scale-down
+    assert kpa.decide(63.0, 5, stable=20.0, panic=10.0) == 2  # a stable window below the threshold
+
+
+def test_knative_scales_down_at_most_by_half_per_tick():
+    kpa = KnativeLike(1, 20, target=10.0)
+    assert kpa.decide(0.0, 8, stable=10.0, panic=10.0) == 4  # ceil(10 / 10) = 1, floor(8 / 2) = 4
+
+
+# --- the comparison and its report ----------------------------------------------------------------
+
+
+def test_tandem_runs_with_the_crd_defaults():
+    targets = fair.crd_defaults(Setup())
+    defaults = Scaling()
+    assert targets.target_batch_fill == defaults.target_batch_fill
+    assert targets.cost_ceiling_usd_per_mtok == defaults.cost_ceiling_per_million_tokens_usd
+    assert targets.scale_down_idle_fraction == defaults.scale_down_idle_fraction
+    assert (targets.min_replicas, targets.max_replicas) == (2, 24)
+
+
+def test_choose_takes_the_cheapest_target_within_the_slo():
+    sweep = {
+        0.2: {"ttft_p95_slo_attainment": 1.0, "cost_per_million_tokens_usd": 0.5},
+        0.4: {"ttft_p95_slo_attainment": 0.995, "cost_per_million_tokens_usd": 0.4},
+        0.8: {"ttft_p95_slo_attainment": 0.98, "cost_per_million_tokens_usd": 0.3},
+    }
+    assert fair.choose(sweep) == 0.4
+    assert fair.choose({t: s for t, s in sweep.items() if t == 0.8}) == 0.8  # none within: most within
+
+
+@pytest.mark.parametrize("tune_shape", ["chat", None])
+def test_report_holds_every_cell_and_every_swept_target(tune_shape: str | None):
+    shapes, seeds = list(SHAPES), [1, 2]
+    report, _ = fair.compare(Setup(), shapes, seeds, 0.05, tune_shape, 1, grid_points=2, jobs=1, series=False)
+    names = {c.name for c in fair.CONTENDERS}
+    for sh in shapes:
+        for sd in seeds:
+            cells = report["results"][sh][str(sd)]
+            assert set(cells) == names
+            for s in cells.values():
+                assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
+            assert set(report["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
+    tuned = {c.name for c in fair.CONTENDERS if c.grid}
+    assert list(report["sweep"]) == ([tune_shape] if tune_shape else shapes)
+    for per in report["sweep"].values():
+        assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
+    report |= {"date": "today", "command": "test"}
+    lines = markdown(report).splitlines()
+    for c in fair.CONTENDERS:  # a row for every cell
+        for sd in seeds:
+            rows = [line for line in lines if line.split(" | ")[0::2][:2] == [f"| {c.label}", str(sd)]]
+            assert len(rows) == len(shapes)
+
+
+def test_tandem_bench_autoscale_writes_json_markdown_and_plot(tmp_path: Path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     tandem = Path(sys.executable).with_name("tandem")
-    cmd = [str(tandem), "bench", "autoscale", "--hours", "0.25", "--out", str(out), "--plot", str(png)]
+    cmd = [str(tandem), "bench", "autoscale", "--hours", "0.05", "--shapes", "chat", "--seeds", "7",
+           "--grid-points", "2", "--jobs", "1", "--out", str(out), "--plot", str(png)]  # fmt: skip
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -90,9 +257,8 @@ def test_tandem_bench_autoscale_writes_json_and_plot(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"tandem", "hpa_gpu_util_70", "knative_concurrency_70"}
-    for result in report["results"].values():
-        assert result["cost_per_million_tokens_usd"] > 0 and 0 <= result["ttft_p95_slo_attainment"] <= 1
+    assert set(report["results"]["chat"]["7"]) == {c.name for c in fair.CONTENDERS}
+    assert "| chat | 7 |" in out.with_suffix(".md").read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

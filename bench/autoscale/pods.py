@@ -7,12 +7,25 @@ Prefill runs at PREFILL_TOKENS_PER_S (an estimate, not measured: ~40% of the H20
 peak at 16 GFLOP per token of the 8B model) and takes its time out of the same second as decode.
 
 Requests are fluid cohorts (fractional counts), admitted FIFO while a pod has fewer than
-max_num_seqs sequences and KV-cache room for their full length.
+max_num_seqs sequences and KV-cache room for their full length. An admitted request is prefilled
+FIFO, then decodes; until its prefill is done it counts as waiting, as the engine's scheduler
+counts a request until its prefill is scheduled (`tandem_requests_waiting`).
+
+Two representations make a day of traffic cheap to simulate without changing the model:
+- every running cohort of a pod advances by the same number of decode steps each second, so a
+  cohort is kept as the step count at which it finishes (a heap), and totals are kept as sums;
+- pods started together get the same share of every arrival and so stay identical: they are one
+  `Pod` with `copies`, split only when some of them are removed.
 """
 
 from __future__ import annotations
 
+import bisect
+import copy
+import heapq
+from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,100 +39,190 @@ KV_CAPACITY_TOKENS = 0.85 * 125e9 / (128 * 1024)
 # TTFT histogram buckets: the OpenTelemetry GenAI conventions' (as the server exports them)
 TTFT_BUCKETS = np.array([0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                          5.0, 7.5, 10.0, np.inf])  # fmt: skip
+_BOUNDS = TTFT_BUCKETS.tolist()
+_PREFILL_S_PER_TOKEN = 1.0 / (PREFILL_TOKENS_PER_S * PREFILL_SHARE)  # while decode runs beside it
+# a cohort with at most this many tokens left is done (fluid counts, float steps)
+_EPS = 1e-9
+# pods whose work differs by less than this are merged (Cluster.merge): tokens, relative count
+_SAME_TOKENS = 1e-3
+_SAME_COUNT = 1e-9
+# how often the cluster looks for pods to merge, seconds
+MERGE_EVERY_S = 30
 
 
 def step_seconds(sequences: float) -> float:
     return STEP_BASE_S + STEP_PER_SEQ_S * sequences
 
 
-@dataclass
-class PodSecond:
+class PodSecond(NamedTuple):
     """What one pod did in one second (the basis of its metrics)."""
 
     running: float
     waiting: float
     kv_usage: float
-    idle: float  # share of the second with no step in flight
-    util: float  # what nvidia-smi / DCGM would call GPU utilisation
+    idle: float  # share of the second with no step in flight; GPU utilisation (DCGM) is 1 - idle
     tokens: float
-    ttft_buckets: np.ndarray  # requests admitted this second, by TTFT bucket
 
 
 @dataclass
 class Pod:
     ready_at: float
+    copies: int = 1  # identical pods this object stands for; the fields below are per pod
     max_num_seqs: int = 256
     draining: bool = False
-    # running cohorts: count, remaining output tokens each, total length (prompt + output)
-    count: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    remaining: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    length: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    used: np.ndarray = field(default_factory=lambda: np.zeros(0))  # prompt + generated so far
-    queue: list[list[float]] = field(default_factory=list)  # [arrival, count, prompt, output]
-    prefill_backlog: float = 0.0  # prompt tokens admitted but not yet prefilled
+    steps: float = 0.0  # decode steps made since the pod started
+    # admitted, prefill not done, FIFO: [prompt tokens left, arrival, prompt, output]
+    prefilling: deque[list[float]] = field(default_factory=deque)
+    prefill_backlog: float = 0.0  # their prompt tokens left, in all
+    # decoding cohorts, a heap: (finish step, decoding since, arrival, prompt, count, total length,
+    # prompt - step it began decoding at); the times and the prompt name a cohort across pods
+    cohorts: list[tuple[float, float, float, float, float, float, float]] = field(default_factory=list)
+    seqs: float = 0.0  # admitted requests, prefilling or decoding (max_num_seqs counts them)
+    reserved: float = 0.0  # count x total length of the admitted (KV-cache admission)
+    running: float = 0.0  # decoding requests
+    kv_base: float = 0.0  # sum of count x (prompt - step it began at): K/V held = kv_base + steps x running
+    queue: deque[list[float]] = field(default_factory=deque)  # [arrival, count, prompt, output]
+    queued: float = 0.0  # requests in the queue (kept, not summed: a saturated pod's queue is long)
+    unprefilled: float = 0.0  # requests in `prefilling` (the same)
 
     def ready(self, now: float) -> bool:
         return now >= self.ready_at and not self.draining
 
     @property
     def load(self) -> float:
-        return float(self.count.sum()) + sum(q[1] for q in self.queue)
+        return self.seqs + self.queued
 
     def empty(self) -> bool:
-        return not self.queue and self.count.size == 0
+        return not self.queue and not self.prefilling and not self.cohorts
 
-    def _admit(self, now: float, ttft: np.ndarray) -> None:
-        running = float(self.count.sum())
-        reserved = float((self.count * self.length).sum())
-        new_c, new_r, new_l, new_u = [], [], [], []
-        while self.queue:
-            arrival, n, prompt, output = self.queue[0]
-            room = min(self.max_num_seqs - running, (KV_CAPACITY_TOKENS - reserved) / (prompt + output))
-            take = min(n, room)
+    def output_in_flight(self) -> float:
+        """Output tokens per pod still to generate: decoding, prefilling and queued."""
+        left = sum(c[4] * (c[0] - self.steps) for c in self.cohorts)
+        left += sum(p[0] / p[2] * p[3] for p in self.prefilling)
+        return left + sum(q[1] * q[3] for q in self.queue)
+
+    def split(self, copies: int) -> Pod:
+        """Take `copies` of these identical pods out as their own object."""
+        assert 0 < copies < self.copies
+        other = copy.deepcopy(self)
+        other.copies, self.copies = copies, self.copies - copies
+        return other
+
+    def same_as(self, other: Pod) -> bool:
+        """Whether two pods hold the same work, to within a thousandth of a token: pods that
+        started apart converge once they have served the same arrivals (see Cluster.merge)."""
+        if self.queue or other.queue or self.prefilling or other.prefilling:
+            return False
+        if len(self.cohorts) != len(other.cohorts):
+            return False
+        mine, theirs = self._by_cohort(), other._by_cohort()
+        if mine.keys() != theirs.keys():
+            return False
+        for key, (count, left) in mine.items():
+            count_b, left_b = theirs[key]
+            if abs(count - count_b) > _SAME_COUNT * max(count, 1.0) or abs(left - left_b) > _SAME_TOKENS:
+                return False
+        return True
+
+    def _by_cohort(self) -> dict[tuple[float, float, float], list[float]]:
+        held: dict[tuple[float, float, float], list[float]] = {}
+        for finish, since, arrival, prompt, count, _, _ in self.cohorts:
+            h = held.setdefault((since, arrival, prompt), [0.0, 0.0])
+            h[0] += count
+            h[1] += count * (finish - self.steps)
+        return held
+
+    def _admit(self, now: float, ttft: list[float]) -> None:
+        # the hot loop of the simulation: locals, no helper calls
+        queue, prefilling, copies = self.queue, self.prefilling, self.copies
+        seqs, reserved, backlog = self.seqs, self.reserved, self.prefill_backlog
+        admitted = 0.0
+        while queue:
+            head = queue[0]
+            arrival, n, prompt, output = head
+            length = prompt + output
+            take = self.max_num_seqs - seqs
+            kv_room = (KV_CAPACITY_TOKENS - reserved) / length
+            if kv_room < take:
+                take = kv_room
+            if n < take:
+                take = n
             if take <= 1e-9:
                 break
             # the cohort's middle request waits for the backlog and half the cohort's prompts
-            wait = (now - arrival) + (self.prefill_backlog + prompt * (take + 1) / 2) / (
-                PREFILL_TOKENS_PER_S * PREFILL_SHARE
-            )
-            ttft[np.searchsorted(TTFT_BUCKETS, wait + step_seconds(running))] += take
-            self.prefill_backlog += take * prompt
-            running += take
-            reserved += take * (prompt + output)
-            new_c.append(take), new_r.append(output), new_l.append(prompt + output), new_u.append(prompt)
+            wait = (now - arrival) + (backlog + prompt * (take + 1) / 2) * _PREFILL_S_PER_TOKEN
+            ttft[bisect.bisect_left(_BOUNDS, wait + STEP_BASE_S + STEP_PER_SEQ_S * seqs)] += take * copies
+            backlog += take * prompt
+            prefilling.append([take * prompt, arrival, prompt, output])
+            seqs += take
+            admitted += take
+            reserved += take * length
             if take >= n - 1e-9:
-                self.queue.pop(0)
+                queue.popleft()
             else:
-                self.queue[0][1] = n - take
-        if new_c:
-            self.count = np.concatenate([self.count, new_c])
-            self.remaining = np.concatenate([self.remaining, new_r])
-            self.length = np.concatenate([self.length, new_l])
-            self.used = np.concatenate([self.used, new_u])
+                head[1] = n - take
+        self.seqs, self.reserved, self.prefill_backlog = seqs, reserved, backlog
+        self.queued = self.queued - admitted if queue else 0.0
+        self.unprefilled += admitted
 
-    def step(self, now: float) -> PodSecond:
-        ttft = np.zeros(len(TTFT_BUCKETS))
+    def _prefill(self, now: float, tokens: float) -> None:
+        """Prefill `tokens` of the backlog, FIFO; the requests done start decoding."""
+        prefilling, steps = self.prefilling, self.steps
+        self.prefill_backlog -= tokens
+        while prefilling and tokens > 0:
+            head = prefilling[0]
+            left, arrival, prompt, output = head
+            done = min(left, tokens)
+            tokens -= done
+            count = done / prompt  # fluid: this many of the cohort's requests are prefilled
+            if left - done <= _EPS * prompt:
+                prefilling.popleft()
+                count = left / prompt
+            else:
+                head[0] = left - done
+            self.running += count
+            self.unprefilled -= count
+            self.kv_base += count * (prompt - steps)
+            heapq.heappush(
+                self.cohorts, (steps + output, now, arrival, prompt, count, prompt + output, prompt - steps)
+            )
+        if not prefilling:
+            self.prefill_backlog = self.unprefilled = 0.0
+
+    def step(self, now: float, ttft: list[float]) -> PodSecond:
+        """One second: admit, prefill, decode. Adds this pod's admissions to `ttft` (all copies)."""
         self._admit(now, ttft)
-        running = float(self.count.sum())
         prefilled = min(self.prefill_backlog, PREFILL_SHARE * PREFILL_TOKENS_PER_S)
-        self.prefill_backlog -= prefilled
+        if prefilled > 0:
+            self._prefill(now, prefilled)
         prefill_s = prefilled / PREFILL_TOKENS_PER_S
+        running = self.running
         tokens = 0.0
-        if running > 0:
-            steps = (1.0 - prefill_s) / step_seconds(running)
-            made = np.minimum(self.remaining, steps)
-            tokens = float((made * self.count).sum())
-            self.remaining = self.remaining - made
-            self.used = self.used + made
-            keep = self.remaining > 1e-9
-            self.count, self.remaining = self.count[keep], self.remaining[keep]
-            self.length, self.used = self.length[keep], self.used[keep]
+        cohorts = self.cohorts
+        if cohorts:
+            steps = (1.0 - prefill_s) / (STEP_BASE_S + STEP_PER_SEQ_S * running)
+            done = self.steps + steps
+            tokens = steps * running
+            while cohorts and cohorts[0][0] - done <= _EPS:
+                finish, _, _, _, count, length, base = heapq.heappop(cohorts)
+                if finish < done:  # it needed fewer steps than the second had
+                    tokens -= count * (done - finish)
+                self.running -= count
+                self.seqs -= count
+                self.reserved -= count * length
+                self.kv_base -= count * base
+            self.steps = done
+            if not cohorts:  # exact zeros, not the rounding left by the sums
+                self.running = self.kv_base = 0.0
+                if not self.prefilling:
+                    self.seqs = self.reserved = 0.0
             idle = 0.001  # the asynchronous loop keeps the device busy (0.1% idle measured)
         else:
             idle = 1.0 - prefill_s
-        kv = float((self.count * self.used).sum()) / KV_CAPACITY_TOKENS
-        waiting = sum(q[1] for q in self.queue)
-        return PodSecond(running, waiting, kv, idle, 1.0 - idle, tokens, ttft)
+        kv = (self.kv_base + self.steps * self.running) / KV_CAPACITY_TOKENS
+        # as the engine counts them: a request waits until its prefill is scheduled
+        # waiting as the engine counts it: queued, or admitted with its prefill not yet done
+        return PodSecond(running, self.queued + self.unprefilled, kv, idle, tokens)
 
 
 @dataclass
@@ -136,14 +239,14 @@ class Snapshot:
     idle: float  # mean over ready pods
     util: float  # mean over ready pods
     tokens: float  # generated by all pods
-    ttft_buckets: np.ndarray  # over all pods
+    ttft_buckets: list[float]  # requests admitted this second by TTFT bucket, over all pods
 
 
 class Cluster:
     def __init__(self, replicas: int, cold_start_s: float, max_num_seqs: int = 256) -> None:
         self.cold_start_s = cold_start_s
         self.max_num_seqs = max_num_seqs
-        self.pods = [Pod(ready_at=0.0, max_num_seqs=max_num_seqs) for _ in range(replicas)]
+        self.pods = [Pod(ready_at=0.0, copies=replicas, max_num_seqs=max_num_seqs)] if replicas else []
         self.replicas = replicas
         self.pending: list[list[float]] = []  # arrivals with no ready pod to go to
 
@@ -153,15 +256,23 @@ class Cluster:
     def scale(self, replicas: int, now: float) -> None:
         self.replicas = replicas
         active = self.active()
-        for _ in range(replicas - len(active)):
-            self.pods.append(Pod(ready_at=now + self.cold_start_s, max_num_seqs=self.max_num_seqs))
-        if replicas < len(active):
-            # like the ReplicaSet controller: pods not yet ready go first, then the least loaded
-            victims = sorted(active, key=lambda p: (p.ready(now), p.load))[: len(active) - replicas]
-            for pod in victims:
-                pod.draining = True
-                self.pending.extend(pod.queue)  # clients retry elsewhere what was not admitted
-                pod.queue = []
+        have = sum(p.copies for p in active)
+        if replicas > have:
+            self.pods.append(Pod(now + self.cold_start_s, replicas - have, self.max_num_seqs))
+        remove = have - replicas
+        # like the ReplicaSet controller: pods not yet ready go first, then the least loaded
+        for pod in sorted(active, key=lambda p: (p.ready(now), p.load)):
+            if remove <= 0:
+                break
+            if pod.copies > remove:
+                pod = pod.split(remove)
+                self.pods.append(pod)
+            remove -= pod.copies
+            pod.draining = True
+            # clients retry elsewhere what was not admitted
+            self.pending.extend([a, n * pod.copies, p, o] for a, n, p, o in pod.queue)
+            pod.queue.clear()
+            pod.queued = 0.0
 
     def route(self, now: float, arrivals: list[list[float]]) -> None:
         ready = [p for p in self.pods if p.ready(now)]
@@ -170,26 +281,63 @@ class Cluster:
             self.pending = work
             return
         self.pending = []
-        share = 1.0 / len(ready)  # an even split: many clients over a Service
-        for arrival, n, prompt, output in work:
-            for pod in ready:
-                pod.queue.append([arrival, n * share, prompt, output])
+        share = 1.0 / sum(p.copies for p in ready)  # an even split: many clients over a Service
+        total = share * sum(w[1] for w in work)
+        for pod in ready:
+            pod.queue.extend([arrival, n * share, prompt, output] for arrival, n, prompt, output in work)
+            pod.queued += total
+
+    def merge(self, now: float) -> None:
+        """Make one object of ready pods that hold the same work. Pods started at different times
+        get the same arrivals from the moment both are ready, so once the older pod's earlier
+        requests are done the two hold the same cohorts; from then on they would step alike."""
+        ready = [p for p in self.pods if p.ready(now)]
+        gone: set[int] = set()
+        for i, pod in enumerate(ready):
+            if id(pod) in gone:
+                continue
+            for other in ready[i + 1 :]:
+                if id(other) not in gone and pod.same_as(other):
+                    pod.copies += other.copies
+                    gone.add(id(other))
+        if gone:
+            self.pods = [p for p in self.pods if id(p) not in gone]
+
+    def output_in_flight(self) -> float:
+        """Output tokens still to generate, over all pods and the pending arrivals."""
+        pods = sum(p.copies * p.output_in_flight() for p in self.pods)
+        return pods + sum(q[1] * q[3] for q in self.pending)
 
     def step(self, now: float) -> Snapshot:
-        seconds = [(p, p.step(now)) for p in self.pods]
-        self.pods = [p for p in self.pods if not (p.draining and p.empty())]
-        ready = [s for p, s in seconds if p.ready(now)]
-        n = max(len(ready), 1)
+        ttft = [0.0] * len(_BOUNDS)
+        pods = ready = 0
+        running = waiting = kv = idle = tokens = 0.0
+        for pod in self.pods:
+            s = pod.step(now, ttft)
+            c = pod.copies
+            pods += c
+            tokens += c * s.tokens
+            if pod.ready(now):
+                ready += c
+                running += c * s.running
+                waiting += c * s.waiting
+                kv += c * s.kv_usage
+                idle += c * s.idle
+        if any(p.draining for p in self.pods):
+            self.pods = [p for p in self.pods if not (p.draining and p.empty())]
+        if now % MERGE_EVERY_S == 0 and len(self.pods) > 1:
+            self.merge(now)
+        n = max(ready, 1)
         return Snapshot(
             time=now,
             replicas=self.replicas,
-            pods=len(seconds),
-            ready=len(ready),
-            running=sum(s.running for s in ready),
-            waiting=sum(s.waiting for s in ready) + sum(q[1] for q in self.pending),
-            kv_usage=sum(s.kv_usage for s in ready) / n,
-            idle=sum(s.idle for s in ready) / n,
-            util=sum(s.util for s in ready) / n,
-            tokens=sum(s.tokens for _, s in seconds),
-            ttft_buckets=sum((s.ttft_buckets for _, s in seconds), np.zeros(len(TTFT_BUCKETS))),
+            pods=pods,
+            ready=ready,
+            running=running,
+            waiting=waiting + sum(q[1] for q in self.pending),
+            kv_usage=kv / n,
+            idle=idle / n,
+            util=(ready - idle) / n,
+            tokens=tokens,
+            ttft_buckets=ttft,
         )

@@ -1,26 +1,32 @@
-"""The three scalers the simulation compares, each deciding from what it could observe.
+"""The scalers the simulation compares, each deciding from what it could observe.
 
 - Tandem: tandem.operator.policy.decide, every 15 s, on a 60 s window of the pods' metrics
   (the operator's defaults), exactly as the operator calls it.
-- HPA on GPU utilisation, target 70%: Kubernetes' algorithm (ceil(sum of utilisation / target),
-  10% tolerance, every 15 s; scale-up at most 100% or 4 pods per period; scale-down to the highest
-  recommendation of the last 300 s), on utilisation averaged over 60 s as DCGM reports it.
-- Knative-like concurrency target: the KPA (container concurrency target 100 at 70% utilisation
-  = 70 in-flight requests per pod; 60 s stable window; 6 s panic window that takes over at 2x;
-  every 2 s; scale-down at most by half per tick).
+- HPAs on a Pods metric (autoscale.hpa: the controller's algorithm at its default behavior),
+  every 15 s, on each pod's mean of the last 60 s (a Prometheus adapter's avg_over_time[1m]):
+  running requests, batch fill, or GPU utilisation as DCGM reports it.
+- KEDA, Prometheus trigger on the waiting requests (sum over pods of their 60 s mean), an
+  AverageValue target per pod, feeding the HPA it creates.
+- Knative-like: the KPA's decider (pkg/autoscaler/scaling/autoscaler.go), every 2 s, on the
+  in-flight requests (running + queued) of the ready pods.
+
+A pod that is not ready reports nothing: it is missing to the HPA and not counted by the KPA.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
+from itertools import islice
 
 import numpy as np
 
+from autoscale.hpa import SYNC_PERIOD_S, HorizontalPodAutoscaler, Keda, KedaScaler, pods_metric_replicas
 from autoscale.pods import TTFT_BUCKETS, Snapshot
 from tandem.operator.histogram import histogram_quantile
-from tandem.operator.policy import MetricsWindow, ScalingState, ScalingTargets, decide
+from tandem.operator.policy import MetricsWindow, ScalingState, ScalingTargets, batch_fill, decide
 
 
 class Scaler:
@@ -32,7 +38,8 @@ class Scaler:
 
 
 def _last(history: deque[Snapshot], seconds: float) -> list[Snapshot]:
-    return [s for s in history if s.time > history[-1].time - seconds]
+    """The snapshots of the last `seconds` (one a second), oldest first."""
+    return list(islice(reversed(history), int(seconds)))[::-1]
 
 
 class TandemScaler(Scaler):
@@ -54,7 +61,7 @@ class TandemScaler(Scaler):
         if ready == 0 or not seen:
             return None
         tokens_per_s = sum(s.tokens for s in seen) / len(seen)
-        cumulative = np.cumsum(sum(s.ttft_buckets for s in seen))
+        cumulative = np.cumsum(np.sum([s.ttft_buckets for s in seen], axis=0))
         cost = self.price * ready / (tokens_per_s * 3600) * 1e6 if tokens_per_s > 0 else None
         return MetricsWindow(
             observed_at=recent[-1].time,
@@ -80,51 +87,122 @@ class TandemScaler(Scaler):
         return d.replicas
 
 
-class UtilisationHPA(Scaler):
-    name = "hpa_gpu_util_70"
+# A pod's value of a Pods metric in one second (the snapshot sums or averages over ready pods).
+PodMetric = Callable[[Snapshot, ScalingTargets], float]
 
-    def __init__(self, min_replicas: int, max_replicas: int, target: float = 0.7) -> None:
-        self.min, self.max, self.target = min_replicas, max_replicas, target
-        self.recommendations: deque[tuple[float, int]] = deque()
+
+def running_per_pod(s: Snapshot, _: ScalingTargets) -> float:
+    return s.running / s.ready
+
+
+def batch_fill_per_pod(s: Snapshot, targets: ScalingTargets) -> float:
+    # Tandem's own signal: the larger of KV-cache usage and running / max_num_seqs
+    window = MetricsWindow(s.time, s.ready, s.running, s.waiting, kv_cache_usage=s.kv_usage)
+    return batch_fill(window, targets)
+
+
+def gpu_util_per_pod(s: Snapshot, _: ScalingTargets) -> float:
+    return s.util
+
+
+class MetricHPA(Scaler):
+    """An HPA on one Pods metric with an AverageValue (or utilisation) target."""
+
+    def __init__(
+        self,
+        name: str,
+        metric: PodMetric,
+        target: float,
+        min_replicas: int,
+        max_replicas: int,
+        window_s: float = 60.0,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self.name, self.metric, self.target, self.window_s = name, metric, target, window_s
+        self.hpa = HorizontalPodAutoscaler(min_replicas, max_replicas)
+        self.targets = ScalingTargets(max_num_seqs=max_num_seqs)
+        self.interval_s = SYNC_PERIOD_S
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
-        seen = [s for s in _last(history, 60) if s.ready > 0]
-        if not seen:
-            return replicas
-        ready = seen[-1].ready
-        util_sum = ready * sum(s.util for s in seen) / len(seen)
-        # pods not ready yet count as 0% busy (Kubernetes does so when scaling up)
-        ratio = util_sum / (replicas * self.target)
-        raw = replicas if abs(ratio - 1) <= 0.1 else math.ceil(util_sum / self.target)
-        raw = max(self.min, min(self.max, raw))
-        self.recommendations.append((now, raw))
-        while self.recommendations[0][0] < now - 300:
-            self.recommendations.popleft()
-        if raw > replicas:
-            return min(raw, replicas + max(4, replicas))
-        return max(min(replicas, max(r for _, r in self.recommendations)), self.min)
+        reporting = history[-1].ready
+        seen = [s for s in _last(history, self.window_s) if s.ready > 0]
+        if reporting == 0 or not seen:
+            return replicas  # no metrics: the HPA does not act
+        mean = sum(self.metric(s, self.targets) for s in seen) / len(seen)
+        missing = max(replicas - reporting, 0)
+        raw = pods_metric_replicas(replicas, mean, reporting, missing, self.target)
+        return self.hpa.normalize(now, replicas, raw)
+
+
+class KedaQueue(Scaler):
+    """KEDA, Prometheus trigger `sum(avg_over_time(tandem_requests_waiting[1m]))`, AverageValue."""
+
+    def __init__(
+        self, target: float, min_replicas: int, max_replicas: int, window_s: float = 60.0, **keda: float
+    ) -> None:
+        self.name = "keda_queue"
+        self.window_s = window_s
+        self.keda = KedaScaler(Keda(min_replicas, **keda), max_replicas, target)
+        self.interval_s = SYNC_PERIOD_S
+
+    def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
+        seen = _last(history, self.window_s)
+        total = sum(s.waiting for s in seen) / len(seen)
+        return self.keda(now, replicas, total)
 
 
 class KnativeLike(Scaler):
-    name = "knative_concurrency_70"
+    """The KPA's decider: desired = ceil(concurrency / target) over a stable (60 s) and a panic
+    (6 s) window; panic when the panic count reaches 2x the ready pods, and while panicking (until
+    a stable window passes below that) never scale down; per tick at most 1000x up, 1/2 down."""
+
     interval_s = 2.0
 
-    def __init__(self, min_replicas: int, max_replicas: int, target: float = 70.0) -> None:
+    def __init__(
+        self,
+        min_replicas: int,
+        max_replicas: int,
+        target: float = 70.0,
+        stable_s: float = 60.0,
+        panic_s: float = 6.0,
+        panic_threshold: float = 2.0,
+        max_scale_up_rate: float = 1000.0,
+        max_scale_down_rate: float = 2.0,
+    ) -> None:
+        self.name = "knative_concurrency"
         self.min, self.max, self.target = min_replicas, max_replicas, target
-        self.panic_until = -1.0
+        self.stable_s, self.panic_s, self.panic_threshold = stable_s, panic_s, panic_threshold
+        self.up_rate, self.down_rate = max_scale_up_rate, max_scale_down_rate
+        self.panic_since: float | None = None  # last time over the panic threshold
+        self.max_panic_pods = 0
+        self.inflight: deque[float] = deque(maxlen=int(stable_s))
+        self.seen = -math.inf
+
+    def decide(self, now: float, ready: int, stable: float, panic: float) -> int:
+        """The desired pods for the windows' mean concurrency (all pods together)."""
+        pods = max(1.0, float(ready))
+        max_up, max_down = math.ceil(self.up_rate * pods), math.floor(pods / self.down_rate)
+        dspc, dppc = math.ceil(stable / self.target), math.ceil(panic / self.target)
+        desired_stable = min(max(dspc, max_down), max_up)
+        desired_panic = min(max(dppc, max_down), max_up)
+        over = dppc / pods >= self.panic_threshold
+        if over:
+            self.panic_since = now
+        elif self.panic_since is not None and self.panic_since + self.stable_s < now:
+            self.panic_since, self.max_panic_pods = None, 0
+        desired = desired_stable
+        if self.panic_since is not None:
+            self.max_panic_pods = max(self.max_panic_pods, desired_stable, desired_panic)
+            desired = self.max_panic_pods
+        return max(self.min, min(self.max, desired))
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
-        def concurrency(seconds: float) -> float:
-            seen = _last(history, seconds)
-            return sum(s.running + s.waiting for s in seen) / len(seen)
-
-        stable = math.ceil(concurrency(60) / self.target)
-        panic = math.ceil(concurrency(6) / self.target)
-        ready = max(history[-1].ready, 1)
-        if panic >= 2 * ready:
-            self.panic_until = now + 60
-        if now < self.panic_until:
-            wanted = max(panic, replicas)  # in panic mode Knative never scales down
-        else:
-            wanted = max(stable, math.ceil(replicas / 2))
-        return max(self.min, min(self.max, wanted))
+        # in-flight requests per second, kept here: this runs every 2 s over a 60 s window
+        new = [s for s in islice(reversed(history), int(self.interval_s) + 1) if s.time > self.seen]
+        for s in reversed(new):
+            self.inflight.append(s.running + s.waiting)
+        self.seen = history[-1].time
+        values = self.inflight
+        panic = list(islice(reversed(values), int(self.panic_s)))
+        stable = sum(values) / len(values)
+        return self.decide(now, history[-1].ready, stable, sum(panic) / len(panic))

@@ -3,12 +3,16 @@
 Arrivals are Poisson per second. Each second's requests are split into four equal cohorts whose
 prompt and output lengths are the quartile midpoints of log-normal distributions: the sizes keep
 their spread while the simulator moves four cohorts a second instead of every request.
+
+SHAPES are the three kinds of traffic the comparison runs, each with the same diurnal shape and
+bursts; their rates are scaled to what one pod serves within the TTFT SLO at each token mix
+(about 22, 12 and 10 requests/s), so that 16 pods carry the highest burst of each.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,3 +91,31 @@ def make_trace(cfg: TraceConfig) -> Trace:
     prompts = tuple(_lognormal_quantile(cfg.prompt_median, cfg.prompt_sigma, q) for q in QUANTILES)
     outputs = [_lognormal_quantile(cfg.output_median, cfg.output_sigma, q) for q in QUANTILES]
     return Trace(cfg, rate, counts, prompts, tuple(outputs[i] for i in OUTPUT_ORDER))
+
+
+SHAPES: dict[str, TraceConfig] = {
+    # the chat mix: prompts of 450 tokens (median), answers of 200
+    "chat": TraceConfig(),
+    # short prompts, long answers: decode-bound
+    "decode_heavy": TraceConfig(
+        trough_rps=7.0,
+        peak_rps=85.0,
+        prompt_median=100.0,
+        prompt_sigma=0.6,
+        output_median=800.0,
+        output_sigma=0.6,
+    ),
+    # 2,000-token prompts, 40-token answers (RAG, classification): prefill-bound
+    "prefill_heavy": TraceConfig(
+        trough_rps=5.0,
+        peak_rps=65.0,
+        prompt_median=2000.0,
+        prompt_sigma=0.3,
+        output_median=40.0,
+        output_sigma=0.3,
+    ),
+}
+
+
+def shape(name: str, hours: float, seed: int) -> TraceConfig:
+    return replace(SHAPES[name], hours=hours, seed=seed)

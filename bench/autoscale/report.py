@@ -1,0 +1,206 @@
+"""The fair comparison's report as markdown tables, and the plot of one trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from autoscale.fair import BY_NAME, SLO_ATTAINMENT, Cell
+from autoscale.sim import Run
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def _target(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _header(*names: str) -> list[str]:
+    return [_row(*names), _row(*["---"] * len(names))]
+
+
+def _brief(s: dict) -> str:
+    """Cost, minutes within the SLO, events per hour."""
+    cost, slo = s["cost_per_million_tokens_usd"], s["ttft_p95_slo_attainment"]
+    return f"{cost:.3f}, {_pct(slo)}, {s['scaling_events_per_hour']:.2f}"
+
+
+def sweep_table(report: dict, shape: str) -> str:
+    lines = []
+    for name, by_target in report["sweep"][shape].items():
+        c = report["contenders"][name]
+        chosen = c["targets"][next(sh for sh, on in report["tuning"]["tuned_on"].items() if on == shape)]
+        lines += [f"**{c['label']}** ({c['target_means']}; chosen: {_target(chosen)})", ""]
+        lines += _header("target", "$ / million tokens", "minutes within SLO", "events / hour", "mean pods")
+        for target, s in by_target.items():
+            mark = "**" if float(target) == chosen else ""
+            lines.append(
+                _row(
+                    f"{mark}{float(target):g}{mark}",
+                    f"{s['cost_per_million_tokens_usd']:.3f}",
+                    _pct(s["ttft_p95_slo_attainment"]),
+                    f"{s['scaling_events_per_hour']:.2f}",
+                    f"{s['mean_pods']:.2f}",
+                )
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cells_table(report: dict, shape: str) -> str:
+    lines = _header(
+        "scaler", "target", "seed", "$ / million tokens", "minutes within SLO", "events / hour", "mean pods",
+        "peak pods",
+    )  # fmt: skip
+    for name, c in report["contenders"].items():
+        for seed, by in report["results"][shape].items():
+            s = by[name]
+            lines.append(
+                _row(
+                    c["label"],
+                    _target(c["targets"][shape]),
+                    seed,
+                    f"{s['cost_per_million_tokens_usd']:.3f}",
+                    _pct(s["ttft_p95_slo_attainment"]),
+                    f"{s['scaling_events_per_hour']:.2f}",
+                    f"{s['mean_pods']:.2f}",
+                    s["peak_pods"],
+                )
+            )
+    return "\n".join(lines)
+
+
+def verdict_table(report: dict) -> str:
+    lines = _header(
+        "shape", "seed", "Tandem, defaults: $/Mtok, SLO, events/h",
+        "cheapest baseline within SLO: $/Mtok, SLO, events/h", "Tandem vs it",
+        "cheapest baseline within SLO and <= 3 events/h", "target met",
+    )  # fmt: skip
+    for shape, per_seed in report["verdicts"].items():
+        for seed, v in per_seed.items():
+            cells = report["results"][shape][seed]
+            best = calm = "none"
+            if v["best_baseline"]:
+                best = f"{BY_NAME[v['best_baseline']].label}: {_brief(cells[v['best_baseline']])}"
+            if v["best_calm_baseline"]:
+                calm = f"{BY_NAME[v['best_calm_baseline']].label}: {v['best_calm_baseline_cost']:.3f}"
+            vs = "-" if v["tandem_cost_vs_best"] is None else f"{100 * v['tandem_cost_vs_best']:+.1f}%"
+            met = "yes" if v["target_met"] else "**no**"
+            lines.append(_row(shape, seed, _brief(cells["tandem_default"]), best, vs, calm, met))
+    return "\n".join(lines)
+
+
+def summary_table(report: dict) -> str:
+    lines = _header(
+        "shape", "scaler", "mean $ / Mtok", "minutes within SLO (worst seed)", "seeds >= 99%",
+        "events / hour (worst seed)",
+    )  # fmt: skip
+    for shape, summary in report["summary"].items():
+        for name, s in summary["scalers"].items():
+            lines.append(
+                _row(
+                    shape,
+                    report["contenders"][name]["label"],
+                    f"{s['mean_cost_per_million_tokens_usd']:.3f}",
+                    _pct(s["min_slo_attainment"]),
+                    f"{s['seeds_within_slo']} of {summary['seeds']}",
+                    f"{s['max_events_per_hour']:.2f}",
+                )
+            )
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    parts = [
+        f"# Autoscaling, fair comparison ({report['date']})",
+        "",
+        f"`{report['command']}`; SLO: p95 TTFT <= {report['setup']['ttft_slo_s']:g} s in a minute; "
+        f"required: >= {SLO_ATTAINMENT:.0%} of minutes. {_tuning(report)}",
+        "",
+        "## Verdict per trace",
+        "",
+        verdict_table(report),
+        "",
+        "## Summary per shape",
+        "",
+        summary_table(report),
+        "",
+        "## Every cell",
+        "",
+    ]
+    for shape in report["results"]:
+        parts += [f"### {shape}", "", cells_table(report, shape), ""]
+    for shape in report["sweep"]:
+        parts += [f"## Sweep on {shape}, seed {report['tuning']['seed']}", "", sweep_table(report, shape)]
+    return "\n".join(parts)
+
+
+def _tuning(report: dict) -> str:
+    tuned_on, seed = report["tuning"]["tuned_on"], report["tuning"]["seed"]
+    if all(on == sh for sh, on in tuned_on.items()) and len(tuned_on) > 1:
+        return f"Targets tuned on each shape at seed {seed}, then held fixed for its other seeds."
+    return f"Targets tuned on {next(iter(tuned_on.values()))}, seed {seed}, then held fixed for every trace."
+
+
+# what the plot shows (KEDA's 2 <-> 24 swings and the near-duplicates would hide the rest)
+COLORS = {
+    "hpa_gpu_util": "tab:red",
+    "hpa_running": "tab:orange",
+    "knative_concurrency": "tab:blue",
+    "tandem_default": "tab:green",
+}
+
+
+def plot(report: dict, runs: dict[Cell, Run], load: np.ndarray, path: Path) -> None:
+    """Pods and TTFT over the tuning trace, one line per scaler at its chosen target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shape, seed = report["tuning"]["plotted"], report["tuning"]["seed"]
+    chosen = {n: c["targets"][shape] for n, c in report["contenders"].items()}
+    shown = {
+        cell.contender: run
+        for cell, run in runs.items()
+        if (cell.shape, cell.seed, cell.target) == (shape, seed, chosen[cell.contender])
+        and cell.series
+        and cell.contender in COLORS
+    }
+    seconds = len(load)
+    hours = np.arange(seconds) / 3600
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8), sharex=True, height_ratios=[3, 2])
+    ax_load = top.twinx()
+    per_minute = load[: seconds // 60 * 60].reshape(-1, 60).mean(axis=1)
+    ax_load.fill_between(np.arange(len(per_minute)) / 60, per_minute, color="0.88")
+    ax_load.set_ylabel("requests / s (grey)")
+    top.set_zorder(ax_load.get_zorder() + 1)
+    top.patch.set_visible(False)
+    for name in COLORS:
+        if name not in shown:
+            continue
+        run = shown[name]
+        label = report["contenders"][name]["label"]
+        lw = 1.6 if name == "tandem_default" else 0.9
+        top.step(hours, run.pods, where="post", color=COLORS[name], lw=lw, label=label)
+        served, p95 = run.p95_minutes
+        bottom.plot(np.nonzero(served)[0] / 60, np.maximum(p95, 1e-3), color=COLORS[name], lw=0.7)
+    top.set_ylabel("pods (GPUs)")
+    top.legend(loc="upper left", fontsize=8)
+    top.set_title(f"Pods over one day, {shape} trace, seed {seed}, at the chosen targets (KEDA not shown)")
+    slo = report["setup"]["ttft_slo_s"]
+    bottom.axhline(slo, color="k", ls="--", lw=0.8, label=f"SLO {slo:g} s")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("TTFT p95 per minute, s")
+    bottom.set_xlabel("hour of day")
+    bottom.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
