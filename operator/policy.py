@@ -3,12 +3,16 @@
 No I/O and no clock: the caller passes `now`. The operator and the simulation benchmark
 (bench/autoscale_sim.py) run this same function.
 
-Signals (DESIGN.md §5): saturation (queue, batch fill = the larger of KV-cache usage and
-running/max_num_seqs, p95 time to first token against its target) scales up at once; under-use
-(GPU idle fraction high, or cost per million tokens above the ceiling) scales down, slowly, and
-only to as many pods as can carry the load with room to spare. In between the policy holds: the
-gap between the fill that counts as saturated and the fill a scale-down may leave is the
-hysteresis that keeps noisy steady load from flapping.
+Signals (DESIGN.md §5): the pods' capacity utilization (generated tokens/s against what each pod
+measured it can generate at its traffic's mix, `tandem_capacity_tokens_per_second`) sizes the
+Deployment: the policy runs as many pods as carry the load at `target_utilization`. Saturation
+(a queue, batch fill = the larger of KV-cache usage and running/max_num_seqs, utilization beyond
+the target's tolerance, p95 time to first token over its target) scales up at once, by the load
+offered (served plus the queue's growth and backlog); spare capacity, a high GPU idle fraction or
+a cost per million tokens above the ceiling scale down, slowly, and only to as many pods as carry
+the load at the target. In between the policy holds: the tolerance above the target before a
+scale-up, against none below it, is the hysteresis that keeps noisy steady load from flapping.
+Pods that do not report a capacity (an older server) are sized by batch fill alone.
 
 The SLO beats the cost ceiling: the policy remembers the tokens/s per pod at which the pods last
 saturated, and the cost rule never goes below the pods that this rate says the current load needs
@@ -25,6 +29,17 @@ from typing import Literal
 # A scale-down must leave the pods at most this share of the saturation fill: after it, load may
 # grow by a third before the pods count as saturated again.
 SCALE_DOWN_HEADROOM = 0.75
+# Utilization this far above its target counts as saturation (a scale-up); below the target a
+# smaller count that carries the load at the target is a scale-down. The gap absorbs the noise of
+# steady load (a minute's rate moves by several percent) without a decision.
+UTILIZATION_TOLERANCE = 0.2
+# Under a cost ceiling the pods may be packed this far above the target, never to the tolerance.
+COST_PACKING = 0.1
+# At most one scale-down per this share of the scale-down window: as load falls after a burst,
+# the window's highest recommendation falls tick by tick, and each tick would be a decision.
+SCALE_DOWN_PERIOD_SHARE = 0.5
+# A queue's backlog is load to serve within this long, on top of the arrivals.
+BACKLOG_DRAIN_S = 60.0
 # Scale down only while p95 time to first token is at most this share of its target.
 SCALE_DOWN_TTFT_SHARE = 0.8
 # Mean queued requests per pod over the window that count as a queue (a request waits for the
@@ -34,6 +49,7 @@ QUEUE_PER_POD = 1.0
 # cluster has" and is treated as this much, which keeps every product and ceil() finite.
 HUGE = 1e12
 RATIOS = ("idle_fraction", "kv_cache_usage")
+SIGNED = ("waiting_growth_per_s",)
 
 Action = Literal["ScaleUp", "ScaleDown", "Hold"]
 
@@ -47,6 +63,7 @@ class ScalingTargets:
     target_ttft_s: float = 1.0
     cost_ceiling_usd_per_mtok: float | None = None
     target_batch_fill: float = 0.8
+    target_utilization: float = 0.7
     scale_down_idle_fraction: float = 0.5
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 600.0
@@ -68,6 +85,13 @@ class MetricsWindow:
     ttft_p95_s: float | None = None  # over the window's requests; None when none started
     tokens_per_s: float | None = None  # total
     cost_per_mtok_usd: float | None = None  # all pods' price / all pods' tokens
+    # what the pods say they could generate at their traffic's mix: mean over the pods that
+    # report it, times pods
+    capacity_tokens_per_s: float | None = None
+    # generated tokens/s over the newest scrape interval only: a burst shows here a window earlier
+    recent_tokens_per_s: float | None = None
+    admitted_per_s: float | None = None  # requests that got their first token (TTFT count rate)
+    waiting_growth_per_s: float | None = None  # slope of requests_waiting over the window
 
 
 @dataclass(frozen=True)
@@ -86,6 +110,7 @@ class ScalingState:
     # drain, not the pods' capacity). Forgotten once pods carry more without saturating.
     saturated_tokens_per_pod: float | None = None
     saturated: bool = False  # whether the last call saw saturation
+    scaled_down_at: float | None = None  # the last scale-down (SCALE_DOWN_PERIOD_SHARE)
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,8 @@ def sanitized(window: MetricsWindow) -> MetricsWindow:
             continue
         if math.isnan(value):
             changes[f.name] = None
+        elif f.name in SIGNED:
+            changes[f.name] = min(max(value, -HUGE), HUGE)
         else:
             changes[f.name] = min(max(value, 0.0), 1.0 if f.name in RATIOS else HUGE)
     return replace(window, **changes)
@@ -122,45 +149,95 @@ def batch_fill(window: MetricsWindow, targets: ScalingTargets) -> float:
     return max(window.kv_cache_usage or 0.0, running_share)
 
 
+def utilization(window: MetricsWindow, recent: bool = False) -> float | None:
+    """Generated tokens/s over what the pods could generate at their traffic's mix, over the
+    window (or the larger of that and the newest scrape interval's); None when unknown."""
+    if not window.capacity_tokens_per_s or window.tokens_per_s is None:
+        return None
+    tokens = window.tokens_per_s
+    if recent and window.recent_tokens_per_s is not None:
+        tokens = max(tokens, window.recent_tokens_per_s)
+    return tokens / window.capacity_tokens_per_s
+
+
+def offered_share(window: MetricsWindow, backlog: bool = True) -> float | None:
+    """Load offered over load served, in requests: admissions plus the queue's growth (plus its
+    backlog, to be served within BACKLOG_DRAIN_S), over admissions. None without admissions."""
+    admitted = window.admitted_per_s
+    if not admitted:
+        return None
+    growth = max(window.waiting_growth_per_s or 0.0, 0.0)
+    drain = (window.requests_waiting or 0.0) / BACKLOG_DRAIN_S if backlog else 0.0
+    return (admitted + growth + drain) / admitted
+
+
 def _recommend(
-    window: MetricsWindow, targets: ScalingTargets, current: int, saturated_per_pod: float | None = None
+    window: MetricsWindow,
+    targets: ScalingTargets,
+    current: int,
+    saturated_per_pod: float | None = None,
+    starting: bool = False,
 ) -> tuple[int, str, str]:
-    """The raw recommendation for this window alone (no stabilisation, no step limits)."""
+    """The raw recommendation for this window alone (no stabilisation, no step limits).
+    `starting`: more pods are on their way, and they will serve the backlog that is there now."""
     fill = batch_fill(window, targets)
+    util = utilization(window)
     running = window.requests_running or 0.0
     waiting = window.requests_waiting or 0.0
     ratios = {"batch fill": fill / targets.target_batch_fill}
-    if waiting >= QUEUE_PER_POD * window.pods:
-        ratios["queue"] = (running + waiting) / max(running, 1.0)
+    if util is not None:
+        # fast up: the newest interval counts too, slow down: the whole window
+        ratios["capacity use"] = (
+            max(util, utilization(window, recent=True) or 0.0) / targets.target_utilization
+        )
+    queued = waiting >= QUEUE_PER_POD * window.pods
     ttft_over = window.ttft_p95_s is not None and window.ttft_p95_s > targets.target_ttft_s
-    worst = max(ratios, key=lambda k: ratios[k])
-    if ratios[worst] > 1.0 or ttft_over:
-        wanted = max(current + 1, math.ceil(current * ratios[worst] - 1e-9))
-        what = f"{worst} {ratios[worst]:.2f}x target" if ratios[worst] > 1.0 else ""
+    over = ratios["batch fill"] > 1.0 or ratios.get("capacity use", 0.0) > 1.0 + UTILIZATION_TOLERANCE
+    if over or queued or ttft_over:
+        worst = max(ratios, key=lambda k: ratios[k])
+        size = ratios[worst]
+        what = [f"{worst} {ratios[worst]:.2f}x target"] if over else []
+        if queued:
+            offered = offered_share(window, backlog=not starting)
+            if util is not None and offered is not None:
+                size = max(size, ratios["capacity use"] * offered)
+            else:  # no capacity or no admissions: what is in flight against what runs
+                size = max(size, (running + waiting) / max(running, 1.0))
+            what.append(f"queue of {waiting:.0f} requests")
         if ttft_over:
-            ttft = f"TTFT p95 {window.ttft_p95_s:.2f}s > {targets.target_ttft_s:.2f}s"
-            what = f"{ttft}, {what}" if what else ttft
-        return wanted, "Saturated", what
+            what.append(f"TTFT p95 {window.ttft_p95_s:.2f}s > {targets.target_ttft_s:.2f}s")
+        wanted = max(current + 1, math.ceil(current * size - 1e-9))
+        return wanted, "Saturated", ", ".join(what)
 
     idle = window.idle_fraction
     cost = window.cost_per_mtok_usd
     ceiling = targets.cost_ceiling_usd_per_mtok
-    why = []
+    why: list[tuple[str, str]] = []
+    target = targets.target_utilization
+    if util is not None and math.ceil(current * util / target - 1e-9) < current:
+        why.append(("SpareCapacity", f"capacity use {util:.0%} < target {target:.0%}"))
     if idle is not None and idle >= targets.scale_down_idle_fraction:
-        why.append(f"idle {idle:.0%} >= {targets.scale_down_idle_fraction:.0%}")
+        why.append(("Underused", f"idle {idle:.0%} >= {targets.scale_down_idle_fraction:.0%}"))
     if ceiling is not None and cost is not None and cost > ceiling:
-        why.append(f"${cost:.3g}/Mtok > ${ceiling:.3g}")
+        why.append(("CostAboveCeiling", f"${cost:.3g}/Mtok > ${ceiling:.3g}"))
     if not why:
-        return current, "WithinTargets", f"batch fill {fill:.0%}, no queue, TTFT within target"
-    reason = "Underused" if why[0].startswith("idle") else "CostAboveCeiling"
+        use = f"capacity use {util:.0%}, " if util is not None else ""
+        return current, "WithinTargets", f"{use}batch fill {fill:.0%}, no queue, TTFT within target"
+    reason = why[0][0]
+    said = ", ".join(w for _, w in why)
     # the cost ceiling alone cannot be met without breaking the SLO: hold, and say so
     held = "CostCeilingUnreachable" if reason == "CostAboveCeiling" else reason
     if window.ttft_p95_s is not None and window.ttft_p95_s > SCALE_DOWN_TTFT_SHARE * targets.target_ttft_s:
-        return current, held, f"{', '.join(why)}, but TTFT p95 is close to its target"
+        return current, held, f"{said}, but TTFT p95 is close to its target"
     carry = math.ceil(current * fill / (targets.target_batch_fill * SCALE_DOWN_HEADROOM) - 1e-9)
+    if util is not None:
+        # a ceiling may pack the pods a little beyond the target, never to where they saturate
+        pack = target * (1 + (COST_PACKING if reason == "CostAboveCeiling" else 0.0))
+        carry = max(carry, math.ceil(current * util / pack - 1e-9))
     wanted = min(current, max(1, carry))
+    load = f"capacity use {util:.0%}" if util is not None else f"batch fill {fill:.0%}"
     if wanted == current:
-        return current, held, f"{', '.join(why)}, but fewer pods could not carry batch fill {fill:.0%}"
+        return current, held, f"{said}, but fewer pods could not carry {load}"
     tokens = window.tokens_per_s
     if reason == "CostAboveCeiling" and saturated_per_pod and tokens:
         need = math.ceil(tokens / (saturated_per_pod * SCALE_DOWN_HEADROOM) - 1e-9)
@@ -169,12 +246,12 @@ def _recommend(
                 current,
                 held,
                 (
-                    f"{', '.join(why)}, but the pods saturated at {saturated_per_pod:.0f} tokens/s each: "
+                    f"{said}, but the pods saturated at {saturated_per_pod:.0f} tokens/s each: "
                     f"the TTFT target needs {need} pods at this load"
                 ),
             )
         wanted = max(wanted, need)
-    return wanted, reason, f"{', '.join(why)}; {wanted} pods carry batch fill {fill:.0%}"
+    return wanted, reason, f"{said}; {wanted} pods carry {load}"
 
 
 def _remember_saturation(state: ScalingState, window: MetricsWindow, pods: int, reason: str) -> ScalingState:
@@ -188,6 +265,20 @@ def _remember_saturation(state: ScalingState, window: MetricsWindow, pods: int, 
     elif not saturated and per_pod is not None and remembered is not None and per_pod > remembered:
         remembered = None
     return replace(state, saturated_tokens_per_pod=remembered, saturated=saturated)
+
+
+def _record(state: ScalingState, now: float, raw: int, targets: ScalingTargets) -> ScalingState:
+    """Add a raw recommendation to the history the stabilisation windows read."""
+    horizon = max(targets.scale_up_stabilization_s, targets.scale_down_stabilization_s)
+    history = tuple((t, r) for t, r in state.recommendations if now - t <= horizon) + ((now, raw),)
+    since = state.history_since if state.history_since is not None else now
+    return replace(state, recommendations=history, history_since=since)
+
+
+def _most_up(current: int, targets: ScalingTargets) -> int:
+    """The most pods one scale-up may reach: doubling, or max_scale_up_step more if that is more
+    (the HPA's default behaviour; scale-downs likewise halve at most, or max_scale_down_step)."""
+    return current + max(targets.max_scale_up_step, current)
 
 
 def _hold(state: ScalingState, reason: str, message: str) -> Decision:
@@ -226,11 +317,15 @@ def decide(
         # pods that report are saturated beyond what the others will absorb (a long cold start
         # must not stall a burst; the same saturation must not add pods twice).
         if seen > 0:
-            raw, reason, message = _recommend(window, targets, seen)
+            raw, reason, message = _recommend(window, targets, seen, starting=True)
             if reason == "Saturated":
                 state = _remember_saturation(state, window, seen, reason)
-            target = min(_clamp(raw, targets), current + targets.max_scale_up_step)
-            if reason == "Saturated" and target > current:
+                # the scale-down window must see this load once the pods are ready
+                state = _record(state, now, max(_clamp(raw, targets), current), targets)
+            target = min(_clamp(raw, targets), _most_up(current, targets))
+            # pods on their way already answer this saturation: add more only for load beyond
+            # them by the tolerance (each tick of a cold start must not add a pod)
+            if reason == "Saturated" and target > current * (1 + UTILIZATION_TOLERANCE):
                 note = f"{message} ({current - seen} of {current} pods not ready or not reporting)"
                 return Decision("ScaleUp", target, reason, note, replace(state, current_replicas=target))
         if ready < current:
@@ -240,16 +335,15 @@ def decide(
     raw, reason, message = _recommend(window, targets, current, state.saturated_tokens_per_pod)
     state = _remember_saturation(state, window, current, reason)
     raw = _clamp(raw, targets)
-    horizon = max(targets.scale_up_stabilization_s, targets.scale_down_stabilization_s)
-    history = tuple((t, r) for t, r in state.recommendations if now - t <= horizon) + ((now, raw),)
-    since = state.history_since if state.history_since is not None else now
-    state = replace(state, recommendations=history, history_since=since)
+    state = _record(state, now, raw, targets)
+    history, since = state.recommendations, state.history_since
+    assert since is not None
 
     if raw > current:
         # Fast up: the lowest recommendation of the (short) up window, so one spike is not enough
         # when that window is set; at most max_scale_up_step pods at once.
         up_window = [r for t, r in history if now - t <= targets.scale_up_stabilization_s]
-        target = min(min(up_window), current + targets.max_scale_up_step)
+        target = min(min(up_window), _most_up(current, targets))
         if target <= current:
             return _hold(state, "Stabilizing", f"{message}; waiting out the scale-up window")
         new_state = replace(state, current_replicas=target)
@@ -260,11 +354,16 @@ def decide(
         # the history covers that window.
         if now - since < targets.scale_down_stabilization_s:
             return _hold(state, "Stabilizing", f"{message}; scale-down window not yet observed")
+        period = SCALE_DOWN_PERIOD_SHARE * targets.scale_down_stabilization_s
+        if state.scaled_down_at is not None and now - state.scaled_down_at < period:
+            return _hold(
+                state, "Stabilizing", f"{message}; scaled down {now - state.scaled_down_at:.0f}s ago"
+            )
         down_window = [r for t, r in history if now - t <= targets.scale_down_stabilization_s]
-        target = max(max(down_window), current - targets.max_scale_down_step)
+        target = max(max(down_window), current - max(targets.max_scale_down_step, current // 2))
         if target >= current:
             return _hold(state, "Stabilizing", f"{message}; higher load within the scale-down window")
-        new_state = replace(state, current_replicas=target)
+        new_state = replace(state, current_replicas=target, scaled_down_at=now)
         return Decision("ScaleDown", target, reason, message, new_state)
 
     return _hold(state, reason, message)

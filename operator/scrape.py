@@ -20,6 +20,7 @@ RUNNING = "tandem_requests_running"
 WAITING = "tandem_requests_waiting"
 KV_USAGE = "tandem_kv_cache_usage_ratio"
 IDLE = "tandem_gpu_idle_fraction"
+CAPACITY = "tandem_capacity_tokens_per_second"  # what the pod measured it can generate at its mix
 GENERATED = "tandem_generation_tokens"  # counter: samples named ..._total
 TTFT = "gen_ai_server_time_to_first_token_seconds"  # histogram
 REQUIRED = (RUNNING, WAITING)  # without these a pod's load is unknown
@@ -43,6 +44,8 @@ class PodSample:
     idle_fraction: float | None = None
     generated_tokens: float | None = None  # counter value
     ttft_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
+    # None until the pod's fit has seen enough steps (or from a server that does not export it)
+    capacity_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def parse_metrics(pod: str, when: float, text: str) -> PodSample:
             if family.name == TTFT and sample.name == TTFT + "_bucket":
                 le = float(sample.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + sample.value
-            elif family.name in (RUNNING, WAITING, KV_USAGE, IDLE) and sample.name == family.name:
+            elif family.name in (RUNNING, WAITING, KV_USAGE, IDLE, CAPACITY) and sample.name == family.name:
                 values[family.name] = values.get(family.name, 0.0) + sample.value
             elif family.name == GENERATED and sample.name == GENERATED + "_total":
                 values[GENERATED] = values.get(GENERATED, 0.0) + sample.value
@@ -75,6 +78,7 @@ def parse_metrics(pod: str, when: float, text: str) -> PodSample:
         idle_fraction=values.get(IDLE),
         generated_tokens=values.get(GENERATED),
         ttft_buckets=dict(sorted(buckets.items())),
+        capacity_tokens_per_s=values.get(CAPACITY),
     )
 
 
@@ -87,6 +91,7 @@ def problem_of(sample: PodSample) -> str | None:
         KV_USAGE: sample.kv_usage,
         IDLE: sample.idle_fraction,
         GENERATED + "_total": sample.generated_tokens,
+        CAPACITY: sample.capacity_tokens_per_s,
     }
     for name in REQUIRED:
         if named[name] is None:

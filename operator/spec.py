@@ -54,6 +54,7 @@ class Scaling(_Camel):
     target_time_to_first_token_seconds: float = Field(1.0, gt=0)
     cost_ceiling_per_million_tokens_usd: float | None = Field(None, gt=0)
     target_batch_fill: float = Field(0.8, gt=0, le=1)
+    target_capacity_utilization: float = Field(0.7, gt=0, le=1)
     scale_down_idle_fraction: float = Field(0.5, ge=0, le=1)
     scale_up_stabilization_seconds: int = Field(0, ge=0)
     scale_down_stabilization_seconds: int = Field(600, ge=0)
@@ -112,6 +113,7 @@ class ModelServerSpec(_Camel):
             target_ttft_s=s.target_time_to_first_token_seconds,
             cost_ceiling_usd_per_mtok=s.cost_ceiling_per_million_tokens_usd,
             target_batch_fill=s.target_batch_fill,
+            target_utilization=s.target_capacity_utilization,
             scale_down_idle_fraction=s.scale_down_idle_fraction,
             scale_up_stabilization_s=s.scale_up_stabilization_seconds,
             scale_down_stabilization_s=s.scale_down_stabilization_seconds,

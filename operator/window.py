@@ -61,6 +61,9 @@ class MetricsHistory:
             for s in r.samples:
                 firsts.setdefault(s.pod, s)
         tokens_per_s = self._tokens_per_s(firsts, last)
+        # the newest scrape interval alone: a burst shows there before it moves the window's mean
+        newest = {s.pod: s for s in rounds[-2].samples} if len(rounds) > 1 else {}
+        recent = self._tokens_per_s({s.pod: newest.get(s.pod, s) for s in last.samples}, last)
         cost = None
         if tokens_per_s:
             cost = cost_per_pod_hour * len(last.samples) / (tokens_per_s * 3600) * 1e6
@@ -74,7 +77,41 @@ class MetricsHistory:
             ttft_p95_s=self._ttft_p95(firsts, last),
             tokens_per_s=tokens_per_s,
             cost_per_mtok_usd=cost,
+            capacity_tokens_per_s=self._capacity(rounds, len(last.samples)),
+            recent_tokens_per_s=recent,
+            admitted_per_s=self._admitted_per_s(firsts, last),
+            waiting_growth_per_s=self._waiting_growth(rounds),
         )
+
+    @staticmethod
+    def _capacity(rounds: list[Round], pods: int) -> float | None:
+        """Mean capacity of the pods that report one, over the window, times the pods now (a pod
+        whose fit has not seen enough steps yet is taken to be like the others)."""
+        values = [s.capacity_tokens_per_s for r in rounds for s in r.samples]
+        known = [v for v in values if v is not None and v > 0]
+        return pods * sum(known) / len(known) if known else None
+
+    @staticmethod
+    def _admitted_per_s(firsts: dict[str, PodSample], last: Round) -> float | None:
+        """Requests that got their first token per second (the TTFT histogram's count rate)."""
+        total, span = 0.0, 0.0
+        for s in last.samples:
+            first = firsts[s.pod]
+            if first is s or not s.ttft_buckets:
+                continue
+            count, before = max(s.ttft_buckets.values()), max(first.ttft_buckets.values(), default=0.0)
+            total += count - before if count >= before else count  # a restart began again
+            span = max(span, s.time - first.time)
+        return total / span if span > 0 else None
+
+    @staticmethod
+    def _waiting_growth(rounds: list[Round]) -> float | None:
+        """Slope of the pods' total waiting requests from the window's first round to its last."""
+        first, last = rounds[0], rounds[-1]
+        if last.time <= first.time or any(s.waiting is None for r in (first, last) for s in r.samples):
+            return None
+        waiting = [sum(s.waiting or 0.0 for s in r.samples) for r in (first, last)]
+        return (waiting[1] - waiting[0]) / (last.time - first.time)
 
     @staticmethod
     def _tokens_per_s(firsts: dict[str, PodSample], last: Round) -> float | None:

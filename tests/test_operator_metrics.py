@@ -30,6 +30,7 @@ class FakeServer:
         self.kv = Gauge("tandem_kv_cache_usage_ratio", "kv", names, registry=r)
         self.idle = Gauge("tandem_gpu_idle_fraction", "idle", names, registry=r)
         self.tokens = Counter("tandem_generation_tokens", "tokens", names, registry=r)
+        self.capacity = Gauge("tandem_capacity_tokens_per_second", "capacity", names, registry=r)
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token_seconds", "ttft", names, buckets=BUCKETS, registry=r
         )
@@ -49,11 +50,13 @@ def test_parse_reads_every_signal():
     s.m(s.kv).set(0.25)
     s.m(s.idle).set(0.1)
     s.m(s.tokens).inc(1234)
+    s.m(s.capacity).set(9000.0)
     for v in (0.03, 0.3, 3.0):
         s.m(s.ttft).observe(v)
     sample = parse_metrics("pod-a", 10.0, s.text())
     assert (sample.running, sample.waiting, sample.kv_usage, sample.idle_fraction) == (3, 2, 0.25, 0.1)
     assert sample.generated_tokens == 1234
+    assert sample.capacity_tokens_per_s == 9000.0
     assert (
         sample.ttft_buckets[0.04] == 1
         and sample.ttft_buckets[0.5] == 2
@@ -82,6 +85,10 @@ def test_parse_rejects_garbage():
         (b"tandem_requests_running 1\ntandem_requests_waiting NaN\n", "tandem_requests_waiting is nan"),
         (b"tandem_requests_running -3\ntandem_requests_waiting 0\n", "tandem_requests_running is -3"),
         (
+            b"tandem_requests_running 1\ntandem_requests_waiting 0\ntandem_capacity_tokens_per_second NaN\n",
+            "tandem_capacity_tokens_per_second is nan",
+        ),
+        (
             b"tandem_requests_running 1\ntandem_requests_waiting 0\ntandem_kv_cache_usage_ratio 1.5\n",
             "tandem_kv_cache_usage_ratio is 1.5, not within 0-1",
         ),
@@ -109,6 +116,7 @@ def test_any_body_gives_a_sample_or_a_reason(body: bytes):
     got = read_body("pod-a", 1.0, body)
     if isinstance(got, PodSample):  # then every value is one the policy may see
         values = [got.running, got.waiting, got.kv_usage, got.idle_fraction, got.generated_tokens]
+        values.append(got.capacity_tokens_per_s)
         assert all(v is None or (math.isfinite(v) and v >= 0) for v in values)
     else:
         assert got.problem
@@ -141,6 +149,40 @@ def test_window_aggregates_pods_over_time():
     assert w.cost_per_mtok_usd == pytest.approx(3.6 * 2 / (800 * 3600) * 1e6)
     # the second round's 20 observations: 19 at 50 ms, one at 2 s -> p95 in the 0.04-0.06 bucket
     assert 0.04 < w.ttft_p95_s <= 0.06
+
+
+def test_window_has_the_capacity_signal_and_the_load_offered():
+    """Capacity: the mean of the pods that report one, times the pods (a pod whose fit is not
+    ready yet counts as the others); admissions: the TTFT count's rate; the waiting slope; and
+    the newest scrape interval's tokens/s beside the window's."""
+    a, b = FakeServer(), FakeServer()
+    history = MetricsHistory()
+    for t in range(3):
+        a.capacity.set(10_000.0 + 2_000.0 * t)  # b's fit has not seen enough steps: no sample
+        a.waiting.set(4.0 * t)
+        b.waiting.set(2.0 * t)
+        a.tokens.inc(100.0 if t < 2 else 700.0)  # a burst in the newest interval
+        b.tokens.inc(100.0)
+        for _ in range(5 * t):
+            a.ttft.observe(0.05)
+        history.add(
+            10.0 * t, [parse_metrics("a", 10.0 * t, a.text()), parse_metrics("b", 10.0 * t, b.text())], 60
+        )
+    w = history.window(cost_per_pod_hour=1.0)
+    assert w.capacity_tokens_per_s == pytest.approx(2 * 12_000.0)  # mean of a's, times 2 pods
+    assert w.waiting_growth_per_s == pytest.approx((12.0 - 0.0) / 20.0)
+    assert w.admitted_per_s == pytest.approx((0 + 5 + 10) / 20.0)
+    assert w.tokens_per_s == pytest.approx((800.0 + 200.0) / 20.0)
+    assert w.recent_tokens_per_s == pytest.approx((700.0 + 100.0) / 10.0)
+
+
+def test_a_window_of_pods_without_a_capacity_has_none():
+    s = FakeServer()
+    history = MetricsHistory()
+    history.add(0.0, [parse_metrics("a", 0.0, s.text().replace("tandem_capacity", "other"))], 60)
+    history.add(5.0, [parse_metrics("a", 5.0, s.text().replace("tandem_capacity", "other"))], 60)
+    w = history.window(1.0)
+    assert w.capacity_tokens_per_s is None and w.admitted_per_s == 0.0
 
 
 def test_window_drops_old_rounds_and_survives_a_counter_reset():

@@ -84,8 +84,9 @@ def test_idle_pods_scale_down_after_the_window_to_what_carries_the_load():
     quiet = window(pods=6, requests_running=30.0, idle_fraction=0.7, kv_cache_usage=0.05)
     s = state(6, since=0.0)
     d = run(quiet, s, now=1000.0)
-    # fill 5% of 6 pods: one pod carries it, but at most two pods go per decision.
-    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 4, "Underused")
+    # fill 5% of 6 pods: one pod carries it, but one decision at most halves the pods (or
+    # removes maxScaleDownStep, if that is more).
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 3, "Underused")
 
 
 def test_cost_above_ceiling_scales_down():
@@ -251,3 +252,115 @@ def test_decision_state_carries_the_new_replica_count():
     d = run(window(requests_running=200.0, requests_waiting=200.0), state())
     assert d.state.current_replicas == d.replicas == 4
     assert d.state.recommendations[-1] == (1000.0, 4)
+
+
+# --- the capacity signal ----------------------------------------------------------------------
+
+
+def capacity_window(pods: int, utilization: float, now: float = 1000.0, **kw: float | None) -> MetricsWindow:
+    """Pods that say each could generate 10,000 tokens/s at their mix, using `utilization` of it."""
+    base: dict = dict(
+        requests_running=20.0 * pods,
+        kv_cache_usage=0.1,
+        tokens_per_s=10_000.0 * pods * utilization,
+        capacity_tokens_per_s=10_000.0 * pods,
+        admitted_per_s=10.0 * pods,
+        waiting_growth_per_s=0.0,
+    )
+    base.update(kw)
+    return window(pods, now, **base)
+
+
+# step limits wide enough not to be what a test sees
+WIDE = replace(TARGETS, max_replicas=20, max_scale_up_step=20)
+
+
+def test_spare_capacity_scales_down_to_the_pods_that_carry_the_load_at_the_target():
+    # 8 pods at 20% of what they can do: 8 x 0.2 / 0.7 = 2.3 -> 3 pods, but at most half go at once
+    d = run(capacity_window(8, 0.2), state(8))
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 4, "SpareCapacity")
+    d = run(capacity_window(4, 0.2 * 2, now=1300.0), d.state, now=1300.0)  # the window later
+    assert (d.action, d.replicas) == ("ScaleDown", 3)
+
+
+def test_low_fill_alone_scales_down_when_the_pods_report_a_capacity():
+    """The defect the fair comparison found: 10 pods at 4% fill and 0.1% idle, no cost ceiling,
+    held forever. With the capacity signal they scale down."""
+    targets = replace(TARGETS, cost_ceiling_usd_per_mtok=None)
+    w = capacity_window(10, 0.05, idle_fraction=0.001, kv_cache_usage=0.01, requests_running=40.0)
+    d = run(w, state(10), targets=targets)
+    assert (d.action, d.reason) == ("ScaleDown", "SpareCapacity") and d.replicas == 5
+
+
+def test_capacity_use_within_the_tolerance_holds_and_beyond_it_scales_up():
+    assert run(capacity_window(4, 0.8), state(4)).action == "Hold"  # 0.8 / 0.7 = 1.14 < 1.2
+    assert run(capacity_window(4, 0.65), state(4)).action == "Hold"  # 3 pods would be at 0.87
+    d = run(capacity_window(4, 0.95), state(4))
+    # ceil(4 x 0.95 / 0.7) = 6
+    assert (d.action, d.replicas, d.reason) == ("ScaleUp", 6, "Saturated")
+    assert "capacity use" in d.message
+
+
+def test_a_burst_in_the_newest_interval_scales_up_before_the_window_mean_moves():
+    w = capacity_window(4, 0.7, recent_tokens_per_s=4 * 10_000.0 * 0.98)
+    d = run(w, state(4))
+    assert (d.action, d.replicas) == ("ScaleUp", 6)  # ceil(4 x 0.98 / 0.7)
+    # and the newest interval alone never scales down: a lull in it is not spare capacity
+    assert run(capacity_window(4, 0.6, recent_tokens_per_s=0.0), state(4)).action == "Hold"
+
+
+def test_a_queue_scales_up_by_the_load_offered_not_only_the_load_served():
+    # served at full capacity (1.0 = 1.43x the target), arrivals 50% above admissions, 60 s of
+    # backlog drained on top: 1.43 x (10 + 5 + 600/60) / 10 = 3.57 -> 2 pods become 8
+    w = capacity_window(2, 1.0, requests_waiting=600.0, admitted_per_s=10.0, waiting_growth_per_s=5.0)
+    d = run(w, state(2), targets=WIDE)
+    assert (d.action, d.replicas, d.reason) == ("ScaleUp", 8, "Saturated")
+    assert "queue of 600 requests" in d.message
+
+
+def test_pods_on_their_way_answer_a_saturation_without_another_pod_each_tick():
+    """2 pods were asked for 4: while 2 start, the ready ones stay saturated and their backlog
+    grows. Their arrivals need ceil(2 x 1.43 x 1.2) = 4 pods, which are coming: hold. Only load
+    beyond the pods coming by the tolerance adds more."""
+    s = ScalingState(4, 2, (), 0.0)
+    w = capacity_window(2, 1.0, requests_waiting=900.0, admitted_per_s=10.0, waiting_growth_per_s=2.0)
+    d = run(w, s, targets=WIDE)
+    assert (d.action, d.replicas, d.reason) == ("Hold", 4, "PodsNotReady")
+    w = capacity_window(2, 1.0, requests_waiting=900.0, admitted_per_s=10.0, waiting_growth_per_s=20.0)
+    d = run(w, s, targets=WIDE)
+    assert (d.action, d.replicas) == ("ScaleUp", 9)  # ceil(2 x 1.43 x 3)
+
+
+def test_the_scale_down_window_remembers_a_saturation_seen_while_pods_started():
+    """The load seen while pods were starting counts in the scale-down window once they are
+    ready: a backlog drained by the new pods does not scale them straight down again."""
+    s = ScalingState(2, 2, (), 0.0)
+    burst = capacity_window(2, 1.0, requests_waiting=600.0, admitted_per_s=10.0, waiting_growth_per_s=5.0)
+    d = run(burst, s, now=1000.0, targets=WIDE)
+    assert d.replicas == 8
+    starting = replace(d.state, ready_replicas=2)
+    d = run(replace(burst, observed_at=1015.0), starting, now=1015.0, targets=WIDE)
+    lull = capacity_window(8, 0.3, now=1100.0)
+    d = run(lull, replace(d.state, ready_replicas=8), now=1100.0, targets=WIDE)
+    assert (d.action, d.replicas) == ("Hold", 8), d  # the burst is within the 300 s window
+
+
+def test_one_scale_down_per_half_window():
+    # 10 pods at 0.2: 3 carry it at the target; a decision halves at most
+    d = run(capacity_window(10, 0.2, requests_running=40.0), state(10), now=1000.0)
+    assert (d.action, d.replicas) == ("ScaleDown", 5)
+    same_load = {"requests_running": 40.0}
+    d = run(capacity_window(5, 0.4, now=1015.0, **same_load), d.state, now=1015.0)
+    assert (d.action, d.reason) == ("Hold", "Stabilizing") and "scaled down 15s ago" in d.message
+    d = run(capacity_window(5, 0.4, now=1150.0, **same_load), d.state, now=1150.0)  # half the window later
+    assert (d.action, d.replicas) == ("ScaleDown", 3)
+
+
+def test_a_cost_ceiling_packs_the_pods_a_little_and_says_when_it_cannot():
+    targets = replace(TARGETS, cost_ceiling_usd_per_mtok=0.2)
+    # 4 pods at 0.62: at the target 0.7 they stay 4; the ceiling may pack to 0.77 -> ceil(3.2) = 4
+    d = run(capacity_window(4, 0.62, cost_per_mtok_usd=0.3), state(4), targets=targets)
+    assert (d.action, d.replicas, d.reason) == ("Hold", 4, "CostCeilingUnreachable")
+    d = run(capacity_window(4, 0.55, cost_per_mtok_usd=0.3), state(4), targets=targets)
+    # at the target 4 pods are needed (4 x 0.55 / 0.7 = 3.1); packed to 0.77, 3 carry it
+    assert (d.action, d.replicas, d.reason) == ("ScaleDown", 3, "CostAboveCeiling")

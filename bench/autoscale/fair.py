@@ -41,6 +41,7 @@ EVENTS_PER_HOUR = 3.0
 # (a 2,000-token prompt takes 90 ms to prefill, its 40 tokens 0.4 s to decode)
 FILL_GRID = (0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 0.95)
 REQUESTS_GRID = (4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 160.0, 192.0)  # per pod
+UTILIZATION_GRID = (0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)  # Tandem's, for the tuned run
 QUEUE_GRID = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # waiting requests per pod
 
 
@@ -59,7 +60,7 @@ def crd_defaults(setup: Setup) -> ScalingTargets:
 def _tandem(target: float | None, setup: Setup) -> Scaler:
     targets = replace(crd_defaults(setup), cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling)
     if target is not None:
-        targets = replace(targets, target_batch_fill=target)
+        targets = replace(targets, target_utilization=target)
     return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)
 
 
@@ -89,8 +90,16 @@ FACTORIES: dict[str, Callable[[float | None, Setup], Scaler]] = {
 }
 
 CONTENDERS = (
-    Contender("tandem_default", "Tandem, CRD defaults", "none (targetBatchFill 0.8)", baseline=False),
-    Contender("tandem_tuned", "Tandem, targetBatchFill tuned", "targetBatchFill", FILL_GRID, baseline=False),
+    Contender(
+        "tandem_default", "Tandem, CRD defaults", "none (targetCapacityUtilization 0.7)", baseline=False
+    ),
+    Contender(
+        "tandem_tuned",
+        "Tandem, targetCapacityUtilization tuned",
+        "targetCapacityUtilization",
+        UTILIZATION_GRID,
+        baseline=False,
+    ),
     Contender("hpa_running", "HPA, running requests", "running requests per pod", REQUESTS_GRID),
     Contender("hpa_batch_fill", "HPA, batch fill", "batch fill per pod", FILL_GRID),
     Contender("keda_queue", "KEDA, queue length", "waiting requests per pod", QUEUE_GRID),

@@ -63,6 +63,14 @@ class TandemScaler(Scaler):
         tokens_per_s = sum(s.tokens for s in seen) / len(seen)
         cumulative = np.cumsum(np.sum([s.ttft_buckets for s in seen], axis=0))
         cost = self.price * ready / (tokens_per_s * 3600) * 1e6 if tokens_per_s > 0 else None
+        # as the operator's window: the capacity gauges' mean per reporting pod times pods, the
+        # TTFT histogram's count rate, the slope of the waiting gauge between first and last scrape
+        per_pod = [s.capacity / s.capacity_pods for s in seen if s.capacity_pods]
+        capacity = ready * sum(per_pod) / len(per_pod) if per_pod else None
+        growth = (
+            (seen[-1].waiting - seen[0].waiting) / (seen[-1].time - seen[0].time) if len(seen) > 1 else None
+        )
+        newest = seen[-int(self.interval_s) :]  # the operator's newest scrape interval
         return MetricsWindow(
             observed_at=recent[-1].time,
             pods=ready,
@@ -73,6 +81,10 @@ class TandemScaler(Scaler):
             ttft_p95_s=histogram_quantile(0.95, TTFT_BUCKETS, cumulative),
             tokens_per_s=tokens_per_s,
             cost_per_mtok_usd=cost,
+            capacity_tokens_per_s=capacity,
+            admitted_per_s=float(cumulative[-1]) / len(seen),
+            waiting_growth_per_s=growth,
+            recent_tokens_per_s=sum(s.tokens for s in newest) / len(newest),
         )
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
