@@ -81,6 +81,12 @@ def main() -> int:
     parser.add_argument("--shape", choices=list(SHAPES), default="chat", help="with --one")
     parser.add_argument("--seed", type=int, default=7, help="with --one")
     parser.add_argument("--cost-ceiling", type=float, default=None, help="with --one: Tandem's cost ceiling")
+    parser.add_argument(
+        "--capacity-bias",
+        type=float,
+        default=1.0,
+        help="what the pods' capacity gauge reads against their true capacity (1 = exact)",
+    )
     args = parser.parse_args()
     if args.cost_ceiling is not None and not args.one:
         parser.error("--cost-ceiling is for --one runs (the comparison runs the CRD's defaults)")
@@ -89,6 +95,7 @@ def main() -> int:
         cold_start_s=args.cold_start_s,
         ttft_slo_s=args.ttft_slo_s,
         tandem_cost_ceiling=args.cost_ceiling,
+        capacity_bias=args.capacity_bias,
     )
 
     if args.one:
