@@ -103,7 +103,9 @@ async def test_real_servers_scale_up_under_load_and_down_when_quiet(
 
             await eventually(scaled_down, timeout=120, what="scale down when quiet")
             (down, *_) = await events(api, "ScaledDown")
-            assert "2 -> 1 pods (Underused)" in down["message"]
+            # the real servers' capacity gauge is what sizes them: spare capacity, not idle time
+            assert "2 -> 1 pods (SpareCapacity)" in down["message"], down["message"]
+            assert "capacity use" in down["message"]
     finally:
         await api.close()
 
