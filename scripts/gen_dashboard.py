@@ -51,6 +51,11 @@ PANELS = [
     ], 8, "Requests waiting for admission and running in the batch, all pods."),
     ("KV-cache usage", "percentunit", [(f"tandem_kv_cache_usage_ratio{{{SEL}}}", "{{pod}}")], 8,
      "Share of KV-cache blocks in use."),
+    ("Prefix-cache hit rate", "percentunit", [(
+        f"sum(rate(tandem_prefix_cache_hits_total{{{SEL}}}[5m])) "
+        f"/ sum(rate(tandem_prefix_cache_queries_total{{{SEL}}}[5m]))",
+        "prompt tokens found cached",
+    )], 8, "Share of admitted prompt tokens whose K/V were found in the prefix cache (prefill skipped)."),
     ("Capacity used", "percentunit", [(f"tandem_capacity_utilization{{{SEL}}}", "{{pod}}")], 12,
      "Generated tokens/s over what the pod could make at its traffic's mix (fitted from its own steps): "
      "1 - spare capacity."),

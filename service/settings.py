@@ -107,6 +107,12 @@ class ServerSettings(BaseSettings):
         "cores left to it beside the front processes (at least 1), on CUDA PyTorch's default.",
     )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")
+    prefix_caching: bool = Field(
+        True,
+        description="Keep the KV blocks of full prompt blocks for later requests that start with the same "
+        "tokens (automatic prefix caching): they skip the prefill of that prefix. Cached blocks nobody uses "
+        "are evicted, least recently used first, only when no block is free.",
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step (decodes + prefill chunks)."
     )

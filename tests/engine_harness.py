@@ -46,6 +46,7 @@ def make_core(
     fold_rotary: bool = True,  # the decode model's path (the server's on CUDA) unless a test says not
     compile_prefill: bool = False,  # with compile_backend: prefill and mixed steps compiled too
     compile_decode: bool | None = None,  # default: whenever compile_backend is given
+    prefix_caching: bool = False,
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
@@ -53,6 +54,7 @@ def make_core(
         compile_backend=compile_backend or "inductor",
         fuse_projections=fuse_projections, kv_layout=kv_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
+        prefix_caching=prefix_caching,
     )
     return build_core(model, config, eos)
 

@@ -272,6 +272,28 @@ def test_capacity_is_fitted_from_the_steps_and_utilization_is_the_share_used(ser
     assert math.isclose(utilization * capacity, achieved, rel_tol=1e-6)
 
 
+def test_prefix_cache_counters_count_the_prompts_and_what_was_found_cached(served: Served):
+    """Every admitted prompt token is looked up; the load's prompts differ in their first block,
+    so none is found. Then the same long prompt twice: the second finds all its full blocks but
+    the one holding its last token (16 tokens a block)."""
+    queries, hits = "tandem_prefix_cache_queries_total", "tandem_prefix_cache_hits_total"
+    assert value(served.quiet, queries) == 0  # the warm-up is not traffic
+    assert value(served.after, queries) == served.load.prompt_tokens
+    assert value(served.after, hits) == 0
+    before = scrape(served.metrics_url)
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        req = pb.GenerateRequest(
+            text="You are a careful assistant. Answer briefly and cite the manual. " * 6,
+            stopping=pb.StoppingCriteria(max_tokens=2, ignore_eos=True),
+        )
+        prompt = stub.Generate(req, timeout=60).usage.prompt_tokens
+        stub.Generate(req, timeout=60)
+    after = scrape(served.metrics_url)
+    assert value(after, queries) - value(before, queries) == 2 * prompt
+    assert value(after, hits) - value(before, hits) == (prompt - 1) // 16 * 16 > 0
+
+
 def test_engine_gauges_under_load(served: Served):
     assert value(served.quiet, "tandem_requests_running") == 0
     assert value(served.during, "tandem_requests_running") >= 1

@@ -1,27 +1,56 @@
-"""Fixed-size KV-cache blocks: who owns which, and how many are free."""
+"""Fixed-size KV-cache blocks: who owns which, how many are free, and which full blocks are
+cached for other requests to share (automatic prefix caching).
+
+A full block is named by a digest of its tokens chained with the digest of every block before it
+(and a salt naming the model), so two requests share a block only when everything before it is
+the same too. Cached blocks are shared by reference count; a block no request references stays
+cached, evictable, and the least recently released is reused first when no block is free.
+Digests are SHA-256, not Python's hash: a prefix whose digest collides with another user's would
+read that user's K/V, so the name must not be forgeable.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 
 from .sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, prefix_caching: bool = False, salt: str = ""
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._root = hashlib.sha256(f"tandem-prefix:{salt}".encode()).digest()
+        self._free: deque[int] = deque(range(num_blocks))  # hold nothing worth keeping
+        self._refs = [0] * num_blocks
+        self._digest: dict[int, bytes] = {}  # cached block -> its digest
+        self._by_digest: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        # prompt tokens looked up at admission, and those found cached (Prometheus counters)
+        self.queried_tokens = 0
+        self.hit_tokens = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request can have now: free ones and cached ones nobody uses."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._digest)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks to add so that `num_new_tokens` more tokens of `seq` have a slot."""
@@ -29,14 +58,89 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         n = self.blocks_needed(seq, num_new_tokens)
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
-        seq.block_ids.extend(self._free.popleft() for _ in range(n))
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
+        for _ in range(n):
+            block = self._take()
+            self._refs[block] = 1
+            seq.block_ids.append(block)
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._evictable.popitem(last=False)  # the least recently released cached block
+        del self._by_digest[self._digest.pop(block)]
+        return block
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_ids)
+        """Release the sequence's blocks; cached ones stay findable until their room is needed."""
+        for block in seq.block_ids:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._digest:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         seq.block_ids = []
+        seq.block_epoch += 1
+
+    def _chain(self, seq: Sequence, count: int) -> list[bytes]:
+        """Digests of the sequence's first `count` full blocks (kept on it: each is made once)."""
+        digests, bs = seq.block_digests, self.block_size
+        while len(digests) < count:
+            i = len(digests)
+            parent = digests[-1] if digests else self._root
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            digests.append(
+                hashlib.sha256(
+                    parent + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
+                ).digest()
+            )
+        return digests[:count]
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks the cached blocks of its longest cached prefix, and mark
+        those tokens computed; returns their number. At least one token is left to compute: its
+        logits give the next token."""
+        if not self.prefix_caching or seq.block_ids or seq.num_computed:
+            return 0
+        usable = (seq.length - 1) // self.block_size
+        blocks = []
+        for digest in self._chain(seq, usable):
+            block = self._by_digest.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        seq.block_ids = blocks
+        seq.num_computed = len(blocks) * self.block_size
+        self.queried_tokens += seq.length
+        self.hit_tokens += seq.num_computed
+        return seq.num_computed
+
+    def unmatch(self, seq: Sequence, matched: int) -> None:
+        """Undo a match_prefix whose sequence could not be admitted after all."""
+        self.free(seq)
+        seq.num_computed = 0
+        self.queried_tokens -= seq.length
+        self.hit_tokens -= matched
+
+    def cache_computed(self, seq: Sequence, upto: int) -> None:
+        """The K/V of the sequence's positions below `upto` are written: make its full blocks there
+        findable. A block whose content another block already holds stays the sequence's own."""
+        if not self.prefix_caching:
+            return
+        full = min(upto // self.block_size, len(seq.block_ids))
+        for i, digest in enumerate(self._chain(seq, full)):
+            block = seq.block_ids[i]
+            if block in self._digest or digest in self._by_digest:
+                continue
+            self._digest[block] = digest
+            self._by_digest[digest] = block

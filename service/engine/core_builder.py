@@ -52,6 +52,9 @@ class EngineConfig:
     # eager), compiled at start-up by a short warm-up. The server turns it on for CUDA
     compile_prefill: bool = False
     idle_window_s: float = 60.0  # the sliding window of the engine's idle fraction
+    # full KV blocks stay cached for later requests with the same prefix (block_manager.py); the
+    # server turns it on (TANDEM_PREFIX_CACHING)
+    prefix_caching: bool = False
 
 
 def build_core(
@@ -84,7 +87,9 @@ def build_core(
     )
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_layout)
     scheduler = Scheduler(
-        BlockManager(config.num_blocks, config.block_size), config.max_num_seqs, config.max_num_batched_tokens
+        BlockManager(config.num_blocks, config.block_size, config.prefix_caching, _cache_salt(model)),
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
     )
     runner = ModelRunner(
         model,
@@ -122,3 +127,9 @@ def compile_prefill_shapes(core: EngineCore) -> None:
         core.add(GenerationRequest(f"compile-prefill-{i}", prompt, params))
     while core.scheduler.has_work:
         core.step()
+
+
+def _cache_salt(model: torch.nn.Module) -> str:
+    """What names the model in the prefix cache's digests: K/V of one model are not another's."""
+    config = model.config
+    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{next(model.parameters()).dtype}"

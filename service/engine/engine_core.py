@@ -100,11 +100,14 @@ class EngineCore:
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=blocks.num_free,
             idle_fraction=self.idle.idle_fraction(),
+            prefix_cache_queried_tokens=blocks.queried_tokens,
+            prefix_cache_hit_tokens=blocks.hit_tokens,
         )
 
     def reset_counters(self) -> None:
         """Start counting tokens afresh (after a warm-up, which is not traffic)."""
         self.generated_tokens = self.prompt_tokens = 0
+        self.scheduler.blocks.queried_tokens = self.scheduler.blocks.hit_tokens = 0
 
     def _new_sequence(self, req: GenerationRequest) -> Sequence:
         p = req.params

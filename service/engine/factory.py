@@ -62,6 +62,7 @@ def build_engine(
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        prefix_caching=settings.prefix_caching,
         max_model_len=settings.max_model_len,
         cuda_graphs=settings.cuda_graphs,
         step_loop=settings.step_loop,

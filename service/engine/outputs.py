@@ -39,3 +39,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_free: int
     idle_fraction: float
+    # prefix caching, since start (after the warm-up): prompt tokens looked up at admission, and
+    # those found cached (their prefill skipped)
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0

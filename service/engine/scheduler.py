@@ -3,7 +3,8 @@
 Policy per step, under a token budget and a cap on running sequences:
 1. decode first: every running sequence with one token to compute gets it;
 2. then running sequences still in (chunked) prefill get what is left of the budget;
-3. then waiting sequences are admitted in FIFO order while budget and blocks last.
+3. then waiting sequences are admitted in FIFO order while budget and blocks last; with prefix
+   caching a sequence admitted starts from the cached blocks of its longest cached prefix.
 When a running sequence needs a block and none is free, the most recently admitted sequence
 not yet scheduled this step is preempted (its blocks freed, recomputed later from its tokens).
 A sequence that cannot be scheduled even then preempts itself; the others finish and free blocks,
@@ -13,6 +14,10 @@ Failure containment: the sequences of a step that failed are quarantined (their 
 recomputed from their tokens) and then run one at a time, alone in their steps, until each has its
 next token; one whose lone step fails again is the culprit (the engine core fails it). Meanwhile
 nothing else is scheduled, so a failure is always pinned on the request that caused it.
+
+Prefix caching: a chunk's full blocks become findable when its step's tokens come back
+(finish_step), never at scheduling, so no step reads a shared block that a step beside it is still
+writing; a chunk whose sequence lost its blocks meanwhile (preempted, aborted) caches nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class ScheduledChunk:
 
     samples: bool = False  # does this chunk end at the sequence's last token (and so produce one)?
     carried: bool = False  # is its input the token the previous, still running step samples?
+    epoch: int = 0  # the sequence's block_epoch when scheduled: its blocks are the same while equal
 
 
 @dataclass
@@ -91,7 +97,7 @@ class Scheduler:
             self._preempt(self.running[-1], preempted)
         self.blocks.allocate(seq, n)
         samples = seq.num_computed + n == seq.length
-        chunk = ScheduledChunk(seq, seq.num_computed, n, samples, carried=seq.num_inflight > 0)
+        chunk = ScheduledChunk(seq, seq.num_computed, n, samples, seq.num_inflight > 0, seq.block_epoch)
         seq.num_computed += n
         seq.num_inflight += samples
         return SchedulerOutput([chunk], preempted)
@@ -108,7 +114,9 @@ class Scheduler:
             nonlocal budget
             self.blocks.allocate(seq, n)
             samples = seq.num_computed + n == seq.length
-            chunks.append(ScheduledChunk(seq, seq.num_computed, n, samples, carried=seq.num_inflight > 0))
+            chunks.append(
+                ScheduledChunk(seq, seq.num_computed, n, samples, seq.num_inflight > 0, seq.block_epoch)
+            )
             seq.num_computed += n  # claimed now, so a step scheduled before this one ends sees it
             seq.num_inflight += samples
             scheduled.add(id(seq))
@@ -139,8 +147,11 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_inflight:  # preempted while its last token is in flight: wait for it
                 break
+            matched = self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+                if matched:
+                    self.blocks.unmatch(seq, matched)
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)
@@ -164,6 +175,8 @@ class Scheduler:
         finished = []
         for i, chunk in enumerate(out.chunks):
             seq = chunk.seq
+            if chunk.epoch == seq.block_epoch:  # its K/V are written and its blocks still its own
+                self.blocks.cache_computed(seq, chunk.start + chunk.num_tokens)
             if i not in sampled or seq.finished:  # no token, or aborted / done meanwhile
                 continue
             seq.num_inflight -= 1

@@ -24,6 +24,10 @@ class Sequence:
     max_total_len: int  # prompt + generated tokens may not exceed this (context length)
     stop_ids: frozenset[int] = frozenset()
     block_ids: list[int] = field(default_factory=list)
+    # digests of its first full blocks (prefix caching: block_manager.py), and how many times its
+    # blocks were released (a step's chunk caches its blocks only if they are still the same ones)
+    block_digests: list[bytes] = field(default_factory=list)
+    block_epoch: int = 0
     num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     num_inflight: int = 0  # sampled by a launched step, not yet seen by the host (async loop)
     finish_reason: FinishReason | None = None

@@ -101,6 +101,16 @@ class ServerMetrics:
             "Share of the telemetry window with no engine step in flight (1 = idle).",
             "idle_fraction",
         )
+        for name, field, what in (
+            ("tandem_prefix_cache_queries", "prefix_cache_queried_tokens", "looked up in the prefix cache"),
+            ("tandem_prefix_cache_hits", "prefix_cache_hit_tokens", "found cached (not prefilled)"),
+        ):
+            meter.create_observable_counter(
+                name,
+                callbacks=[self._observer(field)],
+                unit="{token}",
+                description=f"Prompt tokens {what}, since start.",
+            )
         meter.create_observable_gauge(
             "tandem_capacity_tokens_per_second",
             callbacks=[lambda _: self._observe_capacity(0)],
@@ -123,11 +133,17 @@ class ServerMetrics:
             "(absent while no token was generated in the window).",
         )
 
-    def _gauge(self, meter: Meter, name: str, unit: str, description: str, field: str) -> None:
+    def _observer(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """A callback reading one field of the engine's latest report (nothing before the first)."""
+
         def observe(_: CallbackOptions) -> Iterable[Observation]:
             stats = self.engine_stats()
             return [] if stats is None else [Observation(getattr(stats, field))]
 
+        return observe
+
+    def _gauge(self, meter: Meter, name: str, unit: str, description: str, field: str) -> None:
+        observe = self._observer(field)
         meter.create_observable_gauge(name, callbacks=[observe], unit=unit, description=description)
 
     def record_request(self, record: RequestRecord) -> None:
