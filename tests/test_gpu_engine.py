@@ -196,3 +196,29 @@ def test_cuda_step_stages_from_events_on_the_wall_clock(loop):
     assert {t.slot for t in timings} == {0, 1}
     for a, b in zip(timings, timings[1:], strict=False):  # one compute stream: steps in order
         assert a.compute[1] <= b.compute[0] + slack
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_cuda_prefix_caching_matches_generate(graphs, loop):
+    """Shared system prompts on CUDA: cached blocks read by later requests' prefill chunks and
+    by a request whose whole prompt but one token is cached (its first step is a decode, through
+    the captured graphs), with preemption; generate()'s greedy tokens, and the cache was used."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_tiny_config("llama", 1000)).to("cuda").eval()
+    rng = random.Random(4)
+    system = [rng.randrange(1000) for _ in range(48)]
+    tails = [5, 17, 1, 30, 0, 9]
+    arrivals = [
+        Arrival(f"r{i}", system + [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=24), at)
+        for i, (n, at) in enumerate(zip(tails, [0, 2, 4, 4, 7, 9], strict=True))
+    ]
+    core = make_core(
+        model, num_blocks=14, block_size=16, max_num_batched_tokens=64, max_model_len=160, max_num_seqs=8,
+        cuda_graphs=graphs, step_loop=loop, prefix_caching=True,
+    )  # fmt: skip
+    result = run(core, arrivals)
+    assert core.scheduler.blocks.hit_tokens >= 3 * 48
+    assert result.preemptions > 0
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 24, None), a.request_id
