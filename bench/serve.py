@@ -111,11 +111,13 @@ def level_jobs(a: argparse.Namespace, vocab: int, max_model_len: int) -> list[di
             {
                 "mode": "concurrency",
                 "concurrency": c,
-                "jobs": jobs(a.dataset, count, vocab, max_model_len, a.seed + c, a.prompt, a.new),
+                "jobs": jobs(
+                    a.dataset, count, vocab, max_model_len, a.seed + c, a.prompt, a.new, a.shared_prefix
+                ),
             }
         )
     for rate in a.request_rate:
-        js = jobs(a.dataset, a.num_prompts, vocab, max_model_len, a.seed, a.prompt, a.new)
+        js = jobs(a.dataset, a.num_prompts, vocab, max_model_len, a.seed, a.prompt, a.new, a.shared_prefix)
         levels.append(
             {"mode": "request_rate", "request_rate": rate, "jobs": poisson_arrivals(js, rate, a.seed)}
         )
@@ -130,7 +132,7 @@ def warmup_level(a: argparse.Namespace, vocab: int, max_model_len: int) -> dict 
     if not a.warmup:
         return None
     c = max(a.concurrency or [32])
-    js = jobs(a.dataset, c, vocab, max_model_len, a.seed + 10**6, a.prompt, a.new)
+    js = jobs(a.dataset, c, vocab, max_model_len, a.seed + 10**6, a.prompt, a.new, a.shared_prefix)
     return {"mode": "concurrency", "concurrency": c, "jobs": [vars(j) for j in js]}
 
 
@@ -257,6 +259,8 @@ def _label(level: dict) -> str:
         what += f", {level['api_processes']} fronts"
     if level.get("transport", "plaintext") != "plaintext":
         what += f", {level['transport']}"
+    if "prefix_caching" in level:
+        what += f", prefix caching {'on' if level['prefix_caching'] else 'off'}"
     return what
 
 
@@ -378,6 +382,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=128, help="fixed: prompt tokens")
     ap.add_argument("--new", type=int, default=256, help="fixed: new tokens per request")
     ap.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a system prompt)"
+    )
+    ap.add_argument(
+        "--prefix-caching",
+        choices=["on", "off", "both"],
+        default=None,
+        help="the server's prefix caching (default: its setting); both: one server each, same levels",
+    )
+    ap.add_argument(
         "--requests-per-stream", type=int, default=4, help="concurrency levels: requests per stream"
     )
     ap.add_argument(
@@ -472,10 +485,16 @@ def main(argv: list[str] | None = None) -> int:
             if transport == "tls":
                 folder_tls = Path(a.tls).resolve()  # the server runs from /
                 server_env, tls_ca = {**server_env, **tls_env(folder_tls)}, str(folder_tls / "ca.crt")
-            log = folder / f"server-{fronts or 1}-{transport}.log"
-            got, code = serve_levels(a, levels, warmup, engine_results, server_env, log, tls_ca)
-            rows += [{**row, "api_processes": fronts or 1, "transport": transport} for row in got]
-            exit_codes.append(code)
+            for caching in {"both": ["on", "off"], None: [None]}.get(a.prefix_caching, [a.prefix_caching]):
+                tags = {"api_processes": fronts or 1, "transport": transport}
+                env_c = server_env
+                if caching is not None:
+                    env_c = {**server_env, "TANDEM_PREFIX_CACHING": str(caching == "on").lower()}
+                    tags["prefix_caching"] = caching == "on"
+                log = folder / f"server-{fronts or 1}-{transport}-{caching or 'default'}.log"
+                got, code = serve_levels(a, levels, warmup, engine_results, env_c, log, tls_ca)
+                rows += [{**row, **tags} for row in got]
+                exit_codes.append(code)
     exit_code = next((c for c in exit_codes if c not in (0, None)), exit_codes[-1])
 
     import torch
@@ -490,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             "dataset": a.dataset,
             "prompt": a.prompt,
             "new": a.new,
+            "shared_prefix": a.shared_prefix,
             "seed": a.seed,
             "requests_per_stream": a.requests_per_stream,
             "clients": a.clients,

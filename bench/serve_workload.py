@@ -7,6 +7,9 @@ for, and (in request-rate mode) when each arrives.
   measured on chat traffic of that kind: prompts 16-2,048 tokens with a mean near 580, answers
   8-1,024 with a mean near 250.
 
+With `shared_prefix` N, every prompt starts with the same N tokens (a system prompt), then its own
+tokens as the dataset says: the workload of prefix caching.
+
 Every request runs to its `max_tokens` (ignore_eos), so the server and the engine alone do the same
 work whatever the random weights make of the prompts.
 """
@@ -41,6 +44,8 @@ class Lengths:
 
 MIXED_PROMPT = Lengths(mean=580, sigma=1.0, low=16, high=2048)
 MIXED_OUTPUT = Lengths(mean=250, sigma=1.0, low=8, high=1024)
+# the shared prefix is the same in every level and the warm-up of a run
+PREFIX_SEED = 0x5EED
 
 
 def jobs(
@@ -51,9 +56,12 @@ def jobs(
     seed: int,
     prompt: int = 128,
     new: int = 256,
+    shared_prefix: int = 0,
 ) -> list[Job]:
     """`count` requests; a prompt and its answer always fit the context length."""
     rng = random.Random(seed)
+    prefix_rng = random.Random(PREFIX_SEED)
+    prefix = [prefix_rng.randrange(vocab) for _ in range(min(shared_prefix, max_model_len - 3))]
     out = []
     for _ in range(count):
         if dataset == "fixed":
@@ -62,9 +70,9 @@ def jobs(
             n_prompt, n_new = MIXED_PROMPT.draw(rng), MIXED_OUTPUT.draw(rng)
         else:
             raise ValueError(f"unknown dataset {dataset!r}: fixed or mixed")
-        n_prompt = min(n_prompt, max_model_len - 2)
-        n_new = max(1, min(n_new, max_model_len - n_prompt))
-        out.append(Job([rng.randrange(vocab) for _ in range(n_prompt)], n_new))
+        n_prompt = max(1, min(n_prompt, max_model_len - 2 - len(prefix)))
+        n_new = max(1, min(n_new, max_model_len - len(prefix) - n_prompt))
+        out.append(Job(prefix + [rng.randrange(vocab) for _ in range(n_prompt)], n_new))
     return out
 
 
