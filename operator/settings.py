@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .leader import Timings
+if TYPE_CHECKING:  # leader.py imports the API client (kopf): settings must not need it
+    from .leader import Timings
 
 ENV_PREFIX = "TANDEM_OPERATOR_"
 
@@ -70,6 +71,8 @@ class OperatorSettings(BaseSettings):
         return self
 
     def timings(self) -> Timings:
+        from .leader import Timings
+
         return Timings(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
 
     @field_validator("log_level", mode="before")
