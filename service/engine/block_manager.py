@@ -87,9 +87,11 @@ class BlockManager:
                     self._free.append(block)
         seq.block_ids = []
         seq.block_epoch += 1
+        seq.blocks_cached = 0
 
     def _chain(self, seq: Sequence, count: int) -> list[bytes]:
-        """Digests of the sequence's first `count` full blocks (kept on it: each is made once)."""
+        """Digests of (at least) the sequence's first `count` full blocks (kept on it: each is
+        made once)."""
         digests, bs = seq.block_digests, self.block_size
         while len(digests) < count:
             i = len(digests)
@@ -100,7 +102,7 @@ class BlockManager:
                     parent + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
                 ).digest()
             )
-        return digests[:count]
+        return digests
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix, and mark
@@ -110,7 +112,7 @@ class BlockManager:
             return 0
         usable = (seq.length - 1) // self.block_size
         blocks = []
-        for digest in self._chain(seq, usable):
+        for digest in self._chain(seq, usable)[:usable]:
             block = self._by_digest.get(digest)
             if block is None:
                 break
@@ -120,6 +122,7 @@ class BlockManager:
                 del self._evictable[block]
             self._refs[block] += 1
         seq.block_ids = blocks
+        seq.blocks_cached = len(blocks)
         seq.num_computed = len(blocks) * self.block_size
         self.queried_tokens += seq.length
         self.hit_tokens += seq.num_computed
@@ -138,9 +141,12 @@ class BlockManager:
         if not self.prefix_caching:
             return
         full = min(upto // self.block_size, len(seq.block_ids))
-        for i, digest in enumerate(self._chain(seq, full)):
-            block = seq.block_ids[i]
-            if block in self._digest or digest in self._by_digest:
-                continue
-            self._digest[block] = digest
-            self._by_digest[digest] = block
+        if full <= seq.blocks_cached:  # a decode step that filled no block: nothing new (the common case)
+            return
+        digests = self._chain(seq, full)
+        for i in range(seq.blocks_cached, full):
+            block, digest = seq.block_ids[i], digests[i]
+            if block not in self._digest and digest not in self._by_digest:
+                self._digest[block] = digest
+                self._by_digest[digest] = block
+        seq.blocks_cached = full

@@ -28,6 +28,7 @@ class Sequence:
     # blocks were released (a step's chunk caches its blocks only if they are still the same ones)
     block_digests: list[bytes] = field(default_factory=list)
     block_epoch: int = 0
+    blocks_cached: int = 0  # of its blocks, the first this many are cached or were found cached
     num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     num_inflight: int = 0  # sampled by a launched step, not yet seen by the host (async loop)
     finish_reason: FinishReason | None = None
