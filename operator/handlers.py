@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -125,12 +126,17 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         **_: Any,
     ) -> None:
         shared: Shared = memo.shared
-        if reason == "update" and diff and all(tuple(d.field) == ("spec", "replicas") for d in diff):
-            # A scale (the policy's own, an HPA's, kubectl scale's): the owned objects hold no
-            # replicas, so nothing is to be made or updated; the generation is seen all the same.
-            patch.status["observedGeneration"] = body.metadata.get("generation")
-            return
-        await _reconcile(shared, dict(body), spec, name, namespace, uid, patch, logger)
+        started, result = time.monotonic(), "Error"  # an exception: kopf retries
+        try:
+            if reason == "update" and diff and all(tuple(d.field) == ("spec", "replicas") for d in diff):
+                # A scale (the policy's own, an HPA's, kubectl scale's): the owned objects hold no
+                # replicas, so nothing is to be made or updated; the generation is seen all the same.
+                patch.status["observedGeneration"] = body.metadata.get("generation")
+                result = "Reconciled"
+                return
+            result = await _reconcile(shared, dict(body), spec, name, namespace, uid, patch, logger)
+        finally:
+            shared.metrics.reconciled(result, time.monotonic() - started)
 
 
 async def _reconcile(

@@ -25,6 +25,7 @@ from . import modes, owned
 from .conditions import now_iso, set_condition
 from .events import post_event
 from .kube import ApiError, KubeApi, NotFound, api_path
+from .metrics import OperatorMetrics
 from .policy import Decision, MetricsWindow, ScalingState, decide
 from .resources import selector, selector_string
 from .scrape import PodSample, Unreadable, metrics_url, scrape_pod
@@ -67,12 +68,14 @@ class Shared:
     bodies: dict[str, dict] = field(default_factory=dict)  # uid -> newest ModelServer seen
     scaling: dict[str, Scaling] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
 
 def watch(shared: Shared, body: dict, deleted: bool) -> None:
     """Follow the watch: start a ModelServer's loop when it appears, stop it when it is gone."""
     uid = body["metadata"]["uid"]
     if deleted:
+        shared.metrics.forget(body["metadata"].get("namespace") or "", body["metadata"].get("name") or "")
         shared.bodies.pop(uid, None)
         shared.scaling.pop(uid, None)
         task = shared.tasks.pop(uid, None)
@@ -101,7 +104,8 @@ async def _loop(shared: Shared, uid: str) -> None:
         started = time.monotonic()
         body = shared.bodies[uid]
         try:
-            await tick(shared, body)
+            with shared.metrics.tick(modes.mode_of(body)):
+                await tick(shared, body)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one ModelServer's failure must not end its loop: next tick
@@ -225,6 +229,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     unreadable = [s for s in scrapes if isinstance(s, Unreadable)]
     for bad in unreadable:
         log.warning(f"{namespace}/{name}: pod {bad.pod}: {bad.problem}")
+        shared.metrics.scrape_failed(namespace, name, bad.kind)
     scaling = shared.scaling.setdefault(uid, Scaling())
     scaling.warned.pop("NotOwned", None)  # the objects are ours (again)
     window_s, clamped = metrics_window_s(spec, settings)
@@ -237,6 +242,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     state = replace(state, current_replicas=current, ready_replicas=len(ready))
     decision = decide(window, spec.targets(), state, now, settings.stale_after_s)
     scaling.state = decision.state
+    shared.metrics.decided(namespace, name, decision.action, decision.reason)
 
     status: dict[str, Any] = {}
     if decision.action != "Hold":
@@ -260,6 +266,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     status["selector"] = selector_string(name)
     status["conditions"] = _conditions(body, spec, decision, current, len(ready), unreadable, clamped)
     scaling.latest = await _write_status(api, body, status)
+    shared.metrics.observed(namespace, name, current, decision.replicas, len(ready))
     return decision
 
 
@@ -330,7 +337,9 @@ async def follow_spec(shared: Shared, body: dict, spec: ModelServerSpec, deploym
     status = modes.external_status(
         fresh, spec, wanted, current, target, len([p for p in pods if _pod_ready(p)]), now
     )
+    shared.metrics.decided(namespace, name, status["lastDecision"]["action"], modes.EXTERNAL_SCALER)
     scaling.latest = await _write_status(api, body, status)
+    shared.metrics.observed(namespace, name, target, target, status["readyReplicas"])
 
 
 def metrics_window_s(spec: ModelServerSpec, settings: OperatorSettings) -> tuple[float, str]:
