@@ -1,19 +1,25 @@
 """The ModelServer's scale subresource, as the chart installs it: an HPA, KEDA or `kubectl scale` can
 use it (the paths name fields of the right types; the CRD passes the Kubernetes 1.29-1.33 API
-schemas), ModelServers with a scaling mode pass the CRD and wrong ones do not."""
+schemas), ModelServers with a scaling mode pass the CRD and wrong ones do not, and the HPA and
+KEDA examples of docs/operator.md target a ModelServer that leaves scaling to them."""
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from test_chart import CHART, KUBE_VERSIONS, crd_docs, validate_custom
 
 from tandem.operator.spec import parse_spec
 
+DOC = Path(__file__).resolve().parent.parent / "docs" / "operator.md"
 TARGET = {"apiVersion": "tandem.dev/v1alpha1", "kind": "ModelServer"}
 
 
@@ -93,3 +99,32 @@ def test_modelservers_with_a_scaling_mode_pass_the_crd_and_the_operator(crds: di
 def test_a_wrong_mode_or_replica_count_is_refused(crds: dict, spec: dict) -> None:
     with pytest.raises(jsonschema.ValidationError):
         validate_custom(example(**spec), crds)
+
+
+def doc_objects() -> list[dict]:
+    """Every object of the YAML blocks of docs/operator.md."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
+    return [doc for block in blocks for doc in yaml.safe_load_all(block) if isinstance(doc, dict)]
+
+
+def test_the_documented_hpa_and_scaled_object_drive_an_external_modelserver(crds: dict) -> None:
+    objects = doc_objects()
+    servers = {o["metadata"]["name"]: o for o in objects if o.get("kind") == "ModelServer"}
+    (hpa,) = [o for o in objects if o.get("kind") == "HorizontalPodAutoscaler"]
+    (keda,) = [o for o in objects if o.get("kind") == "ScaledObject"]
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(hpa, version, strict=True)
+    assert hpa["apiVersion"] == "autoscaling/v2" and keda["apiVersion"] == "keda.sh/v1alpha1"
+    for scaler, low, high in (
+        (hpa, hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]),
+        (keda, keda["spec"]["minReplicaCount"], keda["spec"]["maxReplicaCount"]),
+    ):
+        ref = scaler["spec"]["scaleTargetRef"]
+        assert {k: ref[k] for k in ("apiVersion", "kind")} == TARGET
+        server = servers[ref["name"]]
+        assert server["metadata"]["namespace"] == scaler["metadata"]["namespace"]
+        validate_custom(copy.deepcopy(server), crds)
+        scaling = parse_spec(server["spec"]).scaling
+        assert scaling.mode == "External", "an HPA on a ModelServer in mode Operator is put back"
+        assert scaling.min_replicas <= low <= high <= scaling.max_replicas, "within the bounds"
+    assert "replicas" not in servers[hpa["spec"]["scaleTargetRef"]["name"]]["spec"], "the HPA's field"
