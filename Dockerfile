@@ -70,6 +70,6 @@ RUN python -m pip install -c /dist/constraints.txt -r /dist/operator-requirement
  && rm -rf /dist
 USER 10001:10001
 WORKDIR /home/tandem
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["tandem"]
 CMD ["operator"]

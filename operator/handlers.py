@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ import kopf
 from . import owned, scaler
 from .conditions import set_condition
 from .kube import ApiError, KubeApi, NotFound, api_path
+from .resources import selector_string
 from .scaler import Shared
 from .settings import OperatorSettings
 from .spec import InvalidSpec, parse_spec
@@ -119,30 +121,60 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         patch: kopf.Patch,
         memo: kopf.Memo,
         logger: kopf.Logger,
+        diff: kopf.Diff = (),
+        reason: str | None = None,  # create, update or resume
         **_: Any,
     ) -> None:
         shared: Shared = memo.shared
-        assert shared.api is not None
-        generation = body.metadata.get("generation")
+        started, result = time.monotonic(), "Error"  # an exception: kopf retries
         try:
-            parsed = parse_spec(spec)
-            objects = owned.build(name, namespace, uid, parsed, shared.settings.metrics_port)
-            for what in await owned.ensure(shared.api, name, namespace, uid, objects):
-                logger.info(what)
-        except (InvalidSpec, owned.NotOwned) as exc:
-            # Not raised: kopf would retry what only a person can fix.
-            reason = "InvalidSpec" if isinstance(exc, InvalidSpec) else "NotOwned"
-            logger.error(f"{reason}: {exc}")
-            await scaler.warn_once(shared, dict(body), reason, str(exc))
-            patch.status["conditions"] = scaler.problem_conditions(dict(body), reason, str(exc))
-            return
-        conditions = body.status.get("conditions")
-        # A problem no longer holds; the scaling loop sets Ready and ScalingActive from what it sees.
-        for type_ in ("Ready", "ScalingActive"):
-            old = next((c for c in conditions or [] if c.get("type") == type_), None)
-            if old is None or old.get("reason") in ("InvalidSpec", "NotOwned"):
-                conditions = set_condition(
-                    conditions, type_, None, "Reconciled", "waiting for pods", generation
-                )
+            if reason == "update" and diff and all(tuple(d.field) == ("spec", "replicas") for d in diff):
+                # A scale (the policy's own, an HPA's, kubectl scale's): the owned objects hold no
+                # replicas, so nothing is to be made or updated; the generation is seen all the same.
+                patch.status["observedGeneration"] = body.metadata.get("generation")
+                result = "Reconciled"
+                return
+            result = await _reconcile(shared, dict(body), spec, name, namespace, uid, patch, logger)
+        finally:
+            shared.metrics.reconciled(result, time.monotonic() - started)
+
+
+async def _reconcile(
+    shared: Shared,
+    body: dict,
+    spec: kopf.Spec,
+    name: str,
+    namespace: str,
+    uid: str,
+    patch: kopf.Patch,
+    logger: kopf.Logger,
+) -> str:
+    """Make or update the owned objects; the status says what stands in the way. Returns what came
+    of it: Reconciled, InvalidSpec or NotOwned."""
+    assert shared.api is not None
+    generation = body["metadata"].get("generation")
+    # the scale subresource's selector, for an HPA, before the first scaling tick
+    patch.status["selector"] = selector_string(name)
+    try:
+        parsed = parse_spec(spec)
+        objects = owned.build(name, namespace, uid, parsed, shared.settings.metrics_port)
+        for what in await owned.ensure(shared.api, name, namespace, uid, objects):
+            logger.info(what)
+    except (InvalidSpec, owned.NotOwned) as exc:
+        # Not raised: kopf would retry what only a person can fix.
+        reason = "InvalidSpec" if isinstance(exc, InvalidSpec) else "NotOwned"
+        logger.error(f"{reason}: {exc}")
+        await scaler.warn_once(shared, body, reason, str(exc))
+        patch.status["conditions"] = scaler.problem_conditions(body, reason, str(exc))
+        return reason
+    old = (body.get("status") or {}).get("conditions")
+    conditions = old
+    # A problem no longer holds; the scaling loop sets Ready and ScalingActive from what it sees.
+    for type_ in ("Ready", "ScalingActive"):
+        found = next((c for c in conditions or [] if c.get("type") == type_), None)
+        if found is None or found.get("reason") in ("InvalidSpec", "NotOwned"):
+            conditions = set_condition(conditions, type_, None, "Reconciled", "waiting for pods", generation)
+    if conditions != old:  # else left alone: this event's copy may be older than the loop's last write
         patch.status["conditions"] = conditions
-        patch.status["observedGeneration"] = generation
+    patch.status["observedGeneration"] = generation
+    return "Reconciled"

@@ -1,5 +1,6 @@
 """`tandem operator`: run the kopf operator with the handlers of handlers.py, alone or, with
-leader election, only while this replica holds the leader Lease (leader.py)."""
+leader election, only while this replica holds the leader Lease (leader.py); its own /metrics
+(metrics.py) are served all along, so a standby says it is one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import kopf
 from .handlers import Shared, connection_info, register
 from .kube import KubeApi
 from .leader import LeaderElector, LeadershipLost
+from .metrics import MetricsPortError, OperatorMetrics, serve
 from .settings import OperatorSettings
 
 log = logging.getLogger("tandem.operator")
@@ -48,9 +50,20 @@ async def run_operator(settings: OperatorSettings, stop_flag: asyncio.Event | No
     """Run until `stop_flag` is set; with leader election, raise LeadershipLost when the Lease
     could not be renewed (the caller exits: a new process is a candidate again)."""
     stop = stop_flag or asyncio.Event()
-    if not settings.leader_election:
-        await _kopf(settings, Shared(settings), stop)
-        return
+    metrics = OperatorMetrics()
+    server = await serve(metrics, settings.prometheus_port) if settings.prometheus_port else None
+    try:
+        if not settings.leader_election:
+            metrics.leading(None)
+            await _kopf(settings, Shared(settings, metrics=metrics), stop)
+            return
+        await _elected(settings, metrics, stop)
+    finally:
+        if server is not None:
+            await server.cleanup()
+
+
+async def _elected(settings: OperatorSettings, metrics: OperatorMetrics, stop: asyncio.Event) -> None:
     info = connection_info(settings, logger=log, settings=kopf.OperatorSettings())
     if info is None:
         raise RuntimeError("no credentials for the Kubernetes API (service account or kubeconfig)")
@@ -59,7 +72,8 @@ async def run_operator(settings: OperatorSettings, stop_flag: asyncio.Event | No
     elector = LeaderElector(
         api, lease_namespace(settings), settings.leader_election_lease, identity, settings.timings()
     )
-    shared = Shared(settings, leading=elector.leading)
+    metrics.leading(elector.leading)
+    shared = Shared(settings, leading=elector.leading, metrics=metrics)
     try:
         await elector.run(lambda: _kopf(settings, shared, stop), stop)
     finally:
@@ -73,5 +87,8 @@ def main(settings: OperatorSettings) -> int:
         asyncio.run(run_operator(settings))
     except LeadershipLost as exc:
         log.error(f"{exc}: exiting, to start again as a candidate")
+        return 1
+    except MetricsPortError as exc:
+        log.error(str(exc))
         return 1
     return 0

@@ -36,6 +36,12 @@ def selector(name: str) -> dict[str, str]:
     return {MODEL_LABEL: name}
 
 
+def selector_string(name: str) -> str:
+    """The pods' label selector as a string: the ModelServer's status.selector, which the scale
+    subresource hands to an HPA (labelSelectorPath) to find the pods it averages metrics over."""
+    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+
+
 @dataclass(frozen=True)
 class SecretFiles:
     """A Secret mounted as a read-only directory, and the settings naming its files.
@@ -208,7 +214,7 @@ def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
         "kind": "Deployment",
         "metadata": {"name": name, "labels": labels(name)},
         "spec": {
-            "replicas": spec.scaling.min_replicas,
+            "replicas": spec.initial_replicas(),
             "selector": {"matchLabels": selector(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {

@@ -1,5 +1,6 @@
 """The scaling loop: one task per ModelServer that scrapes its ready pods, decides, scales and
-writes the status every scrape interval.
+writes the status every scrape interval; in scaling mode External (modes.py) it only keeps the
+Deployment at spec.replicas.
 
 Not a kopf timer: kopf puts a finalizer on every object that has a timer, and a finalizer makes
 deleting a ModelServer wait for the operator. These tasks start when the watch first sees a
@@ -20,12 +21,13 @@ from typing import Any
 
 import aiohttp
 
-from . import owned
+from . import modes, owned
 from .conditions import now_iso, set_condition
 from .events import post_event
 from .kube import ApiError, KubeApi, NotFound, api_path
+from .metrics import OperatorMetrics
 from .policy import Decision, MetricsWindow, ScalingState, decide
-from .resources import selector
+from .resources import selector, selector_string
 from .scrape import PodSample, Unreadable, metrics_url, scrape_pod
 from .settings import OperatorSettings
 from .spec import InvalidSpec, ModelServerSpec, parse_spec
@@ -47,6 +49,10 @@ class Scaling:
     history: MetricsHistory = field(default_factory=MetricsHistory)
     state: ScalingState | None = None
     warned: dict[str, str] = field(default_factory=dict)  # reason -> message of the last Warning
+    # The ModelServer as the last status write answered: newer than the watch's copy can be, and
+    # after any write of spec.replicas (the watch's copy may lag behind them by several events).
+    latest: dict | None = None
+    claimed: int | None = None  # spec.replicas as the operator last wrote or found it (mode Operator)
 
 
 @dataclass
@@ -62,12 +68,14 @@ class Shared:
     bodies: dict[str, dict] = field(default_factory=dict)  # uid -> newest ModelServer seen
     scaling: dict[str, Scaling] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
 
 
 def watch(shared: Shared, body: dict, deleted: bool) -> None:
     """Follow the watch: start a ModelServer's loop when it appears, stop it when it is gone."""
     uid = body["metadata"]["uid"]
     if deleted:
+        shared.metrics.forget(body["metadata"].get("namespace") or "", body["metadata"].get("name") or "")
         shared.bodies.pop(uid, None)
         shared.scaling.pop(uid, None)
         task = shared.tasks.pop(uid, None)
@@ -96,7 +104,8 @@ async def _loop(shared: Shared, uid: str) -> None:
         started = time.monotonic()
         body = shared.bodies[uid]
         try:
-            await tick(shared, body)
+            with shared.metrics.tick(modes.mode_of(body)):
+                await tick(shared, body)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one ModelServer's failure must not end its loop: next tick
@@ -125,11 +134,13 @@ async def event(api: KubeApi, body: dict, type_: str, reason: str, message: str)
         log.warning(f"could not post the {reason} Event: {exc}")
 
 
-async def _write_status(api: KubeApi, body: dict, status: dict) -> None:
+async def _write_status(api: KubeApi, body: dict, status: dict) -> dict | None:
+    """The ModelServer as the API server has it after the write (None: deleted meanwhile)."""
     meta = body["metadata"]
     path = api_path(f"{owned.GROUP}/{owned.VERSION}", PLURAL, meta["namespace"], meta["name"]) + "/status"
     with contextlib.suppress(NotFound):  # deleted meanwhile
-        await api.patch(path, {"status": status})
+        return await api.patch(path, {"status": status})
+    return None
 
 
 def problem_conditions(body: dict, reason: str, message: str) -> list[dict]:
@@ -178,6 +189,9 @@ async def tick(shared: Shared, body: dict) -> Decision | None:
     except owned.NotOwned as exc:
         await _not_owned(shared, body, exc)
         return None
+    if spec.scaling.mode == modes.EXTERNAL:
+        await follow_spec(shared, body, spec, deployment)
+        return None
     return await scale_once(shared, body, spec, deployment)
 
 
@@ -215,6 +229,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     unreadable = [s for s in scrapes if isinstance(s, Unreadable)]
     for bad in unreadable:
         log.warning(f"{namespace}/{name}: pod {bad.pod}: {bad.problem}")
+        shared.metrics.scrape_failed(namespace, name, bad.kind)
     scaling = shared.scaling.setdefault(uid, Scaling())
     scaling.warned.pop("NotOwned", None)  # the objects are ours (again)
     window_s, clamped = metrics_window_s(spec, settings)
@@ -227,6 +242,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     state = replace(state, current_replicas=current, ready_replicas=len(ready))
     decision = decide(window, spec.targets(), state, now, settings.stale_after_s)
     scaling.state = decision.state
+    shared.metrics.decided(namespace, name, decision.action, decision.reason)
 
     status: dict[str, Any] = {}
     if decision.action != "Hold":
@@ -244,11 +260,86 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
         log.info(f"{namespace}/{name}: {message}")
         await event(api, body, "Normal", reason, message)
         status["lastScaleTime"] = now_iso(now)
+    await claim_replicas(shared, body, current, decision.replicas)
 
     status.update(_observed(decision, current, len(ready), window, now))
+    status["selector"] = selector_string(name)
     status["conditions"] = _conditions(body, spec, decision, current, len(ready), unreadable, clamped)
-    await _write_status(api, body, status)
+    scaling.latest = await _write_status(api, body, status)
+    shared.metrics.observed(namespace, name, current, decision.replicas, len(ready))
     return decision
+
+
+async def _write_spec_replicas(api: KubeApi, body: dict, replicas: int) -> bool:
+    meta = body["metadata"]
+    path = api_path(f"{owned.GROUP}/{owned.VERSION}", PLURAL, meta["namespace"], meta["name"])
+    try:
+        await api.patch(path, {"spec": {"replicas": replicas}})
+    except NotFound:  # deleted meanwhile
+        return False
+    except ApiError as exc:  # the next tick tries again
+        log.warning(f"{meta['namespace']}/{meta['name']}: could not write spec.replicas {replicas}: {exc}")
+        return False
+    return True
+
+
+async def claim_replicas(shared: Shared, body: dict, current: int, running: int) -> None:
+    """Scaling mode Operator: spec.replicas shows the pods the policy runs. A value someone else
+    wrote there (kubectl scale, an HPA) is put back, with a Warning: two scalers would flap."""
+    assert shared.api is not None
+    scaling = shared.scaling.setdefault(body["metadata"]["uid"], Scaling())
+    written = modes.spec_replicas(modes.newest(scaling.latest, body))
+    if written == running:
+        scaling.claimed = running
+        return
+    if modes.overridden(written, current, scaling.claimed):
+        message = (
+            f"spec.replicas {written} was set by someone else and is put back to {running}: in scaling "
+            "mode Operator the operator sets it; to scale with an HPA, KEDA or kubectl scale, set "
+            "spec.scaling.mode to External"
+        )
+        await warn_once(shared, body, "ReplicasOverridden", message)
+    if await _write_spec_replicas(shared.api, body, running):
+        scaling.claimed = running
+
+
+async def follow_spec(shared: Shared, body: dict, spec: ModelServerSpec, deployment: dict) -> None:
+    """Scaling mode External: the Deployment runs spec.replicas within the bounds, and nothing is
+    scraped or decided. spec.replicas is written only while unset (the scale subresource needs it)."""
+    api = shared.api
+    assert api is not None
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    current = int((deployment.get("spec") or {}).get("replicas") or 0)
+    scaling = shared.scaling.setdefault(uid, Scaling())
+    # Back in mode Operator the policy starts afresh, as after a restart (no scale-down before it
+    # has seen a whole window), not from a window of scrapes made before the switch.
+    scaling.history, scaling.state = MetricsHistory(), None
+    fresh = modes.newest(scaling.latest, body)
+    wanted = modes.spec_replicas(fresh)
+    if wanted is None:
+        wanted = spec.scaling.bounded(current)
+        await _write_spec_replicas(api, body, wanted)
+    target = spec.scaling.bounded(wanted)  # the bounds hold whoever scales
+    now = time.time()
+    if target != current:
+        try:
+            await api.patch(
+                api_path("apps/v1", "deployments", namespace, name) + "/scale", {"spec": {"replicas": target}}
+            )
+        except ApiError as exc:
+            log.warning(f"{namespace}/{name}: scaling to {target} failed: {exc}")
+            return
+        message = f"{current} -> {target} pods ({modes.EXTERNAL_SCALER}): spec.replicas {wanted}"
+        log.info(f"{namespace}/{name}: {message}")
+        await event(api, body, "Normal", "ScaledUp" if target > current else "ScaledDown", message)
+    pods = await api.list(api_path("v1", "pods", namespace), selector(name))
+    status = modes.external_status(
+        fresh, spec, wanted, current, target, len([p for p in pods if _pod_ready(p)]), now
+    )
+    shared.metrics.decided(namespace, name, status["lastDecision"]["action"], modes.EXTERNAL_SCALER)
+    scaling.latest = await _write_status(api, body, status)
+    shared.metrics.observed(namespace, name, target, target, status["readyReplicas"])
 
 
 def metrics_window_s(spec: ModelServerSpec, settings: OperatorSettings) -> tuple[float, str]:

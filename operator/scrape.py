@@ -48,12 +48,29 @@ class PodSample:
     capacity_tokens_per_s: float | None = None
 
 
+# What went wrong with a pod's /metrics, as one word of a fixed set (a bounded metric label).
+TIMEOUT, UNREACHABLE, HTTP_STATUS, TOO_LARGE = "Timeout", "Unreachable", "HTTPStatus", "TooLarge"
+NOT_UTF8, NOT_PROMETHEUS, MISSING_METRIC, BAD_VALUE = "NotUTF8", "NotPrometheus", "MissingMetric", "BadValue"
+PROBLEM_KINDS = (
+    TIMEOUT,
+    UNREACHABLE,
+    HTTP_STATUS,
+    TOO_LARGE,
+    NOT_UTF8,
+    NOT_PROMETHEUS,
+    MISSING_METRIC,
+    BAD_VALUE,
+)
+MISSING = "does not export"
+
+
 @dataclass(frozen=True)
 class Unreadable:
     """A ready pod whose metrics could not be used this round, and why (for its condition)."""
 
     pod: str
     problem: str
+    kind: str  # one of PROBLEM_KINDS
 
 
 def parse_metrics(pod: str, when: float, text: str) -> PodSample:
@@ -95,7 +112,7 @@ def problem_of(sample: PodSample) -> str | None:
     }
     for name in REQUIRED:
         if named[name] is None:
-            return f"does not export {name}"
+            return f"{MISSING} {name}"
     for name, value in named.items():
         if value is None:
             continue
@@ -132,14 +149,16 @@ async def scrape_pod(
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
                 if response.status != 200:
-                    return Unreadable(pod, f"/metrics answered HTTP {response.status}")
+                    return Unreadable(pod, f"/metrics answered HTTP {response.status}", HTTP_STATUS)
                 body = await _body(response)
         except asyncio.TimeoutError:
-            return Unreadable(pod, f"/metrics did not answer within {timeout_s:g} s")
+            return Unreadable(pod, f"/metrics did not answer within {timeout_s:g} s", TIMEOUT)
         except (aiohttp.ClientError, OSError) as exc:
-            return Unreadable(pod, f"/metrics unreachable: {type(exc).__name__}")
+            return Unreadable(pod, f"/metrics unreachable: {type(exc).__name__}", UNREACHABLE)
     if body is None:
-        return Unreadable(pod, f"/metrics body is larger than {MAX_BODY_BYTES // 1024 // 1024} MiB")
+        return Unreadable(
+            pod, f"/metrics body is larger than {MAX_BODY_BYTES // 1024 // 1024} MiB", TOO_LARGE
+        )
     return read_body(pod, now, body)
 
 
@@ -148,10 +167,12 @@ def read_body(pod: str, now: float, body: bytes) -> PodSample | Unreadable:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
-        return Unreadable(pod, "/metrics body is not UTF-8 text")
+        return Unreadable(pod, "/metrics body is not UTF-8 text", NOT_UTF8)
     try:
         sample = parse_metrics(pod, now, text)
     except Exception as exc:  # untrusted text: whatever the parser raises, only this pod is lost
-        return Unreadable(pod, f"/metrics is not Prometheus text ({type(exc).__name__})")
+        return Unreadable(pod, f"/metrics is not Prometheus text ({type(exc).__name__})", NOT_PROMETHEUS)
     problem = problem_of(sample)
-    return sample if problem is None else Unreadable(pod, problem)
+    if problem is None:
+        return sample
+    return Unreadable(pod, problem, MISSING_METRIC if problem.startswith(MISSING) else BAD_VALUE)

@@ -46,6 +46,13 @@ class OperatorSettings(BaseSettings):
     liveness_port: int = Field(
         8080, ge=0, le=65535, description="Port of the liveness endpoint GET /healthz (0 = off)."
     )
+    prometheus_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the operator's own Prometheus GET /metrics (decisions, scrape failures, "
+        "tick and reconcile times, replicas, leader); 0 = off. The chart serves it on 8081.",
+    )
     api_server: str | None = Field(
         None,
         description="Kubernetes API URL without authentication (tests, kubectl proxy); unset = the "
@@ -68,6 +75,12 @@ class OperatorSettings(BaseSettings):
     def _lease_timings(self) -> OperatorSettings:
         if self.leader_election:
             self.timings().check()
+        return self
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> OperatorSettings:
+        if self.prometheus_port and self.prometheus_port == self.liveness_port:
+            raise ValueError(f"prometheus_port and liveness_port are both {self.liveness_port}")
         return self
 
     def timings(self) -> Timings:

@@ -7,6 +7,8 @@ condition instead of a crash loop.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -48,7 +50,13 @@ class Auth(_Camel):
     token_key: str = Field("tokens", min_length=1, max_length=253, pattern=SECRET_KEY)
 
 
+# Who sets the replica count: the operator's own policy, or something outside it (an HPA, KEDA,
+# `kubectl scale`) through the scale subresource, i.e. spec.replicas.
+ScalingMode = Literal["Operator", "External"]
+
+
 class Scaling(_Camel):
+    mode: ScalingMode = "Operator"
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(4, ge=1)
     target_time_to_first_token_seconds: float = Field(1.0, gt=0)
@@ -68,6 +76,10 @@ class Scaling(_Camel):
             raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
         return self
 
+    def bounded(self, replicas: int) -> int:
+        """`replicas` within minReplicas-maxReplicas: the bounds hold whoever scales."""
+        return max(self.min_replicas, min(self.max_replicas, replicas))
+
 
 # The engine uses one device per process; 0 = CPU pods.
 MAX_GPUS_PER_POD = 1
@@ -86,6 +98,10 @@ class ModelServerSpec(_Camel):
     tolerations: list[dict] = Field(default_factory=list)
     affinity: dict = Field(default_factory=dict)
     image_pull_secrets: list[dict] = Field(default_factory=list)
+    # The scale subresource's spec.replicas: written by the operator in mode Operator, by an
+    # external scaler in mode External; unset until either writes it. 0 is accepted (KEDA's
+    # scale to zero) and raised to minReplicas, like any value outside the bounds.
+    replicas: int | None = Field(None, ge=0)
     env: list[EnvVar] = Field(default_factory=list)
     max_num_seqs: int = Field(256, ge=1)
     drain_seconds: int = Field(600, ge=0)
@@ -104,6 +120,10 @@ class ModelServerSpec(_Camel):
                 f"yet), so at most {MAX_GPUS_PER_POD}; more would be paid for and left idle"
             )
         return value
+
+    def initial_replicas(self) -> int:
+        """Pods of a new Deployment: spec.replicas within the bounds, else minReplicas."""
+        return self.scaling.bounded(self.replicas if self.replicas is not None else self.scaling.min_replicas)
 
     def targets(self) -> ScalingTargets:
         s = self.scaling

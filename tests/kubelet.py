@@ -93,10 +93,12 @@ class MetricsPod:
         )
         self.idle.set(1.0)
         self.body: bytes | None = None  # set: answered instead of the registry's text
+        self.requests = 0  # GETs answered: whether the operator scraped this pod at all
         pod = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                pod.requests += 1
                 body = pod.body if pod.body is not None else generate_latest(pod.registry)
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE_LATEST)

@@ -30,9 +30,7 @@ H200_ONLY = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H200
 H200_AFFINITY = {
     "nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [
-                {"matchExpressions": [H200_ONLY]}
-            ]
+            "nodeSelectorTerms": [{"matchExpressions": [H200_ONLY]}]
         }
     }
 }
@@ -111,6 +109,12 @@ VALUE_SETS: dict[str, dict] = {
             "reflection": False,
         },
         "networkPolicy": {"enabled": True, "grpcFrom": [CLIENTS]},
+    },
+    "operator-metrics": {
+        "operator": {"metrics": {"enabled": True, "port": 9090}},
+        "monitoring": {"operatorPodMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "networkPolicy": {"enabled": True, "metricsFrom": [PROMETHEUS]},
+        "exampleModelServer": {"scaling": {"mode": "External", "minReplicas": 1, "maxReplicas": 6}},
     },
     "no-example": {
         "exampleModelServer": {"enabled": False},
@@ -335,6 +339,10 @@ BAD_VALUES = [
     {"exampleModelServer": {"auth": {"tokenSecretName": "tokens", "tokenKey": ""}}},
     {"exampleModelServer": {"reflection": "false"}},
     {"monitoring": {"serviceMonitor": {"interval": 15}}},
+    {"operator": {"metrics": {"port": 8080}}},  # the liveness port
+    {"operator": {"metrics": {"port": 0}}},  # off is enabled: false
+    {"operator": {"metrics": {"enable": True}}},
+    {"exampleModelServer": {"scaling": {"mode": "HPA"}}},
     {"otel": {"protocol": "http/protobuf"}},  # the servers speak OTLP/gRPC only
     {"tests": {"timeoutSeconds": 0}},
     {"networkPolicy": {"enabled": "yes"}},
@@ -456,7 +464,9 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(rendered: dict[str
     assert rule_table(role) == {**CRD_RULES, **NAMESPACED_RULES}
     binding = one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
     }
     sa = one(docs, "ServiceAccount")
     subject = {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
@@ -512,7 +522,8 @@ def test_operator_deployment(rendered: dict[str, list[dict]]) -> None:
     assert deployment["spec"]["replicas"] == 2
     # a real lock (the Lease): a rolling update may run the new pod beside the old one
     assert deployment["spec"]["strategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
     }
     spec = template["spec"]
     (container,) = spec["containers"]
@@ -690,8 +701,74 @@ def test_network_policies(rendered: dict[str, list[dict]]) -> None:
         assert from_operator["podSelector"]["matchLabels"].items() <= operator_pod.items()
         assert from_operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
     (policy,) = operator_policy
-    assert policy["spec"]["ingress"] == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
+    # the liveness probe from anywhere (the kubelet); the operator's own /metrics from metricsFrom
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": "health", "protocol": "TCP"}]},
+        {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": [PROMETHEUS]},
+    ]
     assert objects(rendered["default"], "NetworkPolicy") == []
+    # without metricsFrom nobody may scrape the operator: no rule (a rule without `from` admits all)
+    (tls_policy,) = [
+        p for p in objects(rendered["tls"], "NetworkPolicy") if p["metadata"]["name"].endswith("-operator")
+    ]
+    assert tls_policy["spec"]["ingress"] == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
+
+
+def operator_container(docs: list[dict]) -> dict:
+    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_operator_serves_its_own_metrics_on_the_port_it_is_told(rendered: dict[str, list[dict]]) -> None:
+    """The container port `metrics` and TANDEM_OPERATOR_PROMETHEUS_PORT agree, beside the liveness
+    port; off, neither is there (port 0)."""
+    for value_set, port in (("default", 8081), ("operator-metrics", 9090)):
+        container = operator_container(rendered[value_set])
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"health": 8080, "metrics": port}, value_set
+        assert env["TANDEM_OPERATOR_PROMETHEUS_PORT"] == str(port) != env["TANDEM_OPERATOR_LIVENESS_PORT"]
+
+
+def test_operator_metrics_off(chart: helm.Chart) -> None:
+    container = operator_container(render(chart, {"operator": {"metrics": {"enabled": False}}}))
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TANDEM_OPERATOR_PROMETHEUS_PORT"] == "0"
+    assert [p["name"] for p in container["ports"]] == ["health"]
+    on = {
+        "monitoring": {"operatorPodMonitor": {"enabled": True}},
+        "operator": {"metrics": {"enabled": False}},
+    }
+    with pytest.raises(helm.HelmRenderError, match="needs operator.metrics.enabled"):
+        render(chart, on)
+
+
+def test_operator_pod_monitor_scrapes_every_operator_pod(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["operator-metrics"]
+    (monitor,) = [m for m in objects(docs, "PodMonitor") if m["metadata"]["name"].endswith("-operator")]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert labels_of(monitor)["release"] == "prometheus"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    template = one(docs, "Deployment")["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (port,) = [p for p in operator_container(docs)["ports"] if p["name"] == endpoint["port"]]
+    assert (port["containerPort"], endpoint["path"], endpoint["interval"]) == (9090, "/metrics", "30s")
+    # the operator's namespace label names the ModelServer's namespace, not the operator pod's
+    assert endpoint["honorLabels"] is True
+    assert all(
+        not m["metadata"]["name"].endswith("-operator") for m in objects(rendered["monitoring"], "PodMonitor")
+    )
+
+
+def test_example_can_leave_scaling_to_an_external_scaler(rendered: dict[str, list[dict]]) -> None:
+    spec = one(rendered["operator-metrics"], "ModelServer")["spec"]
+    assert spec["scaling"]["mode"] == "External"
+    assert "replicas" not in spec, "helm must not own spec.replicas: the HPA, KEDA or the operator does"
+    assert "mode" not in one(rendered["default"], "ModelServer")["spec"]["scaling"], (
+        "unset: the CRD's Operator"
+    )
 
 
 # ---------------------------------------------------------------- helm test, NOTES

@@ -212,6 +212,14 @@ def test_exposed_ports_match_the_server() -> None:
     assert instructions("server", "EXPOSE") == [f"{grpc_port} 9400"]
 
 
+def test_operator_image_exposes_liveness_and_the_charts_metrics_port() -> None:
+    from tandem.operator.settings import OperatorSettings
+
+    liveness = OperatorSettings.model_fields["liveness_port"].default
+    metrics = yaml.safe_load((ROOT / "charts" / "tandem" / "values.yaml").read_text())["operator"]["metrics"]
+    assert instructions("operator", "EXPOSE") == [f"{liveness} {metrics['port']}"]
+
+
 def _ignored(path: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path, p.removeprefix("**/")) for p in patterns)
 

@@ -37,7 +37,7 @@ def declare_resources(kmock: Any) -> None:
         namespaced=True,
         shortnames={"ms", "tms"},
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-        subresources={"status"},
+        subresources={"status", "scale"},  # as the CRD: /scale writes spec.replicas (kmock: onto the object)
     )
 
 

@@ -17,6 +17,7 @@ import kopf
 import pytest
 from leases import LeaseServer
 from test_operator_e2e import MS, NS, declare_resources, eventually, model_server
+from test_operator_own_metrics import served, value
 
 from tandem.operator.kube import KubeApi, api_path
 from tandem.operator.leader import LeaderElector, Timings
@@ -94,7 +95,9 @@ async def test_candidates_never_lead_together_and_take_over_only_an_expired_leas
             await api.close()
 
 
-def start_operator(kmock: Any, identity: str, host: str, log: Path) -> subprocess.Popen:
+def start_operator(
+    kmock: Any, identity: str, host: str, log: Path, prometheus_port: int = 0
+) -> subprocess.Popen:
     env = {
         **os.environ,
         "PYTHONSAFEPATH": "1",
@@ -107,6 +110,7 @@ def start_operator(kmock: Any, identity: str, host: str, log: Path) -> subproces
         "TANDEM_OPERATOR_RETRY_PERIOD_S": "0.2",
         "TANDEM_OPERATOR_SCRAPE_INTERVAL_S": "0.5",
         "TANDEM_OPERATOR_LIVENESS_PORT": "0",
+        "TANDEM_OPERATOR_PROMETHEUS_PORT": str(prometheus_port),
     }
     tandem = Path(sys.executable).with_name("tandem")
     out = log.open("w")
@@ -127,15 +131,21 @@ def requests_from(kmock: Any, host: str, writes_only: bool = True) -> list[str]:
     return seen
 
 
-async def test_two_operator_processes_only_the_leader_acts(kmock, tmp_path: Path) -> None:
+async def test_two_operator_processes_only_the_leader_acts(
+    kmock, tmp_path: Path, unused_tcp_port_factory
+) -> None:
     declare_resources(kmock)
     server = LeaseServer(NS, LEASE).install(kmock)
     hosts = {"a": "127.0.0.1", "b": "localhost"}
-    procs = {i: start_operator(kmock, i, hosts[i], tmp_path / f"{i}.log") for i in "ab"}  # racing
+    ports = {i: unused_tcp_port_factory() for i in "ab"}
+    procs = {i: start_operator(kmock, i, hosts[i], tmp_path / f"{i}.log", ports[i]) for i in "ab"}  # racing
     api = client(kmock)
     try:
         leader = await eventually(lambda: server.holder(), timeout=30, what="a leader")
         (follower,) = set("ab") - {leader}
+        # each one's own /metrics says which one acts (a standby serves them too)
+        assert value(await served(ports[leader]), "tandem_operator_leader") == 1.0
+        assert value(await served(ports[follower]), "tandem_operator_leader") == 0.0
         await api.create(MS, model_server("one"))
         await eventually(lambda: api.get(api_path("apps/v1", "deployments", NS, "one")), what="Deployment")
         await asyncio.sleep(1.0)
@@ -148,6 +158,11 @@ async def test_two_operator_processes_only_the_leader_acts(kmock, tmp_path: Path
         (_, _, last_renewal), (_, taken, _) = server.terms()[-2:]
         assert taken - last_renewal >= 1.5
         procs[leader].kill()
+
+        async def leads(identity: str) -> bool:
+            return value(await served(ports[identity]), "tandem_operator_leader") == 1.0
+
+        await eventually(lambda: leads(follower), what="the new leader's gauge")
         await api.create(MS, model_server("two"))
         await eventually(
             lambda: api.get(api_path("apps/v1", "deployments", NS, "two")), what="Deployment two"

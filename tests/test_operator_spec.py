@@ -32,7 +32,17 @@ def test_crd_names_and_subresources():
     assert crd["metadata"]["name"] == "modelservers.tandem.dev"
     assert crd["spec"]["names"]["kind"] == "ModelServer" and "ms" in crd["spec"]["names"]["shortNames"]
     (version,) = crd["spec"]["versions"]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1"
+    # the scale subresource: `kubectl scale`, an HPA or KEDA set spec.replicas; status.selector
+    # tells an HPA which pods are the ModelServer's
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Replicas"] == ".status.replicas" and columns["Idle"] == ".status.idleFraction"
     assert columns["$/Mtok"] == ".status.costPerMillionTokensUsd" and "Age" in columns

@@ -6,6 +6,11 @@ Kept in one place; they follow docs/operator.md ("Running it").
 {{- define "tandem.operatorHealthPort" -}}8080{{- end -}}
 {{- define "tandem.operatorHealthPath" -}}/healthz{{- end -}}
 
+{{/* The operator's own /metrics port; 0 = not served (the schema keeps it off the liveness port). */}}
+{{- define "tandem.operatorMetricsPort" -}}
+{{- ternary .Values.operator.metrics.port 0 .Values.operator.metrics.enabled -}}
+{{- end -}}
+
 {{/* The leader Lease, in the release namespace: the replica holding it acts, the others wait. */}}
 {{- define "tandem.leaseName" -}}{{ include "tandem.operatorName" . }}{{- end -}}
 
@@ -22,6 +27,8 @@ Kept in one place; they follow docs/operator.md ("Running it").
   value: $(POD_NAME)
 - name: TANDEM_OPERATOR_LIVENESS_PORT
   value: {{ include "tandem.operatorHealthPort" . | quote }}
+- name: TANDEM_OPERATOR_PROMETHEUS_PORT
+  value: {{ include "tandem.operatorMetricsPort" . | quote }}
 - name: TANDEM_OPERATOR_LOG_LEVEL
   value: {{ .Values.operator.logLevel | quote }}
 {{- end -}}
