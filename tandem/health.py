@@ -14,6 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem import connect
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# wait_serving asks every 0.2 s; its channel should retry the connection about as often. With grpc's
+# default backoff (1 s, growing 1.6-fold to 2 min) a server whose port opens after ~15 s of start-up
+# is first seen seconds after it serves. (The connect attempt's own deadline stays grpc's default.)
+POLL_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 def check(
@@ -45,7 +49,7 @@ def wait_serving(target: str, timeout: float, alive: Callable[[], bool] = lambda
     TimeoutError after `timeout` seconds; RuntimeError as soon as `alive()` is False (its process ended).
     """
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target, options=POLL_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not alive():
