@@ -65,12 +65,17 @@ def test_preemption_with_tiny_cache_keeps_tokens(tiny_models, family, loop):
     _check(model, arrivals, result, eos=None)
 
 
-@pytest.mark.parametrize("loop", ["sync", "async"])
-def test_real_smollm2_matches_generate(smol_dir, loop):
-    model = AutoModelForCausalLM.from_pretrained(smol_dir).eval()
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    """The real SmolLM2 and its tokenizer, loaded once for both step loops."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smol_dir)
+    return AutoModelForCausalLM.from_pretrained(smol_dir).eval(), AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_real_smollm2_matches_generate(smol, loop):
+    model, tok = smol
     questions = [
         "What is the capital of France?",
         "Write a haiku about the sea.",
