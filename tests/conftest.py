@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path):
         return made[family]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real `tandem serve` of the tiny llama (serverproc.TINY_SERVER_*, defaults otherwise), shared
+    by the modules whose tests only need a server that serves: a start costs 10-15 s on two cores."""
+    from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server
+
+    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
+    flags = ("--model-name", TINY_SERVER_MODEL, "--num-kv-blocks", str(TINY_SERVER_KV_BLOCKS))
+    with running_server(tiny_model_dir("llama"), *flags, log=log) as (address, _proc):
+        yield address

@@ -12,6 +12,11 @@ from pathlib import Path
 
 from tandem.health import wait_serving
 
+# The session's shared server (conftest.tiny_server): the tiny llama under this name, with this many
+# KV blocks, every other setting the default. Modules that need nothing else talk to it.
+TINY_SERVER_MODEL = "tiny-llama"
+TINY_SERVER_KV_BLOCKS = 256
+
 
 def free_port() -> int:
     with socket.socket() as s:

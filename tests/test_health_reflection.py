@@ -20,7 +20,7 @@ import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from serverproc import free_port, running_server
+from serverproc import TINY_SERVER_MODEL, free_port
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -44,10 +44,8 @@ FAST_RECONNECT = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("health-server") / "server.log"
-    with running_server(tiny_model_dir("llama"), "--model-name", "tiny-health", log=log) as (address, _proc):
-        yield address
+def server(tiny_server: str) -> str:
+    return tiny_server  # conftest's: the tiny llama as TINY_SERVER_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +137,7 @@ def test_reflection_is_enough_to_call_the_server(channel: grpc.Channel) -> None:
         response_deserializer=response_cls.FromString,
     )
     info = call(request_cls(), timeout=TIMEOUT)
-    assert info.model == "tiny-health"
+    assert info.model == TINY_SERVER_MODEL
     assert info.architecture == "LlamaForCausalLM"
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from serverproc import running_server
+from serverproc import TINY_SERVER_MODEL
 
 if "tandem.kserve.grpc_service_pb2" in sys.modules:  # pragma: no cover - a guard for the whole suite
     raise ImportError("tandem.kserve is imported in this process; tritonclient's protos would clash with it")
@@ -27,17 +27,15 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 
-MODEL_NAME = "tiny-kserve"
+MODEL_NAME = TINY_SERVER_MODEL
 TIMEOUT = 60.0
 PROMPT = "In the beginning there was a small model that"
 INPUT_NAMES = ["text_input", "max_tokens", "stream", "sampling_parameters", "exclude_input_in_output"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("kserve-server") / "server.log"
-    with running_server(tiny_model_dir("llama"), "--model-name", MODEL_NAME, log=log) as (address, _proc):
-        yield address
+def server(tiny_server: str) -> str:
+    return tiny_server  # conftest's: the tiny llama as MODEL_NAME
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """The native `tandem.v1.Tandem` API over a real `tandem serve` process and a real gRPC client.
 
-One server with the tiny random llama model serves the whole module (greedy output of a random
-model is deterministic, which is all these tests need); one test starts the real embedded
-SmolLM2-135M-Instruct and checks that it knows the capital of France.
+One server with the tiny random llama model (the session's, conftest.tiny_server) serves the module
+(greedy output of a random model is deterministic, which is all these tests need); one test starts
+the real embedded SmolLM2-135M-Instruct and checks that it knows the capital of France.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from serverproc import running_server
+from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server
 from transformers import AutoTokenizer
 
 from tandem.service.models.loader import default_cache_dir
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-MODEL_NAME = "tiny-llama"
-NUM_KV_BLOCKS = 256
+MODEL_NAME = TINY_SERVER_MODEL
+NUM_KV_BLOCKS = TINY_SERVER_KV_BLOCKS
 TIMEOUT = 60.0
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -40,12 +40,8 @@ def model_dir(tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("native-server") / "server.log"
-    with running_server(
-        model_dir, "--model-name", MODEL_NAME, "--num-kv-blocks", str(NUM_KV_BLOCKS), log=log
-    ) as (address, _proc):
-        yield address
+def server(tiny_server: str) -> str:
+    return tiny_server  # conftest's: the tiny llama as MODEL_NAME with NUM_KV_BLOCKS
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from serverproc import free_port, running_server
+from serverproc import free_port
 
 # Runs `tandem health` with the model-serving libraries made unimportable, as in the slim operator image.
 WITHOUT_ENGINE = (
@@ -42,10 +42,8 @@ def slim_tandem(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("health-cli") / "server.log"
-    with running_server(tiny_model_dir("llama"), "--model-name", "tiny", log=log) as (address, _proc):
-        yield address
+def server(tiny_server: str) -> str:
+    return tiny_server  # conftest's: the tiny llama
 
 
 @pytest.fixture()
