@@ -430,6 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.concurrency, a.request_rate = a.concurrency or [1, 4], a.request_rate or [20.0]
         a.prompt, a.new, a.requests_per_stream, a.num_prompts = 16, 8, 1, 8
         a.clients, a.channels = 2, 1
+        a.set = ["kv_cache_cpu_gib=0.25", *a.set]  # as the soak's: the 2 GiB default takes seconds to zero
     if not (a.shape or a.model or a.server or a.replot):
         ap.error("say what to serve: --shape, --model or --server")
     if not (a.concurrency or a.request_rate):
