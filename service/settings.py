@@ -63,6 +63,15 @@ class ServerSettings(BaseSettings):
         description="CUDA: share of free device memory (after loading) given to the KV cache.",
     )
     kv_cache_cpu_gib: float = Field(2.0, gt=0, description="CPU: KV-cache size in GiB.")
+    kv_offload_gib: float | None = Field(
+        None,
+        ge=0,
+        description="Host memory, in GiB, for the K/V of preempted requests (KV offload): a request "
+        "preempted when the KV cache runs out has its blocks copied there and back before it resumes, "
+        "instead of being recomputed; when it is full, preempted requests are recomputed. Pinned memory "
+        "on CUDA: count it in the pod's memory limit. Unset = 4 on CUDA, 0 (off) on CPU, where the KV "
+        "cache is host memory already (make it larger instead).",
+    )
     kv_cache_layout: Literal["NHD", "HND"] = Field(
         "NHD",
         description="KV-cache memory layout: NHD stores each token's KV heads together, HND each KV "

@@ -48,6 +48,7 @@ def make_core(
     compile_prefill: bool = False,  # with compile_backend: prefill and mixed steps compiled too
     compile_decode: bool | None = None,  # default: whenever compile_backend is given
     prefix_caching: bool = False,
+    kv_offload_blocks: int = 0,
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
@@ -55,7 +56,7 @@ def make_core(
         compile_backend=compile_backend or "inductor",
         fuse_projections=fuse_projections, kv_layout=kv_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
-        prefix_caching=prefix_caching,
+        prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks,
     )
     return build_core(model, config, eos)
 
@@ -85,6 +86,8 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
     result.preemptions = sum(s.num_preemptions for s in seqs.values())
     assert not core.scheduler.has_work, "engine did not finish"
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_blocks, "KV blocks leaked"
+    host = core.scheduler.host
+    assert host is None or host.num_free == host.num_blocks, "host pool blocks leaked"
     return result
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.service.engine.block_manager import BlockManager
 from tandem.service.engine.sampling_params import SamplingParams
-from tandem.service.engine.scheduler import Scheduler
+from tandem.service.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.service.engine.sequence import Sequence
 
 
@@ -140,7 +140,7 @@ def test_a_preempted_chunk_caches_nothing():
     a = seq("a", list(range(12)))
     s.add(a)
     out = s.schedule()
-    s._preempt(a, [])
+    s._preempt(a, SchedulerOutput([], []))
     s.finish_step(out, {})
     assert s.blocks.num_cached == 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import threading
 import time
 import urllib.error
@@ -185,6 +186,7 @@ def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             tiny_model_dir("llama"),
             "--model-name", MODEL,
             "--num-kv-blocks", "256",
+            "--kv-offload-gib", "0.01",  # a host pool of 1,310 blocks of this model's K/V
             "--metrics-port", str(metrics_port),
             "--otlp-endpoint", f"http://127.0.0.1:{otlp_port}",
             "--step-trace-sample-rate", "1",
@@ -292,6 +294,39 @@ def test_prefix_cache_counters_count_the_prompts_and_what_was_found_cached(serve
     after = scrape(served.metrics_url)
     assert value(after, queries) - value(before, queries) == 2 * prompt
     assert value(after, hits) - value(before, hits) == (prompt - 1) // 16 * 16 > 0
+
+
+def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Served):
+    """More live context than the KV cache holds (256 blocks x 16 tokens; twelve requests of 300 +
+    150): some are preempted, their K/V copied to the host pool and back (counted by direction), and
+    every request gets the greedy tokens it gets alone."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 500) for _ in range(300)] for _ in range(12)]
+    before = scrape(served.metrics_url)
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+
+        def generate(prompt: list[int]) -> list[int]:
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                stopping=pb.StoppingCriteria(max_tokens=150, ignore_eos=True),
+            )
+            return list(stub.Generate(req, timeout=120).token_ids)
+
+        alone = [generate(p) for p in prompts]
+        with futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(generate, prompts))
+    after = scrape(served.metrics_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("tandem_preemptions_total", mode="offload") > 0
+    assert delta("tandem_preemptions_total", mode="recompute") == 0  # the pool had room for all
+    blocks_in = delta("tandem_kv_offload_blocks_total", direction="in")
+    assert blocks_in == delta("tandem_kv_offload_blocks_total", direction="out") > 0
+    assert value(after, "tandem_kv_offload_usage_ratio") == 0  # every request finished
+    assert together == alone
 
 
 def test_engine_gauges_under_load(served: Served):

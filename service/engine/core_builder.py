@@ -15,6 +15,7 @@ from .attention import register
 from .block_manager import BlockManager
 from .engine_core import EngineCore
 from .fused_projections import fuse_projections
+from .host_blocks import HostBlocks
 from .kv_cache import CacheShape, KVCache
 from .model_runner import ModelRunner
 from .sampling_params import GenerationRequest, SamplingParams
@@ -55,6 +56,9 @@ class EngineConfig:
     # full KV blocks stay cached for later requests with the same prefix (block_manager.py); the
     # server turns it on (TANDEM_PREFIX_CACHING)
     prefix_caching: bool = False
+    # blocks of the host pool that preempted sequences' K/V are copied to (kv_offload.py; pinned on
+    # CUDA); 0 = none, preempted sequences are recomputed. The server sizes it (TANDEM_KV_OFFLOAD_GIB)
+    kv_offload_blocks: int = 0
 
 
 def build_core(
@@ -85,11 +89,18 @@ def build_core(
         capacity * shape.bytes_per_token(dtype) / 2**30,
         max_model_len,
     )
+    if config.kv_offload_blocks:
+        log.info(
+            "KV offload: a host pool of %d blocks (%.2f GiB) for preempted sequences",
+            config.kv_offload_blocks,
+            config.kv_offload_blocks * config.block_size * shape.bytes_per_token(dtype) / 2**30,
+        )
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_layout)
     scheduler = Scheduler(
         BlockManager(config.num_blocks, config.block_size, config.prefix_caching, _cache_salt(model)),
         config.max_num_seqs,
         config.max_num_batched_tokens,
+        HostBlocks(config.kv_offload_blocks) if config.kv_offload_blocks else None,
     )
     runner = ModelRunner(
         model,
@@ -103,6 +114,7 @@ def build_core(
         compile_backend=config.compile_backend,
         fold_rotary=config.fold_rotary,
         compile_prefill=config.compile_prefill,
+        kv_offload_blocks=config.kv_offload_blocks,
     )
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")

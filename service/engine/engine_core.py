@@ -102,12 +102,19 @@ class EngineCore:
             idle_fraction=self.idle.idle_fraction(),
             prefix_cache_queried_tokens=blocks.queried_tokens,
             prefix_cache_hit_tokens=blocks.hit_tokens,
+            preemptions_offload=self.scheduler.preempted_offload,
+            preemptions_recompute=self.scheduler.preempted_recompute,
+            kv_offload_blocks_out=self.scheduler.blocks_offloaded,
+            kv_offload_blocks_in=self.scheduler.blocks_restored,
+            kv_offload_usage=self.scheduler.host.usage if self.scheduler.host is not None else 0.0,
         )
 
     def reset_counters(self) -> None:
         """Start counting tokens afresh (after a warm-up, which is not traffic)."""
         self.generated_tokens = self.prompt_tokens = 0
         self.scheduler.blocks.queried_tokens = self.scheduler.blocks.hit_tokens = 0
+        s = self.scheduler
+        s.preempted_offload = s.preempted_recompute = s.blocks_offloaded = s.blocks_restored = 0
 
     def _new_sequence(self, req: GenerationRequest) -> Sequence:
         p = req.params
@@ -125,7 +132,7 @@ class EngineCore:
     def step(self) -> list[SeqUpdate]:
         """One synchronous step."""
         t0 = time.time()
-        out = self.scheduler.schedule()
+        out = self._schedule()
         if not out.chunks:
             return []
         self._mark_scheduled(out, t0)
@@ -150,7 +157,7 @@ class EngineCore:
         """
         nxt = None
         t0 = time.time()
-        out = self.scheduler.schedule() if self.scheduler.has_work else None
+        out = self._schedule() if self.scheduler.has_work else None
         if out is not None and out.chunks:
             self._mark_scheduled(out, t0)
             try:
@@ -177,6 +184,14 @@ class EngineCore:
                 failed.append(nxt.out)
             return self._contain(failed, exc), None
         return self._complete(launched, result), nxt
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next step, its K/V copies to and from the host pool already queued (they come
+        before its forward, and are queued even if the step has nothing to compute)."""
+        out = self.scheduler.schedule()
+        if out.moves:
+            self.runner.move_blocks(out.moves)
+        return out
 
     def _complete(self, launched: InFlight, result: StepResult) -> list[SeqUpdate]:
         end = time.monotonic()

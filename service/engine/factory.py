@@ -17,6 +17,7 @@ from .timing import StepTiming
 from .validation import Limits
 
 log = logging.getLogger(__name__)
+DEFAULT_OFFLOAD_GIB = 4.0  # the host pool on CUDA when TANDEM_KV_OFFLOAD_GIB is unset (vLLM's swap space)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,6 +49,15 @@ def _num_blocks(settings: ServerSettings, shape: CacheShape, dtype: torch.dtype,
     return KVCache.blocks_for_budget(shape, settings.block_size, dtype, budget)
 
 
+def _offload_blocks(
+    settings: ServerSettings, shape: CacheShape, dtype: torch.dtype, device: torch.device
+) -> int:
+    gib = settings.kv_offload_gib
+    if gib is None:
+        gib = DEFAULT_OFFLOAD_GIB if device.type == "cuda" else 0.0
+    return KVCache.blocks_for_budget(shape, settings.block_size, dtype, int(gib * 2**30))
+
+
 def build_engine(
     loaded: LoadedModel,
     settings: ServerSettings,
@@ -57,12 +67,14 @@ def build_engine(
     model = loaded.model
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    shape = CacheShape.of(model.config)
     config = EngineConfig(
-        num_blocks=_num_blocks(settings, CacheShape.of(model.config), dtype, device),
+        num_blocks=_num_blocks(settings, shape, dtype, device),
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefix_caching=settings.prefix_caching,
+        kv_offload_blocks=_offload_blocks(settings, shape, dtype, device),
         max_model_len=settings.max_model_len,
         cuda_graphs=settings.cuda_graphs,
         step_loop=settings.step_loop,

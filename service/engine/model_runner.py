@@ -23,8 +23,9 @@ from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_
 from .decode_op import kernel_supports, num_sms
 from .deferred_rotary import defer_rotary
 from .kv_cache import KVCache
+from .kv_offload import KVOffload
 from .sampler import SampleOutput, sample
-from .scheduler import ScheduledChunk
+from .scheduler import BlockMoves, ScheduledChunk
 from .step_buffers import DeviceBatch, StepBuffers
 from .varlen_prefill import varlen_supported
 
@@ -113,6 +114,7 @@ class ModelRunner:
         compile_backend: str = "inductor",
         fold_rotary: bool = False,
         compile_prefill: bool = False,
+        kv_offload_blocks: int = 0,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -135,7 +137,10 @@ class ModelRunner:
         self.num_sms = num_sms(device.index or 0) if device.type == "cuda" else 0
         # prompt chunks of a step in one flash-attention call, where this PyTorch and device can
         self.varlen_prefill = not self.sliding_window and varlen_supported(
-            device, cache.k_store.dtype, text_config.num_attention_heads, cache.shape.num_kv_heads,
+            device,
+            cache.k_store.dtype,
+            text_config.num_attention_heads,
+            cache.shape.num_kv_heads,
             cache.shape.head_dim,
         )
         self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
@@ -166,6 +171,9 @@ class ModelRunner:
         ]
         self._next_slot = 0
         self.streams = _Streams(device) if device.type == "cuda" else None
+        self.offload = None  # the host pool of preempted sequences' K/V (kv_offload.py)
+        if kv_offload_blocks:
+            self.offload = KVOffload(cache, kv_offload_blocks, self.streams and self.streams.compute)
         self.graphs = None
         if cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
@@ -182,6 +190,11 @@ class ModelRunner:
         """Capture the decode graphs (warm-up time, before the server reports SERVING)."""
         if self.graphs is not None:
             self.graphs.capture()
+
+    def move_blocks(self, moves: BlockMoves) -> None:
+        """Queue a step's K/V copies to and from the host pool, ahead of its forward."""
+        assert self.offload is not None, "the scheduler offloads only with a host pool"
+        self.offload.queue(moves)
 
     def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> HostBatch:
         return build_host_batch(chunks, self.block_size, prev_rows=prev_rows)

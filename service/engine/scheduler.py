@@ -6,7 +6,9 @@ Policy per step, under a token budget and a cap on running sequences:
 3. then waiting sequences are admitted in FIFO order while budget and blocks last; with prefix
    caching a sequence admitted starts from the cached blocks of its longest cached prefix.
 When a running sequence needs a block and none is free, the most recently admitted sequence
-not yet scheduled this step is preempted (its blocks freed, recomputed later from its tokens).
+not yet scheduled this step is preempted: with a host pool that has room, its K/V are copied out
+to the pool (offloaded) and copied back before it runs again, at the head of the queue; otherwise
+its blocks are freed and it is recomputed later from its tokens.
 A sequence that cannot be scheduled even then preempts itself; the others finish and free blocks,
 so the engine never deadlocks (a request never needs more blocks than the cache has: validated).
 
@@ -18,14 +20,20 @@ nothing else is scheduled, so a failure is always pinned on the request that cau
 Prefix caching: a chunk's full blocks become findable when its step's tokens come back
 (finish_step), never at scheduling, so no step reads a shared block that a step beside it is still
 writing; a chunk whose sequence lost its blocks meanwhile (preempted, aborted) caches nothing.
+
+Offload: a step's block copies (SchedulerOutput.moves) are queued before its forward, so copies out
+read what the steps before wrote and copies in land before this step reads them. A host block is
+free again as soon as its copy in is queued: every copy to or from the pool runs in one queue, so a
+later copy out to that block comes after it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .host_blocks import HostBlocks
 from .sequence import FinishReason, Sequence
 
 
@@ -41,9 +49,23 @@ class ScheduledChunk:
 
 
 @dataclass
+class BlockMoves:
+    """K/V copies between the device cache and the host pool, queued before the step's forward."""
+
+    out_device: list[int] = field(default_factory=list)  # device blocks copied out ...
+    out_host: list[int] = field(default_factory=list)  # ... to these host blocks
+    in_host: list[int] = field(default_factory=list)  # host blocks copied in ...
+    in_device: list[int] = field(default_factory=list)  # ... to these device blocks
+
+    def __bool__(self) -> bool:
+        return bool(self.out_device or self.in_host)
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
+    moves: BlockMoves = field(default_factory=BlockMoves)
 
     @property
     def num_tokens(self) -> int:
@@ -51,13 +73,25 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        host: HostBlocks | None = None,
+    ) -> None:
         self.blocks = blocks
+        self.host = host  # the host pool preempted sequences' K/V go to (None: recompute them)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.suspects: deque[Sequence] = deque()  # quarantined after a failed step, run alone in turn
+        # since start: preemptions by what became of the sequence's K/V, and blocks copied each way
+        self.preempted_offload = 0
+        self.preempted_recompute = 0
+        self.blocks_offloaded = 0
+        self.blocks_restored = 0
 
     @property
     def has_work(self) -> bool:
@@ -72,7 +106,7 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.blocks.free(seq)
+                    self._release(seq)
                     seq.finish_reason = FinishReason.CANCELLED
                     return seq
         return None
@@ -83,31 +117,32 @@ class Scheduler:
             for queue in (self.running, self.waiting, self.suspects):
                 if seq in queue:
                     queue.remove(seq)
-            self.blocks.free(seq)
+            self._release(seq)
             seq.num_computed = seq.num_inflight = 0
             self.suspects.append(seq)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
         """The first suspect's next chunk, alone in its step; room made by preempting running ones."""
-        preempted: list[Sequence] = []
+        out = SchedulerOutput([], [])
         if seq.num_uncomputed == 0 or seq.will_finish_by_length:
-            return SchedulerOutput([], preempted)  # its token is in flight: wait for it
+            return out  # its token is in flight: wait for it
         n = min(seq.num_uncomputed, self.max_num_batched_tokens)
         while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)) and self.running:
-            self._preempt(self.running[-1], preempted)
+            self._preempt(self.running[-1], out)
         self.blocks.allocate(seq, n)
         samples = seq.num_computed + n == seq.length
         chunk = ScheduledChunk(seq, seq.num_computed, n, samples, seq.num_inflight > 0, seq.block_epoch)
         seq.num_computed += n
         seq.num_inflight += samples
-        return SchedulerOutput([chunk], preempted)
+        out.chunks.append(chunk)
+        return out
 
     def schedule(self) -> SchedulerOutput:
         if self.suspects:
             return self._schedule_alone(self.suspects[0])
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[Sequence] = []
+        out = SchedulerOutput([], [])
+        chunks = out.chunks
         scheduled: set[int] = set()
 
         def take(seq: Sequence, n: int) -> None:
@@ -126,7 +161,7 @@ class Scheduler:
             """Preempt from the tail until `seq` has its blocks; False if `seq` itself had to go."""
             while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
-                self._preempt(victim, preempted)
+                self._preempt(victim, out)
                 if victim is seq:
                     return False
             return True
@@ -147,7 +182,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_inflight:  # preempted while its last token is in flight: wait for it
                 break
-            matched = self.blocks.match_prefix(seq)
+            matched = self.blocks.match_prefix(seq)  # nothing for an offloaded one: it has its K/V
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
                 if matched:
@@ -156,15 +191,49 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             take(seq, n)
-        return SchedulerOutput(chunks, preempted)
+            if seq.host_blocks:
+                self._restore(seq, out.moves)
+        return out
 
-    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take a running sequence off the device (its blocks are free for this step): its K/V to
+        the host pool where there is room, else dropped (recomputed later from its tokens)."""
         self.running.remove(seq)
-        self.blocks.free(seq)  # a step still running may write these blocks: later steps come after it
-        seq.num_computed = 0
+        held = -(-seq.num_computed // self.blocks.block_size)  # the blocks holding its computed K/V
+        if self.host is not None and held and self.host.can_allocate(held):
+            seq.host_blocks = self.host.allocate(held)
+            out.moves.out_device += seq.block_ids[:held]
+            out.moves.out_host += seq.host_blocks
+            self.blocks_offloaded += held
+            self.preempted_offload += 1
+            computed = seq.num_computed
+            self.blocks.free(seq)  # the copy out is queued before any later step writes them
+            seq.num_computed = computed
+        else:
+            self.blocks.free(seq)  # a step still running may write these blocks: later steps come after it
+            seq.num_computed = 0
+            self.preempted_recompute += 1
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        preempted.append(seq)
+        out.preempted.append(seq)
+
+    def _restore(self, seq: Sequence, moves: BlockMoves) -> None:
+        """An offloaded sequence got its device blocks back: copy its K/V in before this step reads them."""
+        held = len(seq.host_blocks)
+        moves.in_host += seq.host_blocks
+        moves.in_device += seq.block_ids[:held]
+        self.blocks_restored += held
+        assert self.host is not None
+        self.host.free(seq.host_blocks)  # later copies to these blocks queue after this one
+        seq.host_blocks = []
+
+    def _release(self, seq: Sequence) -> None:
+        """Free whatever blocks a sequence holds, on the device and in the host pool."""
+        self.blocks.free(seq)
+        if seq.host_blocks:
+            assert self.host is not None
+            self.host.free(seq.host_blocks)
+            seq.host_blocks = []
 
     def finish_step(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Hand the step's new tokens (chunk index -> token) to their sequences. Returns finished.
@@ -187,6 +256,6 @@ class Scheduler:
             if seq.finished:
                 queue = self.running if seq in self.running else self.waiting
                 queue.remove(seq)
-                self.blocks.free(seq)
+                self._release(seq)
                 finished.append(seq)
         return finished

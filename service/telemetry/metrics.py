@@ -111,6 +111,28 @@ class ServerMetrics:
                 unit="{token}",
                 description=f"Prompt tokens {what}, since start.",
             )
+        meter.create_observable_counter(
+            "tandem_preemptions",
+            callbacks=[
+                self._by_label("mode", preemptions_offload="offload", preemptions_recompute="recompute")
+            ],
+            unit="{request}",
+            description="Requests preempted because the KV cache ran out, since start, by what became of "
+            "their K/V: offload = copied to the host pool and back, recompute = dropped and recomputed.",
+        )
+        meter.create_observable_counter(
+            "tandem_kv_offload_blocks",
+            callbacks=[self._by_label("direction", kv_offload_blocks_out="out", kv_offload_blocks_in="in")],
+            unit="{block}",
+            description="KV-cache blocks copied to the host pool (out) and back (in), since start.",
+        )
+        self._gauge(
+            meter,
+            "tandem_kv_offload_usage_ratio",
+            "1",
+            "Share of the host pool of preempted requests' K/V in use (0 without a pool).",
+            "kv_offload_usage",
+        )
         meter.create_observable_gauge(
             "tandem_capacity_tokens_per_second",
             callbacks=[lambda _: self._observe_capacity(0)],
@@ -139,6 +161,17 @@ class ServerMetrics:
         def observe(_: CallbackOptions) -> Iterable[Observation]:
             stats = self.engine_stats()
             return [] if stats is None else [Observation(getattr(stats, field))]
+
+        return observe
+
+    def _by_label(self, label: str, **fields: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """A callback reading several fields of the engine's latest report, one value of `label` each."""
+
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            stats = self.engine_stats()
+            if stats is None:
+                return []
+            return [Observation(getattr(stats, f), {label: value}) for f, value in fields.items()]
 
         return observe
 

@@ -1,0 +1,39 @@
+"""The host pool's bookkeeping: which of its blocks hold a preempted sequence's K/V.
+
+Preemption copies a sequence's KV blocks to the pool instead of dropping them; its blocks come back
+to the device before it runs again (kv_offload.py makes the copies). Only bookkeeping lives here, so
+the scheduler stays free of tensors. Blocks are handed out lowest id first, so a sequence's blocks
+are mostly one run of the pool and its copies few.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+class HostBlocks:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("the host pool needs at least one block")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))  # a heap: lowest id first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} host KV blocks, {len(self._free)} free")
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        for block in blocks:
+            heapq.heappush(self._free, block)

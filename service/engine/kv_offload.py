@@ -1,0 +1,128 @@
+"""The host pool of KV blocks, and the copies between it and the device cache (KV offload).
+
+A preempted sequence's blocks are copied to the pool and back before it runs again, instead of
+being recomputed (host_blocks.py keeps the pool's bookkeeping, the scheduler decides). On CUDA the
+pool is pinned host memory and every copy is queued without a host wait:
+
+    compute stream:  gather the blocks going out into a staging buffer   -> gathered
+    offload stream:  wait gathered; copy staging -> pool (device to host)
+    offload stream:  copy pool -> staging (host to device)               -> loaded
+    compute stream:  wait loaded; scatter the staging buffer into the blocks coming in
+
+Both are queued before the step's forward: a gather reads what earlier steps wrote, before this
+step reuses the blocks; a scatter lands before this step reads them. The device-to-device gather
+and scatter are short; the PCIe copies run on their own stream beside the steps. It is not the
+step's token-copy stream: a step's tokens must never wait behind a long KV copy. One stream for
+both directions keeps every use of a pool block in order (the scheduler frees a block as soon as
+its copy in is queued). On the CPU the copies simply run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .kv_cache import KVCache
+from .scheduler import BlockMoves
+
+
+def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first pool block, first staging row, length) of each run of consecutive pool blocks."""
+    runs: list[tuple[int, int, int]] = []
+    for row, block in enumerate(host_ids):
+        if runs and runs[-1][0] + runs[-1][2] == block:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((block, row, 1))
+    return runs
+
+
+class KVOffload:
+    def __init__(self, cache: KVCache, num_blocks: int, compute: torch.cuda.Stream | None = None) -> None:
+        self.cache = cache
+        self.device = cache.k_store.device
+        self.cuda = self.device.type == "cuda"
+        self.block_dim = (
+            2 if cache.head_major else 1
+        )  # NHD [layer, block, slot, head, dim]; HND [layer, head, block, ...]
+        self.k_blocks, self.v_blocks = self._by_block(cache.k_store), self._by_block(cache.v_store)
+        block_shape = self.k_blocks.select(self.block_dim, 0).shape
+        # one pool block: its K and V of every layer, contiguous, so a run of blocks is one copy
+        self.store = torch.empty(
+            (num_blocks, 2, *block_shape), dtype=cache.k_store.dtype, pin_memory=self.cuda
+        )
+        self.compute = compute
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def _by_block(self, store: torch.Tensor) -> torch.Tensor:
+        bs = self.cache.block_size
+        if self.cache.head_major:  # [layer, head, slot, dim]
+            layers, heads, slots, dim = store.shape
+            return store.view(layers, heads, slots // bs, bs, dim)
+        layers, slots, heads, dim = store.shape
+        return store.view(layers, slots // bs, bs, heads, dim)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        index = torch.tensor(ids, dtype=torch.int64)
+        if not self.cuda:
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)  # pageable would wait for the stream
+
+    def queue(self, moves: BlockMoves) -> None:
+        """Queue a step's copies (before its forward): out first, since a block going out this step
+        may be the destination of one coming in."""
+        if moves.out_device:
+            self._copy_out(moves.out_device, moves.out_host)
+        if moves.in_host:
+            self._copy_in(moves.in_host, moves.in_device)
+
+    @torch.inference_mode()
+    def _copy_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+        d = self.block_dim
+        with _on(self.compute):
+            index = self._index(device_ids)
+            staging = torch.empty(
+                (len(device_ids), *self.store.shape[1:]), dtype=self.store.dtype, device=self.device
+            )
+            staging[:, 0] = self.k_blocks.index_select(d, index).movedim(d, 0)
+            staging[:, 1] = self.v_blocks.index_select(d, index).movedim(d, 0)
+        if not self.cuda:
+            self.store[torch.tensor(host_ids)] = staging
+            return
+        gathered = torch.cuda.Event()
+        gathered.record(self.compute)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(gathered)
+            for first, start, length in _runs(host_ids):
+                self.store[first : first + length].copy_(staging[start : start + length], non_blocking=True)
+        staging.record_stream(self.stream)  # the allocator keeps it until the copies are done
+
+    @torch.inference_mode()
+    def _copy_in(self, host_ids: list[int], device_ids: list[int]) -> None:
+        d = self.block_dim
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                staging = torch.empty(
+                    (len(host_ids), *self.store.shape[1:]), dtype=self.store.dtype, device=self.device
+                )
+                for first, start, length in _runs(host_ids):
+                    staging[start : start + length].copy_(
+                        self.store[first : first + length], non_blocking=True
+                    )
+                loaded = torch.cuda.Event()
+                loaded.record(self.stream)
+            self.compute.wait_event(loaded)
+        else:
+            staging = self.store[torch.tensor(host_ids)]
+        with _on(self.compute):
+            index = self._index(device_ids)
+            self.k_blocks.index_copy_(d, index, staging[:, 0].movedim(0, d))
+            self.v_blocks.index_copy_(d, index, staging[:, 1].movedim(0, d))
+        if self.cuda:
+            staging.record_stream(self.compute)
+
+
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

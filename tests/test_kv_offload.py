@@ -1,0 +1,221 @@
+"""KV offload on preemption: the host pool's bookkeeping, the scheduler's use of it, the copies
+between the device cache and the pool, and greedy parity with transformers' generate()."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_harness import Arrival, hf_greedy, make_core, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.host_blocks import HostBlocks
+from tandem.service.engine.kv_cache import CacheShape, KVCache
+from tandem.service.engine.kv_offload import KVOffload, _runs
+from tandem.service.engine.sampling_params import SamplingParams
+from tandem.service.engine.scheduler import BlockMoves, Scheduler
+from tandem.service.engine.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), 0, 10_000)
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    s.finish_step(out, {i: token for i, c in enumerate(out.chunks) if c.samples})
+    return out
+
+
+# --- the pool's bookkeeping ---------------------------------------------------------------------
+
+
+def test_the_host_pool_hands_out_its_lowest_free_blocks_first():
+    pool = HostBlocks(8)
+    assert pool.allocate(3) == [0, 1, 2] and pool.allocate(2) == [3, 4]
+    pool.free([1, 0])
+    assert pool.allocate(3) == [0, 1, 5] and pool.num_free == 2 and pool.usage == 0.75
+    assert not pool.can_allocate(3)
+    with pytest.raises(RuntimeError):
+        pool.allocate(3)
+
+
+def test_copies_go_in_runs_of_consecutive_pool_blocks():
+    assert _runs([4, 5, 6, 9, 10, 2]) == [(4, 0, 3), (9, 3, 2), (2, 5, 1)]
+    assert _runs([]) == []
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+
+def _two_running(num_blocks: int, host: HostBlocks | None) -> tuple[Scheduler, Sequence, Sequence]:
+    """a (admitted first) and b decoding in a cache with no block to spare for their next block."""
+    s = Scheduler(BlockManager(num_blocks, 4), max_num_seqs=4, max_num_batched_tokens=64, host=host)
+    a, b = seq("a", list(range(8)), max_tokens=10), seq("b", list(range(20, 28)), max_tokens=10)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prefilled: 8 tokens + the next in a third block each
+    return s, a, b
+
+
+def test_a_preempted_sequence_keeps_its_kv_in_the_host_pool_and_gets_it_back():
+    s, a, b = _two_running(6, HostBlocks(8))
+    for _ in range(4):
+        step(s)  # both at 12 tokens computed: their third blocks full
+    b_blocks = list(b.block_ids)
+    out = s.schedule()  # a needs a fourth block: b (the newest) goes to the pool
+    assert out.preempted == [b] and b in s.waiting
+    assert out.moves.out_device == b_blocks and out.moves.out_host == [0, 1, 2] == b.host_blocks
+    assert b.num_computed == 12 and b.block_ids == [] and s.host.num_free == 5
+    assert (s.preempted_offload, s.preempted_recompute, s.blocks_offloaded) == (1, 0, 3)
+    s.finish_step(out, {0: 7})
+    while b in s.waiting:  # a finishes; b comes back with its K/V, computing only its next token
+        out = step(s)
+    chunk = next(c for c in out.chunks if c.seq is b)
+    assert (chunk.start, chunk.num_tokens) == (12, 1)
+    assert out.moves.in_host == [0, 1, 2] and out.moves.in_device == b.block_ids[:3]
+    assert b.host_blocks == [] and s.host.num_free == 8 and s.blocks_restored == 3
+
+
+def test_without_room_in_the_pool_a_preempted_sequence_is_recomputed():
+    s, a, b = _two_running(6, HostBlocks(2))  # b's three blocks do not fit
+    for _ in range(4):
+        step(s)
+    out = s.schedule()
+    assert out.preempted == [b] and not out.moves and b.num_computed == 0 and b.host_blocks == []
+    assert (s.preempted_offload, s.preempted_recompute) == (0, 1)
+
+
+def test_aborting_an_offloaded_sequence_frees_its_pool_blocks():
+    s, a, b = _two_running(6, HostBlocks(8))
+    for _ in range(4):
+        step(s)
+    s.finish_step(s.schedule(), {0: 7})
+    assert b.host_blocks
+    s.abort("b")
+    assert s.host.num_free == 8 and b.host_blocks == []
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 8), st.booleans()), min_size=1, max_size=20),
+    st.integers(12, 30),  # a request needs at most 30 + 8 tokens: 10 blocks (more is refused)
+    st.integers(1, 24),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+@settings(max_examples=150, deadline=None)
+def test_device_and_pool_blocks_never_leak_and_are_never_shared(
+    requests, num_blocks, host_blocks, prefix_caching, seed
+):
+    """Random requests, some aborted, in a cache small enough to preempt and a pool small enough
+    to fill: each pool block is held by at most one sequence, and only by a waiting one; device
+    reference counts match the sequences holding them; at the end everything is free."""
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks, 4, prefix_caching=prefix_caching)
+    pool = HostBlocks(host_blocks)
+    s = Scheduler(blocks, max_num_seqs=6, max_num_batched_tokens=24, host=pool)
+    pending = [
+        (seq(f"r{i}", [rng.randrange(50) for _ in range(n)], max_tokens=new), abort)
+        for i, (n, new, abort) in enumerate(requests)
+    ]
+    live: list[Sequence] = []
+    for _ in range(3000):
+        if pending and rng.random() < 0.5:
+            new_seq, abort = pending.pop(0)
+            s.add(new_seq)
+            live.append(new_seq)
+            if abort and rng.random() < 0.3:
+                s.abort(new_seq.request_id)
+        if not s.has_work and not pending:
+            break
+        out = s.schedule()
+        # the copies out read blocks the preempted held; the copies in fill blocks the restored got
+        assert len(out.moves.out_device) == len(out.moves.out_host)
+        assert len(out.moves.in_host) == len(out.moves.in_device)
+        s.finish_step(out, {i: rng.randrange(50) for i, c in enumerate(out.chunks) if c.samples})
+        held = [b for q in live for b in q.host_blocks]
+        assert len(held) == len(set(held)) and len(held) + pool.num_free == host_blocks
+        assert all(q in s.waiting for q in live if q.host_blocks)
+        holders: dict[int, int] = {}
+        for q in live:
+            for b in q.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        assert all(blocks.refs(b) == holders.get(b, 0) for b in range(num_blocks))
+    assert not s.has_work
+    assert blocks.num_free == num_blocks and pool.num_free == host_blocks
+
+
+# --- the copies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_blocks_copied_out_and_back_in_hold_the_same_kv(layout):
+    shape = CacheShape(num_layers=2, num_kv_heads=3, head_dim=8)
+    cache = KVCache(
+        shape, num_blocks=6, block_size=4, dtype=torch.float32, device=torch.device("cpu"), layout=layout
+    )
+    cache.k_store.copy_(torch.randn_like(cache.k_store))
+    cache.v_store.copy_(torch.randn_like(cache.v_store))
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    offload = KVOffload(cache, num_blocks=5)
+    offload.queue(BlockMoves(out_device=[1, 4, 2], out_host=[3, 4, 0]))
+    cache.k_store.zero_()
+    cache.v_store.zero_()
+    offload.queue(BlockMoves(in_host=[3, 4, 0], in_device=[5, 0, 3]))  # back into other blocks
+    bs = cache.block_size
+
+    def block(t: torch.Tensor, b: int) -> torch.Tensor:
+        return t[:, b * bs : (b + 1) * bs]
+
+    for src, dst in [(1, 5), (4, 0), (2, 3)]:
+        assert torch.equal(block(cache.k, dst), block(k0, src)) and torch.equal(
+            block(cache.v, dst), block(v0, src)
+        )
+    assert not block(cache.k, 1).any() and not block(cache.k, 2).any()  # nothing else was written
+
+
+# --- greedy parity with generate() --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+
+
+def _arrivals(vocab: int, seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    lengths, steps = [30, 22, 41, 9, 17, 26, 35], [0, 0, 1, 1, 2, 4, 6]
+    return [
+        Arrival(f"r{i}", [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=24), at)
+        for i, (n, at) in enumerate(zip(lengths, steps, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+@pytest.mark.parametrize(
+    "pool, prefix_caching",
+    [(64, False), (6, False), (64, True)],  # room for all; room for some (both paths); with the prefix cache
+)
+def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_caching):
+    arrivals = _arrivals(llama.config.vocab_size, seed=3)
+    # 24 blocks x 4 = 96 cache slots for seven requests of up to 65 tokens each: preemption is forced
+    core = make_core(
+        llama, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96, step_loop=loop,
+        kv_offload_blocks=pool, prefix_caching=prefix_caching,
+    )  # fmt: skip
+    result = run(core, arrivals)
+    s = core.scheduler
+    # every request runs to max_tokens and is preempted only with more to compute: all come back
+    assert s.preempted_offload > 0 and s.blocks_restored == s.blocks_offloaded
+    if pool == 6:
+        assert s.preempted_recompute > 0, "the pool was meant to be too small for some preemptions"
+    else:
+        assert s.preempted_recompute == 0
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 24, None), a.request_id
+    stats = core.stats()
+    assert (stats.preemptions_offload, stats.kv_offload_blocks_in) == (s.preempted_offload, s.blocks_restored)
