@@ -68,6 +68,11 @@ PANELS = [
             "{{stage}}",
         )
     ], 8, "tandem_step_duration_seconds: prepare, h2d, compute, d2h and the whole step."),
+    ("Preemptions", "short", [
+        (f"sum by (mode) (rate(tandem_preemptions_total{{{SEL}}}[5m]))", "{{mode}} /s"),
+        (f"max(tandem_kv_offload_usage_ratio{{{SEL}}})", "host pool used (max over pods)"),
+    ], 8, "Requests preempted per second when the KV cache ran out, by mode (offload = K/V copied to the "
+     "host pool and back, recompute = prefilled again), and the share of the host pool in use."),
 ]  # fmt: skip
 
 
