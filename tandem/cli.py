@@ -78,6 +78,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it
     "gpu-profile": "profile_gpu.py",
     "cpu": "cpu_throughput.py",
     "autoscale": "autoscale_sim.py",
+    "workloads": "workloads.py",
 }
 
 
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser(
         "bench",
-        help="run a benchmark (gpu: engine vs transformers with the roofline; serve; soak; cpu; autoscale)",
+        help="run a benchmark (gpu: engine vs transformers with the roofline; serve; soak; cpu; autoscale; "
+        "workloads: mixed, shared-prefix, oversubscribed and long-generation workloads)",
         description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them.",
     )
     bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")

@@ -1,0 +1,379 @@
+"""The engine on real-shaped workloads, each side by side with the feature it needs turned off, in one run.
+
+    tandem bench workloads [--shape 8b] [--workloads mixed,prefix,oversubscribed,long] [--seeds 1,2,3]
+    tandem bench workloads --smoke      # tiny shape on CPU: checks the logic, numbers meaningless
+
+One engine core at the server's CUDA settings (compiled decode and prefill forwards, CUDA graphs,
+fused projections, cuBLASLt, rotary in the decode kernel, the asynchronous loop, the server's step
+budget and sequence cap) is built once; each run gets a fresh scheduler over the same device cache
+(its own block count, prefix caching on or off, a host pool or none), so the runs differ in nothing
+else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted at once.
+
+- `mixed`: a ShareGPT-like mix (serve_workload.py's log-normal lengths: prompts 16-2,048, mean
+  ~580; answers 8-1,024, mean ~250), one run per seed. Its **additive bound**: the run's decode steps'
+  memory traffic (every weight, plus each decoding sequence's K/V) at the copy bandwidth, plus its
+  prompt tokens' GEMM work (2 x linear parameters per token) at the dense bf16 GEMM rate measured in
+  the same run. `of bound` = bound / measured time. Each step is also put in one of three kinds
+  (decode only, prompt only, mixed) with its device time and its host preparation time.
+- `prefix`: `--prefixes` system prompts of `--prefix-len` tokens, each shared by the same number of
+  requests (a distinct 64-token question each, in a random order), in a cache that holds only some
+  of the prefixes beside the running requests, so cached blocks are evicted: prefix caching on vs off.
+- `oversubscribed`: more live context than the KV cache holds (`--oversubscribe`x): preempted
+  requests' K/V offloaded to a host pool of `--offload-gib` vs recomputed (prefix caching on in both,
+  as the server runs); the tokens of the two are compared.
+- `long`: few requests, very long generations (8 x 512 prompt x 16,384 new): tokens/s and the share
+  of the decode roofline (every weight and every sequence's K/V per step at the copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import _repo  # noqa: F401  (must come before any tandem import)
+import torch
+from common import copy_bandwidth, environment, markdown_table, write_json
+from gpu_sync import SERVER_CUDA, build_model
+from serve_workload import jobs as make_jobs
+
+from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.core_builder import EngineConfig, _cache_salt, build_core
+from tandem.service.engine.engine_core import EngineCore
+from tandem.service.engine.host_blocks import HostBlocks
+from tandem.service.engine.kv_cache import CacheShape
+from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+from tandem.service.engine.scheduler import Scheduler
+from tandem.service.engine.timing import StepTiming
+
+BLOCK = 16
+MAX_NUM_SEQS, BUDGET = 256, 2048  # the server's defaults
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    new: list[int]
+
+    @property
+    def live_tokens(self) -> int:
+        return sum(len(p) + n for p, n in zip(self.prompts, self.new, strict=True))
+
+
+@dataclass
+class Run:
+    """One timed pass of a workload through the core."""
+
+    seconds: float
+    tokens: int
+    outputs: list[list[int]]
+    ttft: list[float]
+    steps: list[dict] = field(default_factory=list)  # per step: kind, decode contexts, prompt tokens, times
+    preempted: tuple[int, int] = (0, 0)  # (offload, recompute)
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+
+    def summary(self) -> dict:
+        ttft = sorted(self.ttft)
+        return {
+            "seconds": round(self.seconds, 3),
+            "tok_s": round(self.tokens / self.seconds, 1),
+            "steps": len(self.steps),
+            "ttft_p50_ms": round(1e3 * ttft[len(ttft) // 2], 1),
+            "ttft_p99_ms": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
+            "preemptions_offload": self.preempted[0],
+            "preemptions_recompute": self.preempted[1],
+            "prefix_hit_rate": round(self.hit_tokens / self.queried_tokens, 4) if self.queried_tokens else 0.0,
+        }
+
+
+def fresh_scheduler(core: EngineCore, num_blocks: int, prefix_caching: bool, host_blocks: int) -> None:
+    """A new scheduler over the core's cache: its own block count (at most the cache's), prefix
+    caching on or off, a host pool (within the runner's) or none."""
+    assert num_blocks <= core.runner.cache.num_blocks
+    pool = core.runner.offload
+    assert host_blocks == 0 or (pool is not None and host_blocks <= pool.store.shape[0])
+    blocks = BlockManager(num_blocks, core.runner.block_size, prefix_caching, _cache_salt(core.runner.model))
+    core.scheduler = Scheduler(blocks, MAX_NUM_SEQS, BUDGET, HostBlocks(host_blocks) if host_blocks else None)
+
+
+def run(core: EngineCore, work: Workload, tag: str) -> Run:
+    """Every request at once; each step's kind and sizes recorded from the scheduler's output."""
+    scheduler = core.scheduler
+    steps: list[dict] = []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        if out.chunks:
+            decode = [c.start + 1 for c in out.chunks if c.num_tokens == 1]
+            prompt = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
+            kind = "mixed" if decode and prompt else ("decode" if decode else "prompt")
+            steps.append({"kind": kind, "decode_context": sum(decode), "decode_rows": len(decode), "prompt": prompt})
+        return out
+
+    timings: list[StepTiming] = []
+    scheduler.schedule = recording
+    core.step_observer = timings.append
+    ids = [f"{tag}{i}" for i in range(len(work.prompts))]
+    outputs: dict[str, list[int]] = {r: [] for r in ids}
+    first: dict[str, float] = {}
+    sync(core)
+    start = time.perf_counter()
+    for rid, prompt, n in zip(ids, work.prompts, work.new, strict=True):
+        core.add(GenerationRequest(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    while core.has_work:
+        for u in core.run_once():
+            if u.error:
+                raise RuntimeError(f"{u.request_id}: {u.error}")
+            if u.request_id not in first:
+                first[u.request_id] = time.perf_counter() - start
+            outputs[u.request_id] += u.new_token_ids
+    sync(core)
+    seconds = time.perf_counter() - start
+    core.step_observer = None
+    del scheduler.schedule
+    for step, timing in zip(steps, timings, strict=True):  # the observer sees every step, in order
+        step["prepare_ms"] = 1e3 * (timing.prepare[1] - timing.prepare[0])
+        if timing.compute is not None:
+            step["device_ms"] = 1e3 * (timing.compute[1] - timing.compute[0])
+    got = [outputs[r] for r in ids]
+    short = [i for i, (o, n) in enumerate(zip(got, work.new, strict=True)) if len(o) != n]
+    if short:
+        raise RuntimeError(f"{len(short)} requests ended early")
+    blocks = scheduler.blocks
+    return Run(
+        seconds, sum(work.new), got, list(first.values()), steps,
+        (scheduler.preempted_offload, scheduler.preempted_recompute), blocks.hit_tokens, blocks.queried_tokens,
+    )  # fmt: skip
+
+
+def sync(core: EngineCore) -> None:
+    if core.runner.device.type == "cuda":
+        torch.cuda.synchronize(core.runner.device)
+
+
+# -- limits ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    weight_bytes: int
+    linear_params: int  # GEMM weights a prompt token goes through (embedding and LM head apart)
+    kv_per_token: int
+    bandwidth: float  # bytes read + written per second, device-to-device copy
+    gemm_flops: float  # dense GEMM rate, FLOP/s
+
+    def additive_bound(self, steps: list[dict]) -> dict:
+        decode = sum(
+            (self.weight_bytes + s["decode_context"] * self.kv_per_token) / self.bandwidth
+            for s in steps if s["decode_rows"]
+        )  # fmt: skip
+        prompt = sum(2 * self.linear_params * s["prompt"] for s in steps) / self.gemm_flops
+        return {"decode_memory_s": round(decode, 3), "prompt_gemm_s": round(prompt, 3), "seconds": round(decode + prompt, 3)}
+
+
+def linear_params(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings()
+    total = 0
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if w is not None and w.dim() == 2 and module is not head and not isinstance(module, torch.nn.Embedding):
+            total += w.numel()
+    return total
+
+
+def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    if device.type != "cuda":
+        n = 256
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    reps = 10
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def step_kinds(steps: list[dict]) -> dict:
+    """Per kind of step: how many, their device time and host preparation time."""
+    out = {}
+    for kind in ("decode", "prompt", "mixed"):
+        of = [s for s in steps if s["kind"] == kind]
+        if not of:
+            continue
+        device = [s["device_ms"] for s in of if "device_ms" in s]
+        out[kind] = {
+            "steps": len(of),
+            "device_s": round(sum(device) / 1e3, 3) if device else None,
+            "prepare_ms_mean": round(sum(s["prepare_ms"] for s in of) / len(of), 3),
+            "prompt_tokens_mean": round(sum(s["prompt"] for s in of) / len(of), 1),
+            "decode_rows_mean": round(sum(s["decode_rows"] for s in of) / len(of), 1),
+        }
+    return out
+
+
+# -- workloads -------------------------------------------------------------------------------------
+
+
+def mixed(count: int, vocab: int, max_len: int, seed: int) -> Workload:
+    js = make_jobs("mixed", count, vocab, max_len, seed)
+    return Workload([j.prompt_ids for j in js], [j.max_tokens for j in js])
+
+
+def shared_prefixes(prefixes: int, per_prefix: int, prefix_len: int, vocab: int, new: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(prefixes)]
+    prompts = [s + [rng.randrange(vocab) for _ in range(64)] for s in systems for _ in range(per_prefix)]
+    rng.shuffle(prompts)
+    return Workload(prompts, [new] * len(prompts))
+
+
+def fixed(count: int, prompt: int, new: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    return Workload([[rng.randrange(vocab) for _ in range(prompt)] for _ in range(count)], [new] * count)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["8b", "1b", "tiny"], default="8b")
+    ap.add_argument("--workloads", default="mixed,prefix,oversubscribed,long")
+    ap.add_argument("--seeds", default="1,2,3", help="mixed: one run per seed")
+    ap.add_argument("--requests", type=int, default=512, help="mixed: requests per run")
+    ap.add_argument("--prefixes", type=int, default=16)
+    ap.add_argument("--per-prefix", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--prefix-cache-share", type=float, default=0.5,
+                    help="prefix: the cache holds this share of all the prefixes plus the running requests")
+    ap.add_argument("--oversub-requests", type=int, default=128)
+    ap.add_argument("--oversub-prompt", type=int, default=1024)
+    ap.add_argument("--oversub-new", type=int, default=512)
+    ap.add_argument("--oversubscribe", type=float, default=2.0, help="live context / what the cache holds")
+    ap.add_argument("--offload-gib", type=float, default=16.0)
+    ap.add_argument("--long-requests", type=int, default=8)
+    ap.add_argument("--long-prompt", type=int, default=512)
+    ap.add_argument("--long-new", type=int, default=16384)
+    ap.add_argument("--cache-gib", type=float, default=60.0, help="the device cache all runs share")
+    ap.add_argument("--out", default="bench/results/workloads.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, few tokens: checks the logic")
+    a = ap.parse_args()
+    if a.smoke:
+        a.shape, a.requests, a.seeds = "tiny", 24, "1"
+        a.prefixes, a.per_prefix, a.prefix_len = 3, 4, 64
+        a.oversub_requests, a.oversub_prompt, a.oversub_new = 12, 48, 24
+        a.long_requests, a.long_prompt, a.long_new = 2, 16, 64
+        a.cache_gib, a.offload_gib = 0.05, 0.02
+    device = torch.device("cpu" if a.smoke else "cuda")
+    dtype = torch.float32 if a.smoke else torch.bfloat16
+    model = build_model(a.shape, device, dtype)
+    vocab = model.config.vocab_size
+    shape = CacheShape.of(model.config)
+    kv = shape.bytes_per_token(dtype)
+    cache_blocks = int(a.cache_gib * 2**30) // (kv * BLOCK)
+    long_len = a.long_prompt + a.long_new
+    max_len = max(4096, long_len + BLOCK)
+    config = EngineConfig(
+        num_blocks=cache_blocks, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET,
+        max_model_len=max_len, prefix_caching=True, kv_offload_blocks=int(a.offload_gib * 2**30) // (kv * BLOCK),
+        **({} if a.smoke else {**SERVER_CUDA, "step_loop": "async"}),
+    )  # fmt: skip
+    built = time.perf_counter()
+    core = build_core(model, config)
+    limits = Device(
+        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        linear_params=linear_params(model), kv_per_token=kv,
+        bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10, gemm_flops=gemm_rate(device, dtype),
+    )  # fmt: skip
+    report: dict = {
+        "environment": environment(device),
+        "shape": a.shape,
+        "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": BUDGET, "block_size": BLOCK,
+                   "build_s": round(time.perf_counter() - built, 1), **({} if a.smoke else SERVER_CUDA)},
+        "copy_bandwidth_TBps": round(limits.bandwidth / 1e12, 3),
+        "gemm_TFLOPs": round(limits.gemm_flops / 1e12, 1),
+        "weight_GB": round(limits.weight_bytes / 1e9, 3),
+        "kv_KiB_per_token": kv / 1024,
+    }  # fmt: skip
+    rows: list[list[object]] = []
+    selected = a.workloads.split(",")
+
+    def timed(name: str, work: Workload, num_blocks: int, prefix: bool, host: int) -> Run:
+        fresh_scheduler(core, num_blocks, prefix, host)
+        result = run(core, work, name)
+        print(f"{name}: {result.summary()}", file=sys.stderr, flush=True)
+        return result
+
+    # warm-up: a short mixed pass (allocator, kernels of every step kind), not reported
+    timed("warmup", mixed(min(64, a.requests), vocab, 4096, seed=999), cache_blocks, True, 0)
+
+    if "mixed" in selected:
+        report["mixed"] = []
+        for seed in [int(s) for s in a.seeds.split(",")]:
+            work = mixed(a.requests, vocab, 4096, seed)
+            r = timed(f"mixed{seed}", work, cache_blocks, True, 0)
+            bound = limits.additive_bound(r.steps)
+            report["mixed"].append({
+                "seed": seed, "requests": a.requests, "prompt_tokens": sum(map(len, work.prompts)),
+                "new_tokens": sum(work.new), **r.summary(), "additive_bound": bound,
+                "of_bound": round(bound["seconds"] / r.seconds, 4), "step_kinds": step_kinds(r.steps),
+            })  # fmt: skip
+            rows.append([f"mixed, seed {seed}", "-", r.summary()["tok_s"], f"{bound['seconds'] / r.seconds:.1%} of additive bound"])
+
+    if "prefix" in selected:
+        work = shared_prefixes(a.prefixes, a.per_prefix, a.prefix_len, vocab, 128, seed=7)
+        running = min(MAX_NUM_SEQS, len(work.prompts)) * (64 + 128)
+        blocks = -(-int(a.prefix_cache_share * a.prefixes * a.prefix_len + running) // BLOCK)
+        blocks = max(blocks, -(-(a.prefix_len + 64 + 128) // BLOCK) * 2)
+        on, off = (timed(f"prefix_{m}", work, blocks, m == "on", 0) for m in ("on", "off"))
+        report["prefix"] = {
+            "prefixes": a.prefixes, "per_prefix": a.per_prefix, "prefix_len": a.prefix_len, "question": 64,
+            "new": 128, "cache_blocks": blocks, "on": on.summary(), "off": off.summary(),
+            "throughput_ratio": round(off.seconds / on.seconds, 3),
+            "ttft_p50_ratio": round(on.summary()["ttft_p50_ms"] / off.summary()["ttft_p50_ms"], 4),
+            "same_tokens": sum(x == y for x, y in zip(on.outputs, off.outputs, strict=True)),
+        }  # fmt: skip
+        rows.append(["shared prefix, evicting", "on / off", f"{on.summary()['tok_s']} / {off.summary()['tok_s']}",
+                     f"{off.seconds / on.seconds:.2f}x, TTFT p50 {report['prefix']['ttft_p50_ratio']:.1%}"])  # fmt: skip
+
+    if "oversubscribed" in selected:
+        work = fixed(a.oversub_requests, a.oversub_prompt, a.oversub_new, vocab, seed=11)
+        blocks = -(-int(work.live_tokens / a.oversubscribe) // BLOCK)
+        host = config.kv_offload_blocks
+        off_, rec = (timed(f"oversub_{m}", work, blocks, True, host if m == "offload" else 0) for m in ("offload", "recompute"))
+        report["oversubscribed"] = {
+            "requests": a.oversub_requests, "prompt": a.oversub_prompt, "new": a.oversub_new,
+            "live_tokens": work.live_tokens, "cache_tokens": blocks * BLOCK, "host_pool_GiB": a.offload_gib,
+            "offload": off_.summary(), "recompute": rec.summary(),
+            "throughput_ratio": round(rec.seconds / off_.seconds, 3),
+            "same_tokens": sum(x == y for x, y in zip(off_.outputs, rec.outputs, strict=True)),
+        }  # fmt: skip
+        rows.append(["oversubscribed cache", "offload / recompute",
+                     f"{off_.summary()['tok_s']} / {rec.summary()['tok_s']}", f"{rec.seconds / off_.seconds:.2f}x"])  # fmt: skip
+
+    if "long" in selected:
+        work = fixed(a.long_requests, a.long_prompt, a.long_new, vocab, seed=13)
+        r = timed("long", work, cache_blocks, True, 0)
+        roof = sum(
+            (limits.weight_bytes + s["decode_context"] * kv) / limits.bandwidth for s in r.steps if s["decode_rows"]
+        )  # fmt: skip
+        report["long"] = {
+            "requests": a.long_requests, "prompt": a.long_prompt, "new": a.long_new, **r.summary(),
+            "roofline_s": round(roof, 3), "of_roofline": round(roof / r.seconds, 4), "step_kinds": step_kinds(r.steps),
+        }  # fmt: skip
+        rows.append([f"long, {a.long_requests} x {a.long_prompt} + {a.long_new}", "-", r.summary()["tok_s"],
+                     f"{roof / r.seconds:.1%} of roofline"])  # fmt: skip
+
+    print(markdown_table(["workload", "runs", "tokens/s", "against"], rows))
+    print(f"wrote {write_json(a.out, report)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
