@@ -31,7 +31,6 @@ import argparse
 import random
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import _repo  # noqa: F401  (must come before any tandem import)
@@ -86,7 +85,9 @@ class Run:
             "ttft_p99_ms": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
             "preemptions_offload": self.preempted[0],
             "preemptions_recompute": self.preempted[1],
-            "prefix_hit_rate": round(self.hit_tokens / self.queried_tokens, 4) if self.queried_tokens else 0.0,
+            "prefix_hit_rate": round(self.hit_tokens / self.queried_tokens, 4)
+            if self.queried_tokens
+            else 0.0,
         }
 
 
@@ -112,7 +113,9 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
             decode = [c.start + 1 for c in out.chunks if c.num_tokens == 1]
             prompt = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
             kind = "mixed" if decode and prompt else ("decode" if decode else "prompt")
-            steps.append({"kind": kind, "decode_context": sum(decode), "decode_rows": len(decode), "prompt": prompt})
+            steps.append(
+                {"kind": kind, "decode_context": sum(decode), "decode_rows": len(decode), "prompt": prompt}
+            )
         return out
 
     timings: list[StepTiming] = []
@@ -124,7 +127,11 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
     sync(core)
     start = time.perf_counter()
     for rid, prompt, n in zip(ids, work.prompts, work.new, strict=True):
-        core.add(GenerationRequest(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+        core.add(
+            GenerationRequest(
+                rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            )
+        )
     while core.has_work:
         for u in core.run_once():
             if u.error:
@@ -146,9 +153,15 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
         raise RuntimeError(f"{len(short)} requests ended early")
     blocks = scheduler.blocks
     return Run(
-        seconds, sum(work.new), got, list(first.values()), steps,
-        (scheduler.preempted_offload, scheduler.preempted_recompute), blocks.hit_tokens, blocks.queried_tokens,
-    )  # fmt: skip
+        seconds,
+        sum(work.new),
+        got,
+        list(first.values()),
+        steps,
+        (scheduler.preempted_offload, scheduler.preempted_recompute),
+        blocks.hit_tokens,
+        blocks.queried_tokens,
+    )
 
 
 def sync(core: EngineCore) -> None:
@@ -170,10 +183,15 @@ class Device:
     def additive_bound(self, steps: list[dict]) -> dict:
         decode = sum(
             (self.weight_bytes + s["decode_context"] * self.kv_per_token) / self.bandwidth
-            for s in steps if s["decode_rows"]
-        )  # fmt: skip
+            for s in steps
+            if s["decode_rows"]
+        )
         prompt = sum(2 * self.linear_params * s["prompt"] for s in steps) / self.gemm_flops
-        return {"decode_memory_s": round(decode, 3), "prompt_gemm_s": round(prompt, 3), "seconds": round(decode + prompt, 3)}
+        return {
+            "decode_memory_s": round(decode, 3),
+            "prompt_gemm_s": round(prompt, 3),
+            "seconds": round(decode + prompt, 3),
+        }
 
 
 def linear_params(model: torch.nn.Module) -> int:
@@ -181,7 +199,12 @@ def linear_params(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
         w = module._parameters.get("weight")
-        if w is not None and w.dim() == 2 and module is not head and not isinstance(module, torch.nn.Embedding):
+        if (
+            w is not None
+            and w.dim() == 2
+            and module is not head
+            and not isinstance(module, torch.nn.Embedding)
+        ):
             total += w.numel()
     return total
 
@@ -229,7 +252,9 @@ def mixed(count: int, vocab: int, max_len: int, seed: int) -> Workload:
     return Workload([j.prompt_ids for j in js], [j.max_tokens for j in js])
 
 
-def shared_prefixes(prefixes: int, per_prefix: int, prefix_len: int, vocab: int, new: int, seed: int) -> Workload:
+def shared_prefixes(
+    prefixes: int, per_prefix: int, prefix_len: int, vocab: int, new: int, seed: int
+) -> Workload:
     rng = random.Random(seed)
     systems = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(prefixes)]
     prompts = [s + [rng.randrange(vocab) for _ in range(64)] for s in systems for _ in range(per_prefix)]
@@ -251,8 +276,12 @@ def main() -> None:
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--per-prefix", type=int, default=16)
     ap.add_argument("--prefix-len", type=int, default=1024)
-    ap.add_argument("--prefix-cache-share", type=float, default=0.5,
-                    help="prefix: the cache holds this share of all the prefixes plus the running requests")
+    ap.add_argument(
+        "--prefix-cache-share",
+        type=float,
+        default=0.5,
+        help="prefix: the cache holds this share of all the prefixes plus the running requests",
+    )
     ap.add_argument("--oversub-requests", type=int, default=128)
     ap.add_argument("--oversub-prompt", type=int, default=1024)
     ap.add_argument("--oversub-new", type=int, default=512)
@@ -281,27 +310,39 @@ def main() -> None:
     long_len = a.long_prompt + a.long_new
     max_len = max(4096, long_len + BLOCK)
     config = EngineConfig(
-        num_blocks=cache_blocks, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET,
-        max_model_len=max_len, prefix_caching=True, kv_offload_blocks=int(a.offload_gib * 2**30) // (kv * BLOCK),
+        num_blocks=cache_blocks,
+        block_size=BLOCK,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=BUDGET,
+        max_model_len=max_len,
+        prefix_caching=True,
+        kv_offload_blocks=int(a.offload_gib * 2**30) // (kv * BLOCK),
         **({} if a.smoke else {**SERVER_CUDA, "step_loop": "async"}),
-    )  # fmt: skip
+    )
     built = time.perf_counter()
     core = build_core(model, config)
     limits = Device(
         weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        linear_params=linear_params(model), kv_per_token=kv,
-        bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10, gemm_flops=gemm_rate(device, dtype),
-    )  # fmt: skip
+        linear_params=linear_params(model),
+        kv_per_token=kv,
+        bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10,
+        gemm_flops=gemm_rate(device, dtype),
+    )
     report: dict = {
         "environment": environment(device),
         "shape": a.shape,
-        "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": BUDGET, "block_size": BLOCK,
-                   "build_s": round(time.perf_counter() - built, 1), **({} if a.smoke else SERVER_CUDA)},
+        "engine": {
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": BUDGET,
+            "block_size": BLOCK,
+            "build_s": round(time.perf_counter() - built, 1),
+            **({} if a.smoke else SERVER_CUDA),
+        },
         "copy_bandwidth_TBps": round(limits.bandwidth / 1e12, 3),
         "gemm_TFLOPs": round(limits.gemm_flops / 1e12, 1),
         "weight_GB": round(limits.weight_bytes / 1e9, 3),
         "kv_KiB_per_token": kv / 1024,
-    }  # fmt: skip
+    }
     rows: list[list[object]] = []
     selected = a.workloads.split(",")
 
@@ -320,12 +361,26 @@ def main() -> None:
             work = mixed(a.requests, vocab, 4096, seed)
             r = timed(f"mixed{seed}", work, cache_blocks, True, 0)
             bound = limits.additive_bound(r.steps)
-            report["mixed"].append({
-                "seed": seed, "requests": a.requests, "prompt_tokens": sum(map(len, work.prompts)),
-                "new_tokens": sum(work.new), **r.summary(), "additive_bound": bound,
-                "of_bound": round(bound["seconds"] / r.seconds, 4), "step_kinds": step_kinds(r.steps),
-            })  # fmt: skip
-            rows.append([f"mixed, seed {seed}", "-", r.summary()["tok_s"], f"{bound['seconds'] / r.seconds:.1%} of additive bound"])
+            report["mixed"].append(
+                {
+                    "seed": seed,
+                    "requests": a.requests,
+                    "prompt_tokens": sum(map(len, work.prompts)),
+                    "new_tokens": sum(work.new),
+                    **r.summary(),
+                    "additive_bound": bound,
+                    "of_bound": round(bound["seconds"] / r.seconds, 4),
+                    "step_kinds": step_kinds(r.steps),
+                }
+            )
+            rows.append(
+                [
+                    f"mixed, seed {seed}",
+                    "-",
+                    r.summary()["tok_s"],
+                    f"{bound['seconds'] / r.seconds:.1%} of additive bound",
+                ]
+            )
 
     if "prefix" in selected:
         work = shared_prefixes(a.prefixes, a.per_prefix, a.prefix_len, vocab, 128, seed=7)
@@ -334,42 +389,81 @@ def main() -> None:
         blocks = max(blocks, -(-(a.prefix_len + 64 + 128) // BLOCK) * 2)
         on, off = (timed(f"prefix_{m}", work, blocks, m == "on", 0) for m in ("on", "off"))
         report["prefix"] = {
-            "prefixes": a.prefixes, "per_prefix": a.per_prefix, "prefix_len": a.prefix_len, "question": 64,
-            "new": 128, "cache_blocks": blocks, "on": on.summary(), "off": off.summary(),
+            "prefixes": a.prefixes,
+            "per_prefix": a.per_prefix,
+            "prefix_len": a.prefix_len,
+            "question": 64,
+            "new": 128,
+            "cache_blocks": blocks,
+            "on": on.summary(),
+            "off": off.summary(),
             "throughput_ratio": round(off.seconds / on.seconds, 3),
             "ttft_p50_ratio": round(on.summary()["ttft_p50_ms"] / off.summary()["ttft_p50_ms"], 4),
             "same_tokens": sum(x == y for x, y in zip(on.outputs, off.outputs, strict=True)),
-        }  # fmt: skip
-        rows.append(["shared prefix, evicting", "on / off", f"{on.summary()['tok_s']} / {off.summary()['tok_s']}",
-                     f"{off.seconds / on.seconds:.2f}x, TTFT p50 {report['prefix']['ttft_p50_ratio']:.1%}"])  # fmt: skip
+        }
+        rows.append(
+            [
+                "shared prefix, evicting",
+                "on / off",
+                f"{on.summary()['tok_s']} / {off.summary()['tok_s']}",
+                f"{off.seconds / on.seconds:.2f}x, TTFT p50 {report['prefix']['ttft_p50_ratio']:.1%}",
+            ]
+        )
 
     if "oversubscribed" in selected:
         work = fixed(a.oversub_requests, a.oversub_prompt, a.oversub_new, vocab, seed=11)
         blocks = -(-int(work.live_tokens / a.oversubscribe) // BLOCK)
         host = config.kv_offload_blocks
-        off_, rec = (timed(f"oversub_{m}", work, blocks, True, host if m == "offload" else 0) for m in ("offload", "recompute"))
+        off_, rec = (
+            timed(f"oversub_{m}", work, blocks, True, host if m == "offload" else 0)
+            for m in ("offload", "recompute")
+        )
         report["oversubscribed"] = {
-            "requests": a.oversub_requests, "prompt": a.oversub_prompt, "new": a.oversub_new,
-            "live_tokens": work.live_tokens, "cache_tokens": blocks * BLOCK, "host_pool_GiB": a.offload_gib,
-            "offload": off_.summary(), "recompute": rec.summary(),
+            "requests": a.oversub_requests,
+            "prompt": a.oversub_prompt,
+            "new": a.oversub_new,
+            "live_tokens": work.live_tokens,
+            "cache_tokens": blocks * BLOCK,
+            "host_pool_GiB": a.offload_gib,
+            "offload": off_.summary(),
+            "recompute": rec.summary(),
             "throughput_ratio": round(rec.seconds / off_.seconds, 3),
             "same_tokens": sum(x == y for x, y in zip(off_.outputs, rec.outputs, strict=True)),
-        }  # fmt: skip
-        rows.append(["oversubscribed cache", "offload / recompute",
-                     f"{off_.summary()['tok_s']} / {rec.summary()['tok_s']}", f"{rec.seconds / off_.seconds:.2f}x"])  # fmt: skip
+        }
+        rows.append(
+            [
+                "oversubscribed cache",
+                "offload / recompute",
+                f"{off_.summary()['tok_s']} / {rec.summary()['tok_s']}",
+                f"{rec.seconds / off_.seconds:.2f}x",
+            ]
+        )
 
     if "long" in selected:
         work = fixed(a.long_requests, a.long_prompt, a.long_new, vocab, seed=13)
         r = timed("long", work, cache_blocks, True, 0)
         roof = sum(
-            (limits.weight_bytes + s["decode_context"] * kv) / limits.bandwidth for s in r.steps if s["decode_rows"]
-        )  # fmt: skip
+            (limits.weight_bytes + s["decode_context"] * kv) / limits.bandwidth
+            for s in r.steps
+            if s["decode_rows"]
+        )
         report["long"] = {
-            "requests": a.long_requests, "prompt": a.long_prompt, "new": a.long_new, **r.summary(),
-            "roofline_s": round(roof, 3), "of_roofline": round(roof / r.seconds, 4), "step_kinds": step_kinds(r.steps),
-        }  # fmt: skip
-        rows.append([f"long, {a.long_requests} x {a.long_prompt} + {a.long_new}", "-", r.summary()["tok_s"],
-                     f"{roof / r.seconds:.1%} of roofline"])  # fmt: skip
+            "requests": a.long_requests,
+            "prompt": a.long_prompt,
+            "new": a.long_new,
+            **r.summary(),
+            "roofline_s": round(roof, 3),
+            "of_roofline": round(roof / r.seconds, 4),
+            "step_kinds": step_kinds(r.steps),
+        }
+        rows.append(
+            [
+                f"long, {a.long_requests} x {a.long_prompt} + {a.long_new}",
+                "-",
+                r.summary()["tok_s"],
+                f"{roof / r.seconds:.1%} of roofline",
+            ]
+        )
 
     print(markdown_table(["workload", "runs", "tokens/s", "against"], rows))
     print(f"wrote {write_json(a.out, report)}", file=sys.stderr)
