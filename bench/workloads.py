@@ -18,7 +18,7 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
 - `prefix`: `--prefixes` system prompts of `--prefix-len` tokens, each shared by the same number of
   requests (a distinct 64-token question each, in a random order), in a cache that holds only some
   of the prefixes beside the running requests, so cached blocks are evicted: prefix caching on vs off.
-- `oversubscribed`: more live context than the KV cache holds (`--oversubscribe`x): preempted
+- `oversubscribed`: more live context than the KV cache holds (`--oversub`, several shapes): preempted
   requests' K/V offloaded to a host pool of `--offload-gib` vs recomputed (prefix caching on in both,
   as the server runs); the tokens of the two are compared.
 - `long`: few requests, very long generations (8 x 512 prompt x 16,384 new): tokens/s and the share
@@ -28,10 +28,14 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import _repo  # noqa: F401  (must come before any tandem import)
 import torch
@@ -74,6 +78,7 @@ class Run:
     preempted: tuple[int, int] = (0, 0)  # (offload, recompute)
     hit_tokens: int = 0
     queried_tokens: int = 0
+    profile: dict | None = None
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft)
@@ -101,11 +106,22 @@ def fresh_scheduler(core: EngineCore, num_blocks: int, prefix_caching: bool, hos
     core.scheduler = Scheduler(blocks, MAX_NUM_SEQS, BUDGET, HostBlocks(host_blocks) if host_blocks else None)
 
 
-def run(core: EngineCore, work: Workload, tag: str) -> Run:
-    """Every request at once; each step's kind and sizes recorded from the scheduler's output."""
+def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | None = None) -> Run:
+    """Every request at once; each step's kind and sizes recorded from the scheduler's output, and
+    the host time of its launch (queueing its forward). `profile` (first step, steps): kernels of
+    those steps by kind, from torch.profiler (Run.profile)."""
     scheduler = core.scheduler
     steps: list[dict] = []
     schedule = scheduler.schedule
+    launch = core.runner.launch
+    launch_ms: list[float] = []
+
+    def timed_launch(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            launch_ms.append(1e3 * (time.perf_counter() - t))
 
     def recording():
         out = schedule()
@@ -120,6 +136,8 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
 
     timings: list[StepTiming] = []
     scheduler.schedule = recording
+    core.runner.launch = timed_launch
+    profiler, profiled = None, None  # the profiler while it runs; (first, last) steps it saw
     core.step_observer = timings.append
     ids = [f"{tag}{i}" for i in range(len(work.prompts))]
     outputs: dict[str, list[int]] = {r: [] for r in ids}
@@ -133,6 +151,18 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
             )
         )
     while core.has_work:
+        if profile is not None and profiled is None:
+            if profiler is None and len(steps) >= profile[0]:
+                sync(core)
+                cuda = core.runner.device.type == "cuda"
+                kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+                profiler = torch.profiler.profile(activities=[kind])
+                profiler.__enter__()
+                began = len(steps)
+            elif profiler is not None and len(steps) >= began + profile[1]:
+                sync(core)
+                profiler.__exit__(None, None, None)
+                profiled = (began, len(steps))
         for u in core.run_once():
             if u.error:
                 raise RuntimeError(f"{u.request_id}: {u.error}")
@@ -143,8 +173,10 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
     seconds = time.perf_counter() - start
     core.step_observer = None
     del scheduler.schedule
-    for step, timing in zip(steps, timings, strict=True):  # the observer sees every step, in order
+    del core.runner.launch
+    for step, timing, host in zip(steps, timings, launch_ms, strict=True):  # every step, in order
         step["prepare_ms"] = 1e3 * (timing.prepare[1] - timing.prepare[0])
+        step["launch_ms"] = host
         if timing.compute is not None:
             step["device_ms"] = 1e3 * (timing.compute[1] - timing.compute[0])
     got = [outputs[r] for r in ids]
@@ -152,6 +184,7 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
     if short:
         raise RuntimeError(f"{len(short)} requests ended early")
     blocks = scheduler.blocks
+    kernels = kernel_profile(*profiled, profiler, steps) if profiled is not None else None
     return Run(
         seconds,
         sum(work.new),
@@ -161,7 +194,39 @@ def run(core: EngineCore, work: Workload, tag: str) -> Run:
         (scheduler.preempted_offload, scheduler.preempted_recompute),
         blocks.hit_tokens,
         blocks.queried_tokens,
+        kernels,
     )
+
+
+def kernel_profile(first: int, last: int, profiler: torch.profiler.profile, steps: list[dict]) -> dict:
+    """Device time by kernel kind per profiled step, beside what those steps were."""
+    from profile_gpu import kernel_kind
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    n = max(1, last - first)
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        by_kind[kernel_kind(e["name"])] += float(e["dur"]) / n
+        by_name[e["name"][:100]] += float(e["dur"]) / n
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / n if kernels else 0.0
+    of = steps[first:last]
+    return {
+        "steps": len(of),
+        "kinds": {k: sum(s["kind"] == k for s in of) for k in ("decode", "prompt", "mixed")},
+        "prompt_tokens_mean": round(sum(s["prompt"] for s in of) / max(1, len(of)), 1),
+        "decode_rows_mean": round(sum(s["decode_rows"] for s in of) / max(1, len(of)), 1),
+        "launch_ms_mean": round(sum(s.get("launch_ms", 0) for s in of) / max(1, len(of)), 3),
+        "kernel_span_ms_per_step": round(span / 1e3, 3),
+        "kernel_busy_ms_per_step": round(sum(by_kind.values()) / 1e3, 3),
+        "kernels_per_step": round(len(kernels) / n, 1),
+        "by_kind_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels_us": {k: round(v, 1) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]},
+    }
 
 
 def sync(core: EngineCore) -> None:
@@ -238,6 +303,7 @@ def step_kinds(steps: list[dict]) -> dict:
             "steps": len(of),
             "device_s": round(sum(device) / 1e3, 3) if device else None,
             "prepare_ms_mean": round(sum(s["prepare_ms"] for s in of) / len(of), 3),
+            "launch_ms_mean": round(sum(s["launch_ms"] for s in of) / len(of), 3),
             "prompt_tokens_mean": round(sum(s["prompt"] for s in of) / len(of), 1),
             "decode_rows_mean": round(sum(s["decode_rows"] for s in of) / len(of), 1),
         }
@@ -282,14 +348,21 @@ def main() -> None:
         default=0.5,
         help="prefix: the cache holds this share of all the prefixes plus the running requests",
     )
-    ap.add_argument("--oversub-requests", type=int, default=128)
-    ap.add_argument("--oversub-prompt", type=int, default=1024)
-    ap.add_argument("--oversub-new", type=int, default=512)
-    ap.add_argument("--oversubscribe", type=float, default=2.0, help="live context / what the cache holds")
+    ap.add_argument(
+        "--oversub",
+        default="128x1024+512@2,48x256+2048@3",
+        help="oversubscribed workloads, REQUESTSxPROMPT+NEW@R: R = live context / what the cache holds",
+    )
     ap.add_argument("--offload-gib", type=float, default=16.0)
     ap.add_argument("--long-requests", type=int, default=8)
     ap.add_argument("--long-prompt", type=int, default=512)
     ap.add_argument("--long-new", type=int, default=16384)
+    ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="FIRST:STEPS",
+        help="mixed, first seed: profile these steps' kernels (torch.profiler)",
+    )
     ap.add_argument("--cache-gib", type=float, default=60.0, help="the device cache all runs share")
     ap.add_argument("--out", default="bench/results/workloads.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, few tokens: checks the logic")
@@ -297,7 +370,7 @@ def main() -> None:
     if a.smoke:
         a.shape, a.requests, a.seeds = "tiny", 24, "1"
         a.prefixes, a.per_prefix, a.prefix_len = 3, 4, 64
-        a.oversub_requests, a.oversub_prompt, a.oversub_new = 12, 48, 24
+        a.oversub = "12x48+24@2,6x16+64@3"
         a.long_requests, a.long_prompt, a.long_new = 2, 16, 64
         a.cache_gib, a.offload_gib = 0.05, 0.02
     device = torch.device("cpu" if a.smoke else "cuda")
@@ -346,9 +419,16 @@ def main() -> None:
     rows: list[list[object]] = []
     selected = a.workloads.split(",")
 
-    def timed(name: str, work: Workload, num_blocks: int, prefix: bool, host: int) -> Run:
+    def timed(
+        name: str,
+        work: Workload,
+        num_blocks: int,
+        prefix: bool,
+        host: int,
+        profile: tuple[int, int] | None = None,
+    ) -> Run:
         fresh_scheduler(core, num_blocks, prefix, host)
-        result = run(core, work, name)
+        result = run(core, work, name, profile)
         print(f"{name}: {result.summary()}", file=sys.stderr, flush=True)
         return result
 
@@ -381,6 +461,13 @@ def main() -> None:
                     f"{bound['seconds'] / r.seconds:.1%} of additive bound",
                 ]
             )
+        if a.profile:  # a run of its own: the profiler slows the steps it records
+            first, count = (int(x) for x in a.profile.split(":"))
+            seed = int(a.seeds.split(",")[0])
+            r = timed(
+                "mixed_profiled", mixed(a.requests, vocab, 4096, seed), cache_blocks, True, 0, (first, count)
+            )
+            report["mixed_profile"] = {"seed": seed, **(r.profile or {})}
 
     if "prefix" in selected:
         work = shared_prefixes(a.prefixes, a.per_prefix, a.prefix_len, vocab, 128, seed=7)
@@ -411,33 +498,41 @@ def main() -> None:
         )
 
     if "oversubscribed" in selected:
-        work = fixed(a.oversub_requests, a.oversub_prompt, a.oversub_new, vocab, seed=11)
-        blocks = -(-int(work.live_tokens / a.oversubscribe) // BLOCK)
-        host = config.kv_offload_blocks
-        off_, rec = (
-            timed(f"oversub_{m}", work, blocks, True, host if m == "offload" else 0)
-            for m in ("offload", "recompute")
-        )
-        report["oversubscribed"] = {
-            "requests": a.oversub_requests,
-            "prompt": a.oversub_prompt,
-            "new": a.oversub_new,
-            "live_tokens": work.live_tokens,
-            "cache_tokens": blocks * BLOCK,
-            "host_pool_GiB": a.offload_gib,
-            "offload": off_.summary(),
-            "recompute": rec.summary(),
-            "throughput_ratio": round(rec.seconds / off_.seconds, 3),
-            "same_tokens": sum(x == y for x, y in zip(off_.outputs, rec.outputs, strict=True)),
-        }
-        rows.append(
-            [
-                "oversubscribed cache",
-                "offload / recompute",
-                f"{off_.summary()['tok_s']} / {rec.summary()['tok_s']}",
-                f"{rec.seconds / off_.seconds:.2f}x",
-            ]
-        )
+        report["oversubscribed"] = []
+        for spec in a.oversub.split(","):
+            shape_, ratio = spec.split("@")
+            count, rest = shape_.split("x")
+            prompt, new = (int(x) for x in rest.split("+"))
+            work = fixed(int(count), prompt, new, vocab, seed=11)
+            blocks = -(-int(work.live_tokens / float(ratio)) // BLOCK)
+            host = config.kv_offload_blocks
+            off_, rec = (
+                timed(f"oversub_{spec}_{m}", work, blocks, True, host if m == "offload" else 0)
+                for m in ("offload", "recompute")
+            )
+            report["oversubscribed"].append(
+                {
+                    "requests": int(count),
+                    "prompt": prompt,
+                    "new": new,
+                    "oversubscribed": float(ratio),
+                    "live_tokens": work.live_tokens,
+                    "cache_tokens": blocks * BLOCK,
+                    "host_pool_GiB": a.offload_gib,
+                    "offload": off_.summary(),
+                    "recompute": rec.summary(),
+                    "throughput_ratio": round(rec.seconds / off_.seconds, 3),
+                    "same_tokens": sum(x == y for x, y in zip(off_.outputs, rec.outputs, strict=True)),
+                }
+            )
+            rows.append(
+                [
+                    f"oversubscribed {ratio}x: {count} x {prompt} + {new}",
+                    "offload / recompute",
+                    f"{off_.summary()['tok_s']} / {rec.summary()['tok_s']}",
+                    f"{rec.seconds / off_.seconds:.2f}x",
+                ]
+            )
 
     if "long" in selected:
         work = fixed(a.long_requests, a.long_prompt, a.long_new, vocab, seed=13)
