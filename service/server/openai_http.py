@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -61,15 +61,32 @@ def _json(body: object, status: int = 200, headers: dict[str, str] | None = None
     return Response(sse.encode_json(body), status, headers, media_type="application/json")
 
 
+def _shared(locs: Iterable[tuple]) -> tuple:
+    """The longest start all `locs` share."""
+    it = iter(locs)
+    prefix = next(it)
+    for loc in it:
+        n = 0
+        while n < min(len(prefix), len(loc)) and prefix[n] == loc[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    """(message, param) of a body that did not parse or validate: its first error."""
-    first = exc.errors(include_url=False)[0]
+    """(message, param) of a body that did not parse or validate. The field is the one all its
+    errors share: a value that fits no member of a union (`stop`: a string or a list) has one error
+    per member, under the member's name."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
     if first["type"] == "json_invalid":
         return f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}", None
-    where = ".".join(str(p) for p in first["loc"])
-    if not where:
+    loc = _shared(e["loc"] for e in errors)
+    if not loc:
         return f"the request body must be a JSON object: {first['msg']}", None
-    return f"{where}: {first['msg']}", where
+    where = ".".join(str(p) for p in loc)
+    said = list(dict.fromkeys(e["msg"] for e in errors))[:3]
+    return f"{where}: {'; or '.join(said)}", where
 
 
 async def _disconnected(receive: Receive) -> None:
