@@ -204,7 +204,7 @@ def test_a_second_server_on_the_port_refuses_to_start(pod: Pod, tmp_path):
     """The pod's own fronts share its port; another `tandem serve` may not join them."""
     log = tmp_path / "second.log"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(pod.port),
-           "--metrics-port", "0", "--device", "cpu"]  # fmt: skip
+           "--metrics-port", "0", "--http-port", "0", "--device", "cpu"]  # fmt: skip
     with log.open("w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=60, cwd="/",
                               env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode  # fmt: skip
