@@ -374,6 +374,27 @@ def test_body_size_method_request_id_and_unknown_fields(base_url: str) -> None:
     assert post(base_url, COMPLETIONS, extra).status == 200
 
 
+def test_the_http_socket_is_shared_and_sends_at_once() -> None:
+    """Each front binds the port (SO_REUSEPORT), and its connections have Nagle's algorithm off: a
+    stream's small events must not wait for the client's delayed ACK (40 ms each)."""
+    from tandem.service.server.http_server import listening_socket
+
+    first = listening_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    second = listening_socket("127.0.0.1", port)  # a second front on the same port
+    try:
+        first.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT):
+            first.setblocking(True)
+            accepted, _ = first.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                assert accepted.proto == socket.IPPROTO_TCP  # asyncio sets TCP_NODELAY itself too
+    finally:
+        first.close()
+        second.close()
+
+
 # -- cancellation -------------------------------------------------------------------------------
 
 
