@@ -374,6 +374,20 @@ def test_body_size_method_request_id_and_unknown_fields(base_url: str) -> None:
     assert post(base_url, COMPLETIONS, extra).status == 200
 
 
+def test_the_http_port_is_a_setting_of_its_own() -> None:
+    """Default 8000, 0 = off; a port another server of the pod already takes is refused at once."""
+    from pydantic import ValidationError
+
+    from tandem.service.settings import ServerSettings
+
+    assert ServerSettings().http_port == 8000
+    assert ServerSettings(http_port=0, port=0).http_port == 0  # off beside a free gRPC port
+    for clash in ({"port": 8000}, {"health_port": 8000}, {"metrics_port": 8000}):
+        with pytest.raises(ValidationError, match="are both 8000: each server needs its own port"):
+            ServerSettings(**clash)
+    assert ServerSettings(metrics_port=8000, metrics_host="127.0.0.2").metrics_port == 8000
+
+
 def test_the_http_socket_is_shared_and_sends_at_once() -> None:
     """Each front binds the port (SO_REUSEPORT), and its connections have Nagle's algorithm off: a
     stream's small events must not wait for the client's delayed ACK (40 ms each)."""
