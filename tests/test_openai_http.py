@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 import grpc
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL
 
 from tandem.v1 import tandem_pb2 as pb
@@ -438,3 +440,38 @@ def test_a_client_that_goes_away_aborts_its_request(base_url: str, stub: pb_grpc
     load = wait_idle(stub, timeout=1.0)  # aborted in the engine at its next step, its blocks freed
     assert load.kv_blocks_free == TINY_SERVER_KV_BLOCKS
     assert post(base_url, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).status == 200
+
+
+# -- fuzz -----------------------------------------------------------------------------------------
+
+_SCALAR = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+_ANY = st.recursive(
+    _SCALAR,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+_FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+           "stream_options", "logprobs", "top_logprobs", "max_completion_tokens", "ignore_eos",
+           "stop_token_ids", "return_token_ids", "echo", "logit_bias", "tools",
+           "response_format"]  # fmt: skip
+_GOOD = {"messages": [{"role": "user", "content": "hi"}], "prompt": "Once upon a time"}
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    path=st.sampled_from([CHAT_PATH, COMPLETIONS]),
+    fields=st.dictionaries(st.sampled_from(_FIELDS), _ANY | st.sampled_from([*_GOOD.values()]), max_size=5),
+    max_tokens=st.sampled_from([1, 3, 0, -1, "3", None, 2.5]),
+)
+def test_fuzzed_bodies_get_a_documented_status(base_url: str, path: str, fields: dict, max_tokens) -> None:
+    """Any mix of known fields with values of any JSON type: 200 or an OpenAI error of a documented
+    status, never a 500 (the fields that start a generation are kept short by max_tokens)."""
+    body = {**{k: v for k, v in _GOOD.items() if k not in fields}, **fields, "max_tokens": max_tokens}
+    resp = post(base_url, path, json.dumps(body, allow_nan=True).encode())
+    raw = resp.read()
+    assert resp.status in (200, 400, 404), (resp.status, raw[:300], body)
+    if resp.status != 200:
+        error = json.loads(raw)["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", error
+    elif resp.getheader("content-type").startswith("text/event-stream"):
+        assert raw.endswith(b"data: [DONE]\n\n")
