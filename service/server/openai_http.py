@@ -12,7 +12,6 @@ aborts its request in the engine. Every /v1 request needs the bearer token when 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -110,8 +109,9 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     if task.done():
         return task.result()
     task.cancel()
-    with contextlib.suppress(BaseException):
-        await task  # its trace ends as cancelled, its request is aborted
+    await asyncio.wait((task,))  # its trace ends as cancelled, its request is aborted
+    if not task.cancelled():
+        task.exception()  # it ended otherwise meanwhile: nobody is left to tell
     return None
 
 
@@ -197,21 +197,18 @@ class OpenAIApi:
     async def _body(self, request: Request) -> bytes:
         """The request body, refused (413) past the message limit before more of it is read."""
         limit = self.max_body_bytes
-        too_large = ApiError(
-            413,
-            f"the request body exceeds the server's limit of {limit} bytes (--max-message-bytes)",
-            "invalid_request_error",
-            "request_too_large",
-        )
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise too_large
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_large
-            parts.append(part)
+        parts, size = [], int(length) if length.isdigit() else 0
+        if size <= limit:
+            size = 0
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    break
+                parts.append(part)
+        if size > limit:
+            message = f"the request body exceeds the server's limit of {limit} bytes (--max-message-bytes)"
+            raise ApiError(413, message, "invalid_request_error", "request_too_large")
         return b"".join(parts)
 
     def _request_id(self, request: Request) -> str:
