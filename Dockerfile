@@ -49,7 +49,7 @@ RUN python -m pip install -c /dist/constraints.txt -r /dist/server-requirements.
  && rm -rf /dist
 USER 10001:10001
 WORKDIR /home/tandem
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 HEALTHCHECK --interval=30s --timeout=10s --start-period=300s \
   CMD ["tandem", "health", "--target", "localhost:50051", "--timeout", "5"]
 ENTRYPOINT ["tandem"]

@@ -4,12 +4,15 @@ engine core alone with the same model, settings and requests, in the same run.
 Fixed-concurrency sweeps (`--concurrency 1,32,256`: that many streams, each sending its requests one
 after another) and Poisson request rates (`--request-rate 2,8`); fixed lengths or a ShareGPT-like
 mixed-length dataset (`--dataset mixed`); prompts of random token ids, every request running to its
-`max_tokens`. Streaming `GenerateStream` calls come from several client processes (`--clients`), so
-the client is never the limit. Per level: output tokens/s, TTFT, TPOT and inter-token latency
-p50/p90/p99, goodput under a TTFT/TPOT SLO, the server's own GPU idle fraction (scraped from
-/metrics while the level runs) and, the headline, the server's tokens/s over the engine alone's.
+`max_tokens`. Streamed requests come from several client processes (`--clients`), so the client is
+never the limit: gRPC `GenerateStream` calls, or OpenAI `/v1/completions` streams over HTTP
+(`--front http`), or both, level by level against the same server (`--front both`). Per level:
+output tokens/s, TTFT, TPOT and inter-token latency p50/p90/p99, goodput under a TTFT/TPOT SLO, the
+server's own GPU idle fraction (scraped from /metrics while the level runs) and, the headline, the
+server's tokens/s over the engine alone's (and, with both fronts, HTTP's over gRPC's).
 
     tandem bench serve --shape 8b --concurrency 1,32,256          # CUDA: random-init 8B shape
+    tandem bench serve --shape 8b --concurrency 1,32,256 --front both
     tandem bench serve --model DIR --dataset mixed --request-rate 4,8
     tandem bench serve --server HOST:PORT --concurrency 64        # a server already running
     tandem bench serve --smoke                                     # tiny model on CPU, in seconds
@@ -36,6 +39,7 @@ import _repo
 from serve_server import (
     add_model_options,
     default_tokenizer,
+    free_port,
     make_model,
     model_limits,
     resolve_device,
@@ -137,10 +141,14 @@ def warmup_level(a: argparse.Namespace, vocab: int, max_model_len: int) -> dict 
 
 
 def run_clients(
-    address: str, level: dict, clients: int, channels: int, tls_ca: str | None = None
+    address: str, level: dict, clients: int, channels: int, tls_ca: str | None = None, front: str = "grpc"
 ) -> tuple[list[dict], float, float]:
-    """One level through `clients` processes; (requests as timed, start, end) in wall clock."""
-    from serve_client import run_client
+    """One level through `clients` processes; (requests as timed, start, end) in wall clock.
+    `front`: grpc (`address` HOST:PORT) or http (`address` the base URL)."""
+    if front == "http":
+        from serve_http_client import run_http_client as run_client
+    else:
+        from serve_client import run_client
 
     ctx = multiprocessing.get_context("spawn")
     out, go = ctx.Queue(), ctx.Event()
@@ -186,6 +194,9 @@ def engine_only(levels: list[dict], warmup: dict | None, env: dict[str, str], fo
     return json.loads(out.read_text())
 
 
+FRONTS = {"grpc": ["grpc"], "http": ["http"], "both": ["grpc", "http"]}
+
+
 def serve_levels(
     a: argparse.Namespace,
     levels: list[dict],
@@ -196,25 +207,36 @@ def serve_levels(
     tls_ca: str | None = None,
 ) -> tuple[list[dict], int | str | None]:
     """Every level through one server (started here unless --server); (rows, the server's exit code).
-    `tls_ca`: the server speaks TLS (env has its files) and clients trust this CA."""
+    `tls_ca`: the server speaks TLS (env has its files) and clients trust this CA. With both fronts
+    each level runs through gRPC, then through HTTP, before the next level."""
     proc = None
+    fronts = FRONTS[a.front]
     if a.server:
-        address, metrics_url = a.server, a.metrics
+        address, metrics_url, http_url = a.server, a.metrics, a.http_server
     else:
+        http_port = free_port() if "http" in fronts else 0
+        env = {**env, "TANDEM_HTTP_PORT": str(http_port)}
         proc, address, metrics_url = start_server(env, log)
+        http_url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{http_port}"
+    targets = {"grpc": address, "http": http_url}
     health = f"127.0.0.1:{env['TANDEM_HEALTH_PORT']}" if "TANDEM_HEALTH_PORT" in env else address
     rows = []
     try:
         wait_serving(health, 1800, lambda: proc is None or proc.poll() is None)
         how = "TLS" if tls_ca else "plaintext"
-        fronts = env.get("TANDEM_API_PROCESSES", "1")
-        print(f"server at {address} SERVING ({fronts} front(s), {how})", flush=True)
+        processes = env.get("TANDEM_API_PROCESSES", "1")
+        where = ", ".join(f"{f} at {targets[f]}" for f in fronts)
+        print(f"server SERVING: {where} ({processes} front process(es), {how})", flush=True)
         if warmup is not None:
-            run_clients(address, warmup, a.clients, a.channels, tls_ca)
+            for front in fronts:
+                run_clients(targets[front], warmup, a.clients, a.channels, tls_ca, front)
+        runs = [(i, level, front) for i, level in enumerate(levels) for front in fronts]
         with GaugeSampler(metrics_url) as gauges:
-            for i, level in enumerate(levels):
-                requests, start, end = run_clients(address, level, a.clients, a.channels, tls_ca)
+            for i, level, front in runs:
+                target = targets[front]
+                requests, start, end = run_clients(target, level, a.clients, a.channels, tls_ca, front)
                 row = {k: level[k] for k in ("mode", "concurrency", "request_rate") if k in level}
+                row["front"] = front
                 row["server"] = summarize(requests, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
                 for gauge in GaugeSampler.GAUGES:
                     row["server"][gauge.removeprefix("tandem_")] = gauges.during(gauge, start, end)
@@ -255,6 +277,8 @@ def _label(level: dict) -> str:
         what = f"{level['concurrency']} streams"
     else:
         what = f"{level['request_rate']} req/s"
+    if level.get("front", "grpc") != "grpc":
+        what += f", {level['front'].upper()}"
     if level.get("api_processes", 1) != 1:
         what += f", {level['api_processes']} fronts"
     if level.get("transport", "plaintext") != "plaintext":
@@ -311,6 +335,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compare_fronts(rows: list[dict]) -> list[dict]:
+    """Per level run through both fronts: HTTP's streamed tokens/s over gRPC's, and their latencies."""
+    same = ("mode", "concurrency", "request_rate", "api_processes", "transport", "prefix_caching")
+    grpc = {tuple(r.get(k) for k in same): r for r in rows if r.get("front", "grpc") == "grpc"}
+    out = []
+    for r in rows:
+        g = grpc.get(tuple(r.get(k) for k in same))
+        if r.get("front") != "http" or g is None:
+            continue
+        h, s = r["server"], g["server"]
+        entry = {"level": _label(g), "grpc_tok_s": s.get("output_tok_s"), "http_tok_s": h.get("output_tok_s")}
+        if entry["grpc_tok_s"] and entry["http_tok_s"]:
+            entry["http_over_grpc"] = round(entry["http_tok_s"] / entry["grpc_tok_s"], 3)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            entry[key] = {"grpc": (s.get(key) or {}).get("p50"), "http": (h.get(key) or {}).get("p50")}
+        out.append(entry)
+    return out
+
+
+def front_table(comparison: list[dict]) -> str:
+    head = ["level", "gRPC tok/s", "HTTP tok/s", "HTTP / gRPC", "TTFT p50 ms (gRPC / HTTP)",
+            "TPOT p50 ms (gRPC / HTTP)", "ITL p50 ms (gRPC / HTTP)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in comparison:
+        pairs = [f"{c[k]['grpc']} / {c[k]['http']}" for k in ("ttft_ms", "tpot_ms", "itl_ms")]
+        cells = [c["level"], c["grpc_tok_s"], c["http_tok_s"], c.get("http_over_grpc", "-"), *pairs]
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     try:
         import matplotlib
@@ -323,13 +377,18 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     if not conc:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for fronts in sorted({r.get("api_processes", 1) for r in conc}):
-        mine = [r for r in conc if r.get("api_processes", 1) == fronts]
+
+    def key(r: dict) -> tuple[int, str]:
+        return r.get("api_processes", 1), r.get("front", "grpc")
+
+    for fronts, api in sorted({key(r) for r in conc}):
+        mine = [r for r in conc if key(r) == (fronts, api)]
         x = [r["concurrency"] for r in mine]
-        name = "tandem serve" + ("" if fronts == 1 else f", {fronts} fronts")
+        name = f"tandem serve, {'HTTP' if api == 'http' else 'gRPC'}"
+        name += "" if fronts == 1 else f", {fronts} fronts"
         left.plot(x, [r["server"].get("output_tok_s") for r in mine], "o-", label=name)
         right.plot(x, [r["server"]["tpot_ms"]["p50"] for r in mine], "o-", label=f"TPOT p50, {name}")
-    first = [r for r in conc if r.get("api_processes", 1) == conc[0].get("api_processes", 1)]
+    first = [r for r in conc if key(r) == key(conc[0])]
     if all(r.get("engine") for r in first):
         x = [r["concurrency"] for r in first]
         left.plot(
@@ -376,6 +435,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where = add_model_options(ap)  # --shape, --model, --tokenizer, --device, --set
     where.add_argument("--server", help="HOST:PORT of a running server: no engine-only figure")
     ap.add_argument("--metrics", help="with --server: its /metrics URL, for the idle fraction")
+    ap.add_argument(
+        "--front",
+        choices=sorted(FRONTS),
+        default="grpc",
+        help="which API the clients stream from: grpc (GenerateStream), http (the OpenAI "
+        "/v1/completions, SSE), or both, level by level on the same server",
+    )
+    ap.add_argument("--http-server", help="with --server and an HTTP front: its base URL, http://HOST:PORT")
     ap.add_argument("--concurrency", type=_ints, default=[], help="fixed-concurrency levels, e.g. 1,32,256")
     ap.add_argument("--request-rate", type=_floats, default=[], help="Poisson request rates per second")
     ap.add_argument("--dataset", choices=["fixed", "mixed"], default="fixed")
@@ -433,6 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.set = ["kv_cache_cpu_gib=0.25", *a.set]  # as the soak's: the 2 GiB default takes seconds to zero
     if not (a.shape or a.model or a.server or a.replot):
         ap.error("say what to serve: --shape, --model or --server")
+    if a.server and a.front != "grpc" and not a.http_server:
+        ap.error("--front http/both with --server needs --http-server")
     if not (a.concurrency or a.request_rate):
         a.concurrency = [1, 32, 256]
     return a
@@ -524,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         if warmup is None
         else {"concurrency": warmup["concurrency"], "requests": len(warmup["jobs"])},
         "levels": rows,
+        "http_over_grpc": compare_fronts(rows),
         "server_exit_code": exit_code,
     }
     out = (
@@ -538,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     md = table(rows)
+    if result["http_over_grpc"]:
+        md += "\n\n" + front_table(result["http_over_grpc"])
     out.with_suffix(".md").write_text(md + "\n")
     png = plot(
         rows,

@@ -156,7 +156,8 @@ def start_server(
 ) -> tuple[subprocess.Popen, str, str]:
     """`tandem serve` on loopback ports of its own; (process, gRPC address, /metrics URL).
 
-    `extra`: more `tandem serve` arguments (they beat the TANDEM_ environment)."""
+    `extra`: more `tandem serve` arguments (they beat the TANDEM_ environment). The OpenAI HTTP
+    port is off unless the environment sets TANDEM_HTTP_PORT (8000 would clash between servers)."""
     port, metrics_port = free_port(), free_port()
     cmd = [
         sys.executable,
@@ -169,6 +170,7 @@ def start_server(
         str(port),
         "--metrics-port",
         str(metrics_port),
+        *([] if "TANDEM_HTTP_PORT" in env else ["--http-port", "0"]),
         *extra,
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd="/")

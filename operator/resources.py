@@ -8,6 +8,7 @@ from .spec import ModelServerSpec
 
 GRPC_PORT = 50051  # DESIGN.md section 4
 HEALTH_PORT = 50052  # plaintext grpc.health.v1 under TLS: the kubelet's gRPC probes cannot speak TLS
+HTTP_PORT = 8000  # the OpenAI-compatible HTTP API (spec.openaiApi)
 DRAIN_MARGIN_S = 30  # grace period beyond the server's own drain timeout
 PRESTOP_SLEEP_S = 5  # let endpoint removal reach the proxies before the server stops accepting
 STARTUP_PERIOD_S = 10
@@ -104,6 +105,7 @@ def _env(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
     env = {
         "TANDEM_HOST": "0.0.0.0",
         "TANDEM_PORT": str(GRPC_PORT),
+        "TANDEM_HTTP_PORT": str(HTTP_PORT if spec.openai_api else 0),
         "TANDEM_METRICS_PORT": str(metrics_port),
         "TANDEM_MAX_NUM_SEQS": str(spec.max_num_seqs),
         "TANDEM_DRAIN_TIMEOUT_S": str(spec.drain_seconds),
@@ -152,6 +154,8 @@ def _container_ports(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
     ]
     if spec.tls:
         ports.append({"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"})
+    if spec.openai_api:
+        ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
     return ports
 
 
@@ -239,6 +243,8 @@ def service(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
     ]
     if spec.tls:  # health checks from inside the cluster (the helm test) cannot speak TLS either
         ports.append({"name": "health", "port": HEALTH_PORT, "targetPort": "health", "appProtocol": "grpc"})
+    if spec.openai_api:  # HTTP/1.1, TLS too when spec.tls is set
+        ports.append({"name": "http", "port": HTTP_PORT, "targetPort": "http", "appProtocol": "http"})
     return {
         "apiVersion": "v1",
         "kind": "Service",

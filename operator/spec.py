@@ -110,6 +110,7 @@ class ModelServerSpec(_Camel):
     tls: TLS | None = None
     auth: Auth | None = None
     reflection: bool = True
+    openai_api: bool = True  # the OpenAI-compatible HTTP API on HTTP_PORT
 
     @field_validator("gpus_per_pod")
     @classmethod

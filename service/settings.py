@@ -21,12 +21,12 @@ class ServerSettings(BaseSettings):
     cache_dir: Path | None = Field(
         None, description="Where converted GGUF models are cached (default: $XDG_CACHE_HOME/tandem)."
     )
-    host: str = Field("0.0.0.0", description="Address the gRPC server binds.")
+    host: str = Field("0.0.0.0", description="Address the gRPC and HTTP servers bind.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")
     tls_cert_file: Path | None = Field(
         None,
-        description="PEM certificate chain of the gRPC port; with tls_key_file the port speaks TLS only. "
-        "Both files are read again when they change (a rotated Secret volume), for new connections.",
+        description="PEM certificate chain of the gRPC and HTTP ports; with tls_key_file they speak TLS "
+        "only. Both files are read again when they change (a rotated Secret volume), for new connections.",
     )
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
     tls_client_ca_file: Path | None = Field(
@@ -38,7 +38,7 @@ class ServerSettings(BaseSettings):
         None,
         description="Bearer tokens accepted, one per line (blank lines and # comments ignored), read again "
         "when the file changes: set = every RPC but grpc.health.v1 needs `authorization: Bearer <token>` "
-        "metadata, else UNAUTHENTICATED.",
+        "metadata, else UNAUTHENTICATED; on the HTTP port every /v1 request needs the same header, else 401.",
     )
     health_port: int = Field(
         0,
@@ -48,6 +48,17 @@ class ServerSettings(BaseSettings):
         "cannot speak TLS, so with TLS on they ask here.",
     )
     reflection: bool = Field(True, description="gRPC server reflection (grpcurl, Postman) on the gRPC port.")
+    http_port: int = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models; /health and /ready) on `host`, served by every front process beside gRPC (0 = off).",
+    )
+    http_access_log: bool = Field(
+        False,
+        description="A log line per HTTP request (uvicorn's access log); off by default: it costs speed.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV-cache dtype; auto = bfloat16 on CUDA, float32 on CPU."
@@ -153,8 +164,8 @@ class ServerSettings(BaseSettings):
         1,
         ge=1,
         le=64,
-        description="gRPC front processes, all on `port` (SO_REUSEPORT) and all feeding the one engine "
-        "process; more when one front cannot keep up with the engine's tokens.",
+        description="Front processes, all on `port` and `http_port` (SO_REUSEPORT) and all feeding the one "
+        "engine process; more when one front cannot keep up with the engine's tokens.",
     )
     stream_interval: int = Field(
         1,
@@ -213,6 +224,18 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        return self
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ServerSettings:
+        ports = {"port": self.port, "http_port": self.http_port, "health_port": self.health_port}
+        if self.metrics_host in (None, self.host):
+            ports["metrics_port"] = self.metrics_port
+        taken: dict[int, str] = {}
+        for name, port in ports.items():
+            if port and port in taken:  # 0 = off (or, for `port`, a free one)
+                raise ValueError(f"{name} and {taken[port]} are both {port}: each server needs its own port")
+            taken[port] = name
         return self
 
     @property

@@ -74,12 +74,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real `tandem serve` of the tiny llama (serverproc.TINY_SERVER_*, defaults otherwise), shared
-    by the modules whose tests only need a server that serves: a start costs 10-15 s on two cores."""
+def tiny_server_http_port() -> int:
+    from serverproc import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(
+    tiny_model_dir, tiny_server_http_port: int, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """One real `tandem serve` of the tiny llama (serverproc.TINY_SERVER_*, defaults otherwise, and the
+    OpenAI HTTP API on tiny_server_http_port), shared by the modules whose tests only need a server
+    that serves: a start costs 10-15 s on two cores. Yields its gRPC address."""
     from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server
 
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
     flags = ("--model-name", TINY_SERVER_MODEL, "--num-kv-blocks", str(TINY_SERVER_KV_BLOCKS))
+    flags += ("--http-port", str(tiny_server_http_port))
     with running_server(tiny_model_dir("llama"), *flags, log=log) as (address, _proc):
         yield address
+
+
+@pytest.fixture(scope="session")
+def tiny_server_http(tiny_server: str, tiny_server_http_port: int) -> str:
+    """The shared server's OpenAI HTTP API: its base URL (http://127.0.0.1:PORT)."""
+    return f"http://127.0.0.1:{tiny_server_http_port}"

@@ -137,7 +137,9 @@ class ServerPod:
         self.address = address
         self.grpc_target = f"{address}:{env.get('TANDEM_PORT', '50051')}"
         env = {k: v for k, v in env.items() if k not in ("TANDEM_CACHE_DIR", "TANDEM_MODEL")}
+        # the HTTP API stays off: port 8000 is often taken on a test host, and the operator never calls it
         full_env = {**os.environ, **env, "TANDEM_HOST": address, "PYTHONSAFEPATH": "1"}
+        full_env["TANDEM_HTTP_PORT"] = "0"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model), "--device", "cpu"]
         cmd += ["--kv-cache-cpu-gib", "0.05"]
         self.log = open(log, "w")  # noqa: SIM115 (closed in stop)

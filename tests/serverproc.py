@@ -35,8 +35,8 @@ def running_server(
     """Yields (address, process). `model` None = the embedded default model; `env`: added variables;
     `health_port`: serve plaintext health there and wait on it (the way to wait on a TLS server).
 
-    The metrics endpoint is off unless `extra` sets --metrics-port (9400 would clash between servers);
-    the KV cache is 0.25 GiB unless `extra` sizes it.
+    The metrics endpoint and the HTTP API are off unless `extra` sets --metrics-port / --http-port
+    (9400 and 8000 would clash between servers); the KV cache is 0.25 GiB unless `extra` sizes it.
     """
     port = free_port()
     cmd = [
@@ -56,8 +56,9 @@ def running_server(
         cmd += ["--model", str(model)]
     if health_port is not None:
         cmd += ["--health-port", str(health_port)]
-    if "--metrics-port" not in extra:
-        cmd += ["--metrics-port", "0"]
+    for flag in ("--metrics-port", "--http-port"):
+        if flag not in extra:
+            cmd += [flag, "0"]
     if "--num-kv-blocks" not in extra and "--kv-cache-cpu-gib" not in extra:
         cmd += ["--kv-cache-cpu-gib", "0.25"]  # the 2 GiB default takes seconds to zero at every start
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115

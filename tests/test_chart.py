@@ -613,7 +613,9 @@ def test_example_servers_export_traces_when_otel_is_on(rendered: dict[str, list[
     assert "env" not in one(rendered["default"], "ModelServer")["spec"]
 
 
-def test_tls_auth_and_reflection_reach_the_example(rendered: dict[str, list[dict]]) -> None:
+def test_tls_auth_and_reflection_reach_the_example(
+    rendered: dict[str, list[dict]], chart: helm.Chart
+) -> None:
     spec = one(rendered["tls"], "ModelServer")["spec"]
     assert spec["tls"] == {"secretName": "smollm2-tls", "clientCASecretName": "smollm2-client-ca"}
     assert spec["auth"] == {"tokenSecretName": "smollm2-tokens", "tokenKey": "api-tokens"}
@@ -621,6 +623,9 @@ def test_tls_auth_and_reflection_reach_the_example(rendered: dict[str, list[dict
     default = one(rendered["default"], "ModelServer")["spec"]
     assert "tls" not in default and "auth" not in default, "empty Secret names: plaintext, no token"
     assert default["reflection"] is True
+    assert default["openaiApi"] is True
+    off = render(chart, {"exampleModelServer": {"openaiApi": False}})
+    assert one(off, "ModelServer")["spec"]["openaiApi"] is False
 
 
 def test_client_ca_without_a_certificate_is_refused(chart: helm.Chart) -> None:
@@ -692,7 +697,11 @@ def test_network_policies(rendered: dict[str, list[dict]]) -> None:
         assert spec["policyTypes"] == ["Ingress"]
         grpc_rule, metrics_rule = spec["ingress"]
         # the plaintext health port (used under TLS) is open to whoever may call gRPC
-        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}, {"port": 50052, "protocol": "TCP"}]
+        assert grpc_rule["ports"] == [
+            {"port": 50051, "protocol": "TCP"},
+            {"port": 50052, "protocol": "TCP"},
+            {"port": 8000, "protocol": "TCP"},  # the OpenAI HTTP API: the same callers as gRPC
+        ]
         assert CLIENTS in grpc_rule["from"]
         assert any(p["podSelector"]["matchLabels"].items() <= test_pod.items() for p in grpc_rule["from"][1:])
         assert metrics_rule["ports"] == [{"port": 9400, "protocol": "TCP"}]
@@ -828,6 +837,9 @@ def test_notes_tell_how_to_call_the_server(chart: helm.Chart) -> None:
     assert f"kubectl port-forward -n {NAMESPACE} svc/llama-8b 50051:50051" in notes
     assert "tandem generate --server localhost:50051" in notes
     assert f"llama-8b.{NAMESPACE}.svc:50051" in notes
+    assert f"kubectl port-forward -n {NAMESPACE} svc/llama-8b 8000:8000" in notes
+    assert "curl http://localhost:8000/v1/chat/completions" in notes
+    assert f"http://llama-8b.{NAMESPACE}.svc:8000/v1" in notes
     assert "1 x nvidia.com/mig-3g.71gb per pod" in notes
     assert f"helm test {RELEASE}" in notes
 
@@ -839,3 +851,8 @@ def test_notes_under_tls_and_tokens(chart: helm.Chart) -> None:
     assert f"-servername smollm2.{NAMESPACE}.svc" in notes
     assert '-H "authorization: Bearer $TOKEN"' in notes
     assert "-proto tandem/v1/tandem.proto" in notes, "reflection is off"
+    # HTTPS on the HTTP port too, checked for the Service's name, with the token
+    svc = f"smollm2.{NAMESPACE}.svc"
+    assert "--cert client.crt --key client.key" in notes
+    assert f"--connect-to {svc}:8000:localhost:8000 https://{svc}:8000/v1/chat/completions" in notes
+    assert '-H "Authorization: Bearer $TOKEN"' in notes

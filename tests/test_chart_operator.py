@@ -18,6 +18,7 @@ spec_module = pytest.importorskip("tandem.operator.spec")
 GRPC_PORT = 50051
 HEALTH_PORT = 50052
 METRICS_PORT = 9400
+HTTP_PORT = 8000  # the OpenAI-compatible API
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +70,13 @@ def test_monitors_and_policies_select_the_operators_pods(chart) -> None:
         "labels"
     ].items()
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
-    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT, "http": HTTP_PORT}
     for policy in objects(docs, "NetworkPolicy"):
         if policy["metadata"]["namespace"] == NAMESPACE and "servers" in policy["metadata"]["name"]:
             assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
             assert [r["ports"][0]["port"] for r in policy["spec"]["ingress"]] == [GRPC_PORT, METRICS_PORT]
+            admitted = {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]}
+            assert set(ports.values()) <= admitted, "every Service port is let in"
     # the helm test pod dials the Service the operator names after the ModelServer
     args = one(docs, "Pod")["spec"]["containers"][0]["args"]
     assert args[2] == f"{service['metadata']['name']}.{NAMESPACE}.svc:{GRPC_PORT}"

@@ -113,18 +113,34 @@ def test_profile_sorts_kernels_by_kind(monkeypatch):
 
 
 def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path):
-    """Both sides run the same requests: every request completes with its tokens, the ratio is theirs."""
+    """Both sides run the same requests, through both fronts of one server: every request completes
+    with its tokens, the ratios are theirs."""
     out = tmp_path / "serve.json"
     tandem = Path(sys.executable).with_name("tandem")
     proc = subprocess.run(
-        [str(tandem), "bench", "serve", "--smoke", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        [str(tandem), "bench", "serve", "--smoke", "--front", "both", "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 4 streams |" in proc.stdout and "| 20.0 req/s |" in proc.stdout
+    assert "| 4 streams, HTTP |" in proc.stdout and "| level | gRPC tok/s | HTTP tok/s |" in proc.stdout
     result = json.loads(out.read_text())
     assert result["benchmark"] == "serve" and result["server_exit_code"] == 0
-    levels = {(lv["mode"], lv.get("concurrency") or lv.get("request_rate")): lv for lv in result["levels"]}
+    by_front = {f: [lv for lv in result["levels"] if lv["front"] == f] for f in ("grpc", "http")}
+    same = [lv.get("concurrency") for lv in by_front["grpc"]]
+    assert same == [lv.get("concurrency") for lv in by_front["http"]]
+    for c in result["http_over_grpc"]:
+        assert c["http_over_grpc"] == pytest.approx(c["http_tok_s"] / c["grpc_tok_s"], abs=6e-4)
+    assert len(result["http_over_grpc"]) == 3
+    for levels in (by_front["http"], by_front["grpc"]):
+        levels = {(lv["mode"], lv.get("concurrency") or lv.get("request_rate")): lv for lv in levels}
+        _check_serve_levels(levels, result)
+    assert out.with_suffix(".md").read_text().startswith("| level |")
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_serve_levels(levels: dict, result: dict) -> None:
     assert set(levels) == {("concurrency", 1), ("concurrency", 4), ("request_rate", 20.0)}
     for level in levels.values():
         server, engine = level["server"], level["engine"]
@@ -136,8 +152,6 @@ def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path
             assert 0 <= server[key]["p50"] <= server[key]["p90"] <= server[key]["p99"]
         assert engine["median_step_ms"] > 0
     assert levels[("concurrency", 4)]["server"]["requests"] == 4
-    assert out.with_suffix(".md").read_text().startswith("| level |")
-    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tandem_bench_soak_smoke_finds_the_server_correct(tmp_path, tiny_model_dir):

@@ -208,8 +208,9 @@ def test_server_healthcheck_runs_tandem_health(serving_health: int) -> None:
 def test_exposed_ports_match_the_server() -> None:
     from tandem.service.settings import ServerSettings
 
-    grpc_port = ServerSettings.model_fields["port"].default
-    assert instructions("server", "EXPOSE") == [f"{grpc_port} 9400"]
+    fields = ServerSettings.model_fields
+    ports = [fields[name].default for name in ("port", "http_port", "metrics_port")]
+    assert instructions("server", "EXPOSE") == [" ".join(str(p) for p in ports)]
 
 
 def test_operator_image_exposes_liveness_and_the_charts_metrics_port() -> None:

@@ -27,7 +27,7 @@ def test_health_answers_while_the_engine_compiles_and_captures(tiny_model_dir, t
     log = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cuda", "--model", str(tiny_model_dir("llama")), "--max-num-seqs", "8",
-           "--metrics-port", "0", "--num-kv-blocks", "512"]
+           "--metrics-port", "0", "--http-port", "0", "--num-kv-blocks", "512"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd="/",
                                 env={**os.environ, "PYTHONSAFEPATH": "1"})

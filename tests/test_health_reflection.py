@@ -7,6 +7,8 @@ streams may finish for --drain-timeout-s, then the server stops and the process 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -148,11 +150,19 @@ def spawn(model: Path, log: Path, *extra: str) -> tuple[str, subprocess.Popen]:
     """Start `tandem serve` without waiting for it (serverproc.running_server waits for SERVING)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", "--model", str(model), *extra]
+           "--device", "cpu", "--http-port", "0", "--model", str(model), *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd="/",
                                 env={**os.environ, "PYTHONSAFEPATH": "1"})
     return f"127.0.0.1:{port}", proc
+
+
+def http_get(port: int, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    """GET `path` (POST `body` when given) on the HTTP port; (status, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    conn.request("POST" if body else "GET", path, json.dumps(body) if body else None)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
 
 
 def first_health(channel: grpc.Channel, proc: subprocess.Popen, timeout: float = 120.0) -> int:
@@ -191,7 +201,9 @@ def stop_leftover() -> Iterator[list[subprocess.Popen]]:
 def test_not_serving_until_ready_then_graceful_drain(
     tiny_model_dir, tmp_path: Path, stop_leftover: list[subprocess.Popen]
 ) -> None:
-    address, proc = spawn(tiny_model_dir("llama"), tmp_path / "server.log", "--drain-timeout-s", "60")
+    http_port = free_port()
+    flags = ("--drain-timeout-s", "60", "--http-port", str(http_port))
+    address, proc = spawn(tiny_model_dir("llama"), tmp_path / "server.log", *flags)
     stop_leftover.append(proc)
     with grpc.insecure_channel(address, options=FAST_RECONNECT) as channel:
         stub = pb_grpc.TandemStub(channel)
@@ -206,27 +218,41 @@ def test_not_serving_until_ready_then_graceful_drain(
             assert check(channel) == SERVING
         wait_for_status(channel, SERVING, timeout=120)
         assert kserve_server_ready(channel)
+        assert http_get(http_port, "/ready")[0] == 200  # HTTP readiness follows the gRPC health
 
-        # a stream is running when SIGTERM arrives
+        # a stream is running on each port when SIGTERM arrives
         n_tokens = 300
         stream = stub.GenerateStream(long_request(n_tokens), timeout=TIMEOUT)
         got = len(next(stream).token_ids)
+        sse = http.client.HTTPConnection("127.0.0.1", http_port, timeout=TIMEOUT)
+        body = {"prompt": PROMPT, "max_tokens": n_tokens, "ignore_eos": True, "stream": True}
+        sse.request("POST", "/v1/completions", json.dumps(body))
+        http_stream = sse.getresponse()
+        assert http_stream.status == 200
         proc.send_signal(signal.SIGTERM)
         assert wait_for_status(channel, NOT_SERVING, timeout=2.0) < 2.0
         for service in ("tandem.v1.Tandem", "inference.GRPCInferenceService"):
             assert check(channel, service) == NOT_SERVING
         assert not kserve_server_ready(channel)
+        assert http_get(http_port, "/ready") == (503, b'{"status":"not ready"}')
+        assert http_get(http_port, "/health")[0] == 200  # live: the pod is finishing, not stuck
         # new generations are turned away while draining
         with pytest.raises(grpc.RpcError) as exc:
             stub.Generate(long_request(2), timeout=TIMEOUT)
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "draining" in exc.value.details()
-        # ... but the running stream is allowed to finish
+        status, refused = http_get(http_port, "/v1/completions", {"prompt": PROMPT})
+        assert status == 503 and "draining" in json.loads(refused)["error"]["message"]
+        # ... but the running streams are allowed to finish
         last = None
         for last in stream:
             got += len(last.token_ids)
         assert got == n_tokens
         assert last is not None and last.finish_reason == pb.FINISH_REASON_LENGTH
+        events = http_stream.read().split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        assert json.loads(events[-3].removeprefix(b"data: "))["choices"][0]["finish_reason"] == "length"
+        sse.close()
         t_done = time.monotonic()
 
     # no stream left: the server stops well before the 60 s drain timeout, and exits cleanly

@@ -241,7 +241,7 @@ def test_auth_alone_keeps_the_probes_on_the_grpc_port():
     ]
     assert not {"TANDEM_HEALTH_PORT", "TANDEM_TLS_CERT_FILE", "TANDEM_REFLECTION"} & set(env)
     assert container["readinessProbe"]["grpc"] == {"port": resources.GRPC_PORT}
-    assert [p["name"] for p in container["ports"]] == ["grpc", "metrics"]
+    assert [p["name"] for p in container["ports"]] == ["grpc", "metrics", "http"]
 
 
 def test_plain_spec_has_no_security_extras():
@@ -252,6 +252,23 @@ def test_plain_spec_has_no_security_extras():
         e for e in container["env"] if e["name"].startswith(("TANDEM_TLS", "TANDEM_AUTH", "TANDEM_HEALTH"))
     ]
     ports = resources.service("llama", parse_spec({"image": "x"}), 9400)["spec"]["ports"]
+    assert [p["name"] for p in ports] == ["grpc", "metrics", "http"]
+
+
+def test_the_openai_http_api_is_on_port_8000_unless_turned_off():
+    """Container port, Service port and TANDEM_HTTP_PORT agree; spec.openaiApi: false removes all three
+    (probes stay on gRPC either way: its health is what HTTP /ready follows)."""
+    _, container = _pod({"image": "x"})
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TANDEM_HTTP_PORT"] == str(resources.HTTP_PORT) == "8000"
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+    ports = resources.service("llama", parse_spec({"image": "x"}), 9400)["spec"]["ports"]
+    assert {"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"} in ports
+    assert "grpc" in container["readinessProbe"]
+    _, off = _pod({"image": "x", "openaiApi": False})
+    assert {e["name"]: e["value"] for e in off["env"]}["TANDEM_HTTP_PORT"] == "0"
+    assert "http" not in [p["name"] for p in off["ports"]]
+    ports = resources.service("llama", parse_spec({"image": "x", "openaiApi": False}), 9400)["spec"]["ports"]
     assert [p["name"] for p in ports] == ["grpc", "metrics"]
 
 

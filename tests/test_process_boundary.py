@@ -1,10 +1,13 @@
-"""The pod's processes, on real servers: several gRPC fronts on one port feeding one engine process,
-the queue bound kept across them, coalesced streams, and what happens when a process dies."""
+"""The pod's processes, on real servers: several fronts on one gRPC port and one HTTP port feeding one
+engine process, the queue bound kept across them, coalesced streams, and what happens when a process
+dies."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import http.client
+import json
 import math
 import os
 import re
@@ -83,21 +86,33 @@ def scrape(url: str) -> dict[str, float]:
 
 
 class Pod:
-    def __init__(self, address: str, proc: subprocess.Popen, log: Path, metrics_url: str) -> None:
+    def __init__(
+        self, address: str, proc: subprocess.Popen, log: Path, metrics_url: str, http_port: int
+    ) -> None:
         self.address, self.proc, self.log, self.metrics_url = address, proc, log, metrics_url
         self.port = int(address.rsplit(":", 1)[1])
+        self.http_port = http_port
         self.engine, self.fronts = pids(log)
+
+
+def http_post(port: int, body: dict, conn: http.client.HTTPConnection | None = None) -> tuple[int, bytes]:
+    """POST /v1/completions on the pod's HTTP port (on `conn`, kept open, when given)."""
+    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp.read()
 
 
 @pytest.fixture(scope="module")
 def pod(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     log = tmp_path_factory.mktemp("fronts") / "server.log"
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     with running_server(
         tiny_model_dir("llama"), "--api-processes", str(FRONTS), "--max-waiting-requests", "2",
-        "--max-num-seqs", "2", "--stream-interval", "5", "--metrics-port", str(metrics_port), log=log,
+        "--max-num-seqs", "2", "--stream-interval", "5", "--metrics-port", str(metrics_port),
+        "--http-port", str(http_port), log=log,
     ) as (address, proc):  # fmt: skip
-        yield Pod(address, proc, log, f"http://127.0.0.1:{metrics_port}/metrics")
+        yield Pod(address, proc, log, f"http://127.0.0.1:{metrics_port}/metrics", http_port)
 
 
 def test_every_front_serves_on_the_one_port_and_is_counted_once(pod: Pod):
@@ -123,6 +138,25 @@ def test_every_front_serves_on_the_one_port_and_is_counted_once(pod: Pod):
     assert after[duration] - before.get(duration, 0) == 48
 
 
+def test_every_front_serves_http_on_the_one_port(pod: Pod):
+    """Each front binds the HTTP port too (SO_REUSEPORT): connections reach all of them, each answers."""
+    conns = [http.client.HTTPConnection("127.0.0.1", pod.http_port, timeout=TIMEOUT) for _ in range(24)]
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        answers = [http_post(pod.http_port, body, c) for c in conns]
+        assert {status for status, _ in answers} == {200}
+        assert len({json.loads(raw)["choices"][0]["text"] for _, raw in answers}) == 1  # greedy
+        served = [peer_ports(front, pod.http_port) for front in pod.fronts]
+        assert all(served), [len(s) for s in served]
+        for c in conns[:FRONTS]:  # readiness on each connection, as the gRPC health says
+            c.request("GET", "/ready")
+            r = c.getresponse()
+            assert (r.status, json.loads(r.read())) == (200, {"status": "ready"})
+    finally:
+        for c in conns:
+            c.close()
+
+
 def test_the_queue_bound_holds_across_fronts(pod: Pod):
     """2 running, 2 waiting, whichever fronts they came through; the next is turned away."""
     channels = [grpc.insecure_channel(pod.address, options=OWN_CONNECTION) for _ in range(12)]
@@ -145,6 +179,11 @@ def test_the_queue_bound_holds_across_fronts(pod: Pod):
             assert "queue is full" in exc.value.details()
             refused += 1
         assert refused == 8
+        for stream in (False, True):  # over HTTP: 429, a stream too (it starts with its first chunk)
+            status, raw = http_post(pod.http_port, {"prompt": "Once", "max_tokens": 4, "stream": stream})
+            error = json.loads(raw)["error"]
+            assert status == 429 and error["code"] == "rate_limit_exceeded", raw
+            assert "queue is full" in error["message"]
     finally:
         for call in calls:
             call.cancel()
@@ -165,7 +204,7 @@ def test_a_second_server_on_the_port_refuses_to_start(pod: Pod, tmp_path):
     """The pod's own fronts share its port; another `tandem serve` may not join them."""
     log = tmp_path / "second.log"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(pod.port),
-           "--metrics-port", "0", "--device", "cpu"]  # fmt: skip
+           "--metrics-port", "0", "--http-port", "0", "--device", "cpu"]  # fmt: skip
     with log.open("w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=60, cwd="/",
                               env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode  # fmt: skip
@@ -178,6 +217,7 @@ def test_a_second_server_on_the_port_refuses_to_start(pod: Pod, tmp_path):
 def test_a_burst_is_refused_with_resource_exhausted_never_cancelled(pod: Pod):
     """2,000 calls at once (grpc core alone would drop about a tenth as CANCELLED): every call ends
     OK or RESOURCE_EXHAUSTED, and no more than the bound ever waits."""
+
     async def burst() -> tuple[collections.Counter, int]:
         calls, watch = grpc.aio.insecure_channel(pod.address), grpc.aio.insecure_channel(pod.address)
         async with calls, watch:
@@ -233,13 +273,19 @@ def test_a_stream_interval_coalesces_and_delivers_every_token_once_in_order(pod:
 
 def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
-    with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
+    http_port = free_port()
+    with running_server(tiny_model_dir("llama"), "--http-port", str(http_port), log=log) as (address, proc):
         engine, _ = pids(log)
         with grpc.insecure_channel(address) as ch:
             health = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
             assert next(health).status == SERVING
             stream = pb_grpc.TandemStub(ch).GenerateStream(request(1000), timeout=TIMEOUT)
             next(stream)
+            sse = http.client.HTTPConnection("127.0.0.1", http_port, timeout=TIMEOUT)
+            body = {"prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            sse.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            http_stream = sse.getresponse()
+            assert http_stream.status == 200
             statuses: list[tuple[int, float]] = []
 
             def watch() -> None:
@@ -258,6 +304,11 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
                     pass
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
             assert time.monotonic() - killed < 5
+            # the HTTP stream (its status long sent) ends with an OpenAI error event, then [DONE]
+            events = http_stream.read().split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""]
+            assert json.loads(events[-3].removeprefix(b"data: "))["error"]["code"] == "service_unavailable"
+            sse.close()
             watcher.join(timeout=20)
             down = [at for status, at in statuses if status == NOT_SERVING]
             assert down, "health never said NOT_SERVING"

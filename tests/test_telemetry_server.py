@@ -169,6 +169,7 @@ class Served:
     after: dict[str, list]  # /metrics right after the load
     load: Load
     scraped_after_load_start_s: float  # how long after the load began the `after` scrape was taken
+    http_url: str  # the OpenAI HTTP API
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,7 @@ def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(otlp_metrics, receiver)
     otlp_port = receiver.add_insecure_port("127.0.0.1:0")
     receiver.start()
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("telemetry-server") / "server.log"
     try:
         with running_server(
@@ -193,6 +194,7 @@ def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             "--telemetry-window-s", str(WINDOW_S),
             "--price-per-gpu-hour", str(PRICE),
             "--num-gpus", str(GPUS),
+            "--http-port", str(http_port),
             log=log,
             # export quickly instead of every 5 s (spans) / 60 s (metrics)
             env={"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"},
@@ -214,7 +216,8 @@ def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             after = scrape(url)
             elapsed = time.monotonic() - started
             load.seconds = elapsed
-            yield Served(address, url, traces, otlp_metrics, quiet, during, after, load, elapsed)
+            http_url = f"http://127.0.0.1:{http_port}"
+            yield Served(address, url, traces, otlp_metrics, quiet, during, after, load, elapsed, http_url)
     finally:
         receiver.stop(grace=None)
 
@@ -441,6 +444,42 @@ def test_kserve_infer_span_keeps_the_callers_trace(served: Served):
     assert a["rpc.service"] == "inference.GRPCInferenceService" and a["rpc.method"] == "ModelInfer"
     assert a["gen_ai.response.id"] == "k-1"
     assert a["gen_ai.usage.output_tokens"] > 0
+
+
+def test_an_http_request_joins_the_callers_trace_and_is_counted_once(served: Served):
+    """The OpenAI front's request: one server span under the caller's `traceparent` header, with the
+    same children and GenAI attributes as gRPC's, and one count in each latency histogram."""
+    trace_id = "33333333333333333333333333333333"
+    labels = {"gen_ai_request_model": MODEL, "gen_ai_operation_name": "chat"}
+    names = [f"gen_ai_server_{h}_count" for h in ("request_duration_seconds", "time_to_first_token_seconds")]
+
+    def counts() -> list[float]:
+        samples = scrape(served.metrics_url)
+        return [sum(v for lab, v in samples.get(n, []) if labels.items() <= lab.items()) for n in names]
+
+    before = counts()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 7,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    req = urllib.request.Request(
+        served.http_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{CALLER_SPAN}-01"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.read().endswith(b"data: [DONE]\n\n")
+    root, _ = _check_request_tree(served.traces, trace_id)
+    a = attrs(root)
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.response.model"] == MODEL
+    assert a["http.request.method"] == "POST" and a["http.route"] == "/v1/chat/completions"
+    assert "rpc.system" not in a
+    assert a["gen_ai.response.id"].startswith("chatcmpl-")
+    assert a["gen_ai.usage.output_tokens"] == 7 and a["gen_ai.response.finish_reasons"] == ["length"]
+    assert a["tandem.request.stream"] is True
+    deadline = time.monotonic() + 10  # the front's record reaches the supervisor's /metrics soon after
+    while counts() != [b + 1 for b in before] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    assert counts() == [b + 1 for b in before]
 
 
 def test_a_rejected_request_is_an_error_span(served: Served):

@@ -1,14 +1,18 @@
 """TLS, mutual TLS and bearer tokens on a real `tandem serve`, asked by real clients (grpc stubs,
-tritonclient); certificates and tokens rotated on disk while it runs, as cert-manager and a Secret
-volume rotate them.
+tritonclient, the openai client on the HTTP port); certificates and tokens rotated on disk while it
+runs, as cert-manager and a Secret volume rotate them.
 
 One server serves the module: TLS with a client CA (mutual TLS), a token file, the plaintext
-health port, reflection off. The rotation tests come last: they change the files it reads.
+health port, the OpenAI HTTP port, reflection off. The rotation tests come last: they change the
+files it reads.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as tc
 from certs import CertificateAuthority, Issued
@@ -65,10 +70,18 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+def http_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir, pki: Pki, http_port: int, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, int]]:
     log = tmp_path_factory.mktemp("tls-server") / "server.log"
     health_port = free_port()
     args = [
+        "--http-port", str(http_port),
         "--model-name", MODEL_NAME,
         "--tls-cert-file", str(pki.cert),
         "--tls-key-file", str(pki.key),
@@ -209,6 +222,55 @@ def test_health_needs_no_token_and_the_health_port_serves_only_health(
     assert wrong.returncode == 1 and "DEADLINE_EXCEEDED" in wrong.stdout, wrong.stdout + wrong.stderr
 
 
+def _https(pki: Pki, ca: bytes | None = None, client: bool = True) -> ssl.SSLContext:
+    """A client's TLS context: trusting `ca` (the server CA), with the client certificate or none."""
+    ctx = ssl.create_default_context(cadata=(ca or pki.server_ca.cert).decode())
+    if client:
+        (pki.folder / "client.crt").write_bytes(pki.client.cert)
+        (pki.folder / "client.key").write_bytes(pki.client.key)
+        ctx.load_cert_chain(pki.folder / "client.crt", pki.folder / "client.key")
+    return ctx
+
+
+def _http(
+    port: int, ctx: ssl.SSLContext, method: str, path: str, headers: dict | None = None
+) -> tuple[int, dict]:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=TIMEOUT, context=ctx)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 3}) if method == "POST" else None
+    conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    answer = json.loads(resp.read())
+    conn.close()
+    return resp.status, answer
+
+
+def test_the_http_port_speaks_mutual_tls_and_needs_the_token(
+    server: tuple[str, int], pki: Pki, http_port: int
+):
+    ctx = _https(pki)
+    with openai.OpenAI(
+        base_url=f"https://127.0.0.1:{http_port}/v1", api_key=TOKEN, max_retries=0,
+        http_client=openai.DefaultHttpxClient(verify=ctx),
+    ) as client:  # fmt: skip
+        answer = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4)
+        assert answer.usage.completion_tokens == 4
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            status, answer = _http(http_port, ctx, method, path, headers)
+            assert status == 401 and answer["error"]["code"] == "invalid_api_key", (headers, answer)
+    assert _http(http_port, ctx, "GET", "/v1/models", bearer)[1]["data"][0]["id"] == MODEL_NAME
+    assert _http(http_port, ctx, "GET", "/ready") == (200, {"status": "ready"})  # probes need no token
+    assert _http(http_port, ctx, "GET", "/health")[0] == 200
+    # no client certificate, or plaintext: no answer at all
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        _http(http_port, _https(pki, client=False), "GET", "/health")
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        plain = http.client.HTTPConnection("127.0.0.1", http_port, timeout=TIMEOUT)
+        plain.request("GET", "/health")
+        plain.getresponse()
+
+
 def test_reflection_can_be_turned_off(server: tuple[str, int], pki: Pki) -> None:
     with grpc.secure_channel(server[0], pki.credentials(), options=FRESH) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -266,7 +328,9 @@ def _until_accepted(channel: grpc.Channel, token: str) -> None:
     pytest.fail(f"the token {token!r} was never accepted")
 
 
-def test_certificate_rotation_reaches_new_connections(server: tuple[str, int], pki: Pki) -> None:
+def test_certificate_rotation_reaches_new_connections(
+    server: tuple[str, int], pki: Pki, http_port: int
+) -> None:
     address = server[0]
     old_ca = pki.server_ca.cert
     kept = grpc.secure_channel(address, pki.credentials(ca=old_ca), options=FRESH)
@@ -287,6 +351,17 @@ def test_certificate_rotation_reaches_new_connections(server: tuple[str, int], p
         assert _code(lambda: _generate(channel, _token())) == grpc.StatusCode.UNAVAILABLE
     assert _generate(kept, _token()).usage.completion_tokens == 4  # open connections are not cut
     kept.close()
+    # the HTTP port looks at the files about once a second: soon its new connections get it too
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert _http(http_port, _https(pki, ca=other.cert), "GET", "/health")[0] == 200
+            break
+        except ssl.SSLError:
+            assert time.monotonic() < deadline, "the HTTP port never served the renewed certificate"
+            time.sleep(0.2)
+    with pytest.raises(ssl.SSLError):
+        _http(http_port, _https(pki, ca=old_ca), "GET", "/health")
 
 
 @pytest.mark.parametrize(
@@ -301,7 +376,19 @@ def test_certificate_rotation_reaches_new_connections(server: tuple[str, int], p
     ],
 )
 def test_bad_security_settings_stop_the_start(args: list[str], message: str, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", "--metrics-port", "0", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+    ]
+    cmd += args
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode != 0
     assert message in done.stderr
@@ -309,7 +396,18 @@ def test_bad_security_settings_stop_the_start(args: list[str], message: str, tmp
 
 def test_an_empty_token_file_stops_the_start(tmp_path: Path) -> None:
     (tmp_path / "tokens").write_text("# nobody yet\n\n")
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", "--metrics-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+    ]
     cmd += ["--auth-token-file", str(tmp_path / "tokens")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode == 1 and "holds no token" in done.stderr

@@ -1,4 +1,4 @@
-"""`tandem serve`: the pod's main process. It starts the engine process and the gRPC front processes,
+"""`tandem serve`: the pod's main process. It starts the engine process and the front processes,
 serves the pod's one metrics endpoint from what they report, and decides how the pod ends.
 
 - SIGTERM / SIGINT: every front drains (NOT_SERVING, running streams finish, at most
@@ -55,7 +55,7 @@ class PortInUse(CannotStart):
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Another server already listening on the port would share it with our fronts (grpc sets
+    """Another server already listening on the port would share it with our fronts (they set
     SO_REUSEPORT): fail instead. A socket without SO_REUSEPORT cannot bind a port that is listened on."""
     family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -144,8 +144,9 @@ class Supervisor:
             s = self.settings = s.model_copy(update={"port": port})
         else:
             _check_port_free(s.host, s.port)
-        if s.health_port:
-            _check_port_free(s.host, s.health_port)
+        for extra in (s.health_port, s.http_port):
+            if extra:
+                _check_port_free(s.host, extra)
         _check_security_files(s)
         self._receiver.start()
         if s.metrics_port:

@@ -1,4 +1,5 @@
-"""Bearer-token authentication: every RPC but grpc.health.v1 needs `authorization: Bearer <token>`.
+"""Bearer-token authentication: every RPC but grpc.health.v1 needs `authorization: Bearer <token>`
+(and every HTTP request under /v1: openai_http.py asks the same `TokenFile`).
 
 The accepted tokens live in a file (a Kubernetes Secret volume), one per line, read again when the
 file changes so that a token can be added or revoked without a restart. A presented token is
@@ -68,10 +69,17 @@ class TokenFile:
         return ok
 
 
+def bearer_token(value: str | None) -> bytes | None:
+    """The token of an `authorization` value `Bearer <token>` (the scheme in any case), else None."""
+    if value is not None and value[: len(SCHEME)].lower() == SCHEME:
+        return value[len(SCHEME) :].strip().encode()
+    return None
+
+
 def _presented_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> bytes | None:
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value[: len(SCHEME)].lower() == SCHEME:
-            return value[len(SCHEME) :].strip().encode()
+        if key == "authorization" and isinstance(value, str) and (token := bearer_token(value)) is not None:
+            return token
     return None
 
 

@@ -1,10 +1,11 @@
-"""A gRPC front process: the native and KServe APIs, health and reflection, feeding the engine process.
+"""A front process: the native and KServe gRPC APIs, health and reflection, and the OpenAI HTTP API
+(`http_port`) on the same event loop, all feeding the engine process.
 
-The gRPC server is up first with health NOT_SERVING; it turns SERVING once the engine reports ready
-and the front has loaded the model's tokenizer. SIGTERM (sent by the supervisor) starts a drain:
-health turns NOT_SERVING at once, new generations get UNAVAILABLE, running streams may finish for
-`drain_timeout_s`, then the front stops. If the engine process goes away, health turns NOT_SERVING,
-every stream ends with UNAVAILABLE and the front stops.
+The gRPC and HTTP servers are up first with health NOT_SERVING (HTTP /ready: 503); they turn
+SERVING once the engine reports ready and the front has loaded the model's tokenizer. SIGTERM (sent
+by the supervisor) starts a drain: health turns NOT_SERVING at once, new generations get UNAVAILABLE
+(HTTP 503), running streams may finish for `drain_timeout_s`, then the front stops. If the engine
+process goes away, health turns NOT_SERVING, every stream ends with UNAVAILABLE and the front stops.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from .auth import RequireBearerToken, TokenFile
 from .background import in_daemon_thread
 from .context import ContextHolder, ModelContext, longest_token_chars
 from .engine_client import EngineClient
+from .http_server import HttpServer
 from .kserve import KServeServicer
 from .malformed import MalformedRequests
 from .native import TandemServicer
+from .openai_http import OpenAIApi
 from .request_stream import StreamInterval
 from .tls import CertificateFiles
 
@@ -63,9 +66,10 @@ class FrontServer:
         self.health = health_aio.HealthServicer()
         self.draining = False
         self.serving = False
-        self.failed = False  # it could not get ready (e.g. the tokenizer would not load)
+        self.failed = False  # it could not get ready (the tokenizer would not load), or HTTP failed
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None  # plaintext, health only (probes under TLS)
+        self.http: HttpServer | None = None  # the OpenAI API, when http_port is set
         self.client: EngineClient | None = None
         self._zmq = zmq.Context()
         self._to_supervisor = sockets.push(self._zmq, endpoints.supervisor)
@@ -96,8 +100,9 @@ class FrontServer:
         # engine's own bound, whose refusal (RESOURCE_EXHAUSTED) says what happened
         pending = max(3000, 4 * (s.max_waiting_requests + s.max_num_seqs))
         interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequests()]
-        if s.auth_token_file is not None:  # outermost: a call without a token is refused before parsing
-            interceptors.insert(0, RequireBearerToken(TokenFile(s.auth_token_file)))
+        tokens = TokenFile(s.auth_token_file) if s.auth_token_file is not None else None
+        if tokens is not None:  # outermost: a call without a token is refused before parsing
+            interceptors.insert(0, RequireBearerToken(tokens))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -127,16 +132,23 @@ class FrontServer:
             self.health_server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
+        if s.http_port:
+            api = OpenAIApi(self.holder, self.telemetry, limit, tokens, self._live, self._ready)
+            self.http = HttpServer(api.app, s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
+        if self.http is not None:
+            await self.http.start()
         if self.index == 0:
             how = ("mutual TLS" if s.tls_client_ca_file else "TLS") if s.tls else "plaintext"
             auth = ", bearer tokens" if s.auth_token_file else ""
             log.info("gRPC (%s%s) on %s:%d (NOT_SERVING until the model is warm)", how, auth, s.host, port)
             if self.health_server is not None:
                 log.info("grpc.health.v1 (plaintext) on %s:%d", s.host, s.health_port)
+            if self.http is not None:
+                log.info("OpenAI HTTP API (%s%s) on %s:%d", how, auth, s.host, self.http.port)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._become_ready())]
 
     async def _receive(self) -> None:
@@ -182,9 +194,24 @@ class FrontServer:
         await self._stop_servers(grace=1.0)
 
     async def _stop_servers(self, grace: float | None) -> None:
+        if self.http is not None:
+            await self.http.stop(grace=grace is not None)
         for server in (self.server, self.health_server):
             if server is not None:
                 await server.stop(grace=grace)
+
+    async def stopped(self) -> None:
+        """Returns once the servers have stopped. An HTTP server that ends of its own accord is a
+        fault: the front stops with it, and the pod restarts."""
+        assert self.server is not None
+        stopped = asyncio.create_task(self.server.wait_for_termination())
+        ends = {stopped} if self.http is None else {stopped, self.http.task}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        if not stopped.done() and self.http is not None and not self.http.stopping:
+            log.error("the HTTP server stopped unexpectedly; stopping the front")
+            self.failed = True
+            await self._stop_servers(grace=None)
+        await stopped
 
     async def engine_gone(self) -> None:
         """The engine process went away: its streams have failed with UNAVAILABLE; stop serving."""
@@ -210,11 +237,10 @@ async def serve_front(settings: ServerSettings, index: int, endpoints: sockets.E
     await front.start()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(front.drain()))
-    assert front.server is not None and front.client is not None
-    stopped = asyncio.create_task(front.server.wait_for_termination())
+    assert front.client is not None
     gone = asyncio.create_task(front.engine_gone())
     try:
-        await stopped
+        await front.stopped()
     finally:
         failed = front.client.gone.done() or front.failed
         gone.cancel()

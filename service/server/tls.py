@@ -1,10 +1,11 @@
-"""The gRPC port's TLS credentials, read again from their files when those change.
+"""The TLS credentials of the gRPC and HTTP ports, read again from their files when those change.
 
 cert-manager renews a certificate by rewriting its Secret, and the kubelet swaps the files of a
 Secret volume in place: grpc asks `fetch` at every new connection, which looks at the files' stat
-and reloads only when one changed. Connections already open keep the certificate they shook hands
-with. A pair that does not load (a half-written file, a key that does not match) is logged and the
-last good one stays in use.
+and reloads only when one changed; the HTTP port's `ServerSSLContext` is refreshed the same way
+about once a second. Connections already open keep the certificate they shook hands with. A pair
+that does not load (a half-written file, a key that does not match) is logged and the last good one
+stays in use.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _check(cert: Path, key: Path, client_ca: Path | None) -> None:
         raise InvalidCertificate(f"TLS files {files}: {exc}") from exc
 
 
+def _stamp(paths: list[Path]) -> Stamp:
+    stats = [os.stat(p) for p in paths]  # follows the Secret volume's symlinks
+    return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
+
+
 class CertificateFiles:
     def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
         self.cert, self.key, self.client_ca = cert, key, client_ca
@@ -49,8 +55,7 @@ class CertificateFiles:
         return [p for p in (self.cert, self.key, self.client_ca) if p is not None]
 
     def _current_stamp(self) -> Stamp:
-        stats = [os.stat(p) for p in self._paths]  # follows the Secret volume's symlinks
-        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
+        return _stamp(self._paths)
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         stamp = self._current_stamp()
@@ -81,3 +86,45 @@ class CertificateFiles:
         return grpc.dynamic_ssl_server_credentials(
             self.initial, self.fetch, require_client_authentication=self.client_ca is not None
         )
+
+
+class ServerSSLContext:
+    """The HTTP port's TLS (1.2 or later; client certificates required under mutual TLS): one
+    ssl.SSLContext, into which `refresh` loads the files again once they changed, for the
+    connections that come after. A client CA can be added that way, not removed (OpenSSL's trust
+    store only grows): dropping a CA from the HTTP port takes a restart."""
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if client_ca is not None:
+            self.context.verify_mode = ssl.CERT_REQUIRED
+        self.reloads = 0
+        self._stamp: Stamp | None = None
+        self._load()  # raises InvalidCertificate: the server cannot start with them
+
+    @property
+    def _paths(self) -> list[Path]:
+        return [p for p in (self.cert, self.key, self.client_ca) if p is not None]
+
+    def _load(self) -> None:
+        stamp = _stamp(self._paths)
+        _check(self.cert, self.key, self.client_ca)  # in a context of its own: a bad pair never gets here
+        self.context.load_cert_chain(self.cert, self.key)
+        if self.client_ca is not None:
+            self.context.load_verify_locations(self.client_ca)
+        self._stamp = stamp
+
+    def refresh(self) -> None:
+        try:
+            stamp = _stamp(self._paths)
+            if stamp == self._stamp:
+                return
+            self._stamp = stamp  # a bad new pair is reported once
+            self._load()
+        except (OSError, InvalidCertificate, ssl.SSLError) as exc:
+            log.error("TLS files changed but do not load; the HTTP port keeps its certificate: %s", exc)
+            return
+        self.reloads += 1
+        log.info("HTTP port's TLS certificate reloaded from %s", self.cert)

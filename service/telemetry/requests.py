@@ -2,16 +2,17 @@
 queue/prefill/decode and GenAI attributes, and a record of the request for the pod's latency
 histograms (kept by the supervisor, which serves /metrics for every front).
 
-A servicer opens one `RequestTrace` per generation (`with telemetry.request(...) as rt`), tells it
-the admitted request and hands it every chunk it sends; the chunks carry the times the front saw
-(`RequestTimes`), from which the child spans and the request's record are made once it ends.
+A servicer opens one `RequestTrace` per generation (`with telemetry.request(...) as rt`; the HTTP
+front: `telemetry.http_request(...)`), tells it the admitted request and hands it every chunk it
+sends; the chunks carry the times the front saw (`RequestTimes`), from which the child spans and the
+request's record are made once it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -59,7 +60,15 @@ class RequestTelemetry:
         self, metadata: Iterable[tuple[str, str | bytes]] | None, rpc_method: str, operation: str
     ) -> RequestTrace:
         """A request arrived on `rpc_method` ("tandem.v1.Tandem/Generate"); `metadata`: the gRPC metadata."""
-        return RequestTrace(self, metadata, rpc_method, operation)
+        service, _, method = rpc_method.rpartition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+        return RequestTrace(self, _carrier(metadata), operation, attributes)
+
+    def http_request(self, headers: Mapping[str, str], route: str, operation: str) -> RequestTrace:
+        """A request arrived on the HTTP `route` ("/v1/chat/completions"); `headers`: its HTTP headers."""
+        carrier = {k: headers[k] for k in propagate.get_global_textmap().fields if k in headers}
+        attributes = {"http.request.method": "POST", "http.route": route}
+        return RequestTrace(self, carrier, operation, attributes)
 
 
 def _carrier(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
@@ -74,27 +83,22 @@ class RequestTrace:
     def __init__(
         self,
         telemetry: RequestTelemetry,
-        metadata: Iterable[tuple[str, str | bytes]] | None,
-        rpc_method: str,
+        carrier: Mapping[str, str],
         operation: str,
+        attributes: Mapping[str, str],
     ) -> None:
+        """`carrier`: the caller's trace context (lower-case keys); `attributes`: the protocol's
+        (rpc.*, http.*)."""
         self.telemetry = telemetry
         self.model = telemetry.model
         self.started = time.time()
-        service, _, method = rpc_method.rpartition("/")
         self.operation = operation
         self.span = telemetry.tracer.start_span(
             f"generate {self.model}" if self.model else "generate",
-            context=propagate.extract(_carrier(metadata)),
+            context=propagate.extract(carrier),
             kind=SpanKind.SERVER,
             start_time=_ns(self.started),
-            attributes={
-                "gen_ai.operation.name": operation,
-                "gen_ai.request.model": self.model,
-                "rpc.system": "grpc",
-                "rpc.service": service,
-                "rpc.method": method,
-            },
+            attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": self.model, **attributes},
         )
         self.prompt_tokens = 0
         self.completion_tokens = 0

@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP API of a front: `/v1/chat/completions`, `/v1/completions` (streamed as
+server-sent events or whole), `/v1/models`, and the probes `/health` (liveness) and `/ready`
+(readiness, as the front's gRPC health).
+
+It admits requests through the same `ModelContext` as the gRPC servicers and feeds the same
+`EngineClient`, on the front's event loop. Every refusal is an OpenAI error body with its HTTP
+status (request_error); a streamed response starts once its first chunk is ready, so that a request
+the engine refuses (queue full) still gets its status. A client that goes away, streaming or not,
+aborts its request in the engine. Every /v1 request needs the bearer token when a token file is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import Receive
+
+from ..engine.errors import RequestError, invalid
+from ..engine.sampling_params import SamplingParams
+from ..engine.validation import resolve_params
+from ..telemetry.requests import RequestTelemetry, RequestTrace
+from . import sse
+from .auth import TokenFile, bearer_token
+from .context import ContextHolder, ModelContext
+from .interceptor_kit import RateLimitedLog
+from .openai_responses import (
+    ChatResponse,
+    CompletionResponse,
+    TokenTexts,
+    error_body,
+    request_error,
+)
+from .openai_schema import ChatCompletionRequest, CompletionRequest
+from .request_stream import GenerationChunk
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_REQUEST_ID_CHARS = 256
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the log may
+
+
+class ApiError(Exception):
+    """A refusal outside the engine's RequestError kinds (authentication, body size)."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, None, code)
+
+
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(sse.encode_json(body), status, headers, media_type="application/json")
+
+
+def _shared(locs: Iterable[tuple]) -> tuple:
+    """The longest start all `locs` share."""
+    it = iter(locs)
+    prefix = next(it)
+    for loc in it:
+        n = 0
+        while n < min(len(prefix), len(loc)) and prefix[n] == loc[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of a body that did not parse or validate. The field is the one all its
+    errors share: a value that fits no member of a union (`stop`: a string or a list) has one error
+    per member, under the member's name."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}", None
+    loc = _shared(e["loc"] for e in errors)
+    if not loc:
+        return f"the request body must be a JSON object: {first['msg']}", None
+    where = ".".join(str(p) for p in loc)
+    said = list(dict.fromkeys(e["msg"] for e in errors))[:3]
+    return f"{where}: {'; or '.join(said)}", where
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the request's body has been read by then)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None once the client went away first: `work` is then cancelled, which ends
+    its request's stream and so aborts it in the engine."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (the server stops)
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))  # its trace ends as cancelled, its request is aborted
+    if not task.cancelled():
+        task.exception()  # it ended otherwise meanwhile: nobody is left to tell
+    return None
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+class OpenAIApi:
+    def __init__(
+        self,
+        holder: ContextHolder,
+        telemetry: RequestTelemetry,
+        max_body_bytes: int,
+        tokens: TokenFile | None = None,
+        is_live: Callable[[], bool] = lambda: True,
+        is_ready: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.holder = holder
+        self.telemetry = telemetry
+        self.max_body_bytes = max_body_bytes
+        self.tokens = tokens
+        self.is_live = is_live  # False once the engine process is gone
+        self.is_ready = is_ready  # as the gRPC health: warm, every front ready, not draining
+        self.started = int(time.time())
+        self._texts: TokenTexts | None = None
+        self._log_refused = RateLimitedLog(log, "unauthenticated HTTP request")
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/ready", self.ready, methods=["GET"])
+        app.add_exception_handler(RequestError, self._request_error)
+        app.add_exception_handler(ApiError, self._api_error)
+        app.add_exception_handler(ValidationError, self._invalid_body)
+        app.add_exception_handler(HTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._internal_error)
+        return app
+
+    # -- errors ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _headers(request: Request) -> dict[str, str] | None:
+        rid = getattr(request.state, "request_id", None)
+        return {"x-request-id": rid} if rid else None
+
+    async def _request_error(self, request: Request, exc: RequestError) -> Response:
+        status, body = request_error(exc)
+        return _json(body, status, self._headers(request))
+
+    async def _api_error(self, request: Request, exc: ApiError) -> Response:
+        headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
+        return _json(exc.body, exc.status, headers)
+
+    async def _invalid_body(self, request: Request, exc: ValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return _json(error_body(message, "invalid_request_error", param), 400)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Routing's refusals (unknown path 404, wrong method 405) in OpenAI's shape."""
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return _json(error_body(message, "invalid_request_error"), exc.status_code, exc.headers)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        return _json(error_body(f"internal error: {exc}", "server_error", None, "internal_error"), 500)
+
+    # -- admission --------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.tokens is None:
+            return
+        presented = bearer_token(request.headers.get("authorization"))
+        if presented is not None and self.tokens.accepts(presented):
+            return
+        why = "missing bearer token" if presented is None else "bearer token not accepted"
+        self._log_refused(request.url.path, why)  # never the token itself
+        raise ApiError(401, why, "invalid_request_error", "invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused (413) past the message limit before more of it is read."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length", "")
+        parts, size = [], int(length) if length.isdigit() else 0
+        if size <= limit:
+            size = 0
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    break
+                parts.append(part)
+        if size > limit:
+            message = f"the request body exceeds the server's limit of {limit} bytes (--max-message-bytes)"
+            raise ApiError(413, message, "invalid_request_error", "request_too_large")
+        return b"".join(parts)
+
+    def _request_id(self, request: Request) -> str:
+        """The caller's X-Request-Id (echoed in the response's header and id) or a fresh one."""
+        rid = request.headers.get("x-request-id")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not (0 < len(rid) <= MAX_REQUEST_ID_CHARS and rid.isprintable()):
+            raise invalid(f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable characters")
+        request.state.request_id = rid
+        return rid
+
+    async def _admit(
+        self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt's tokens and the sampling parameters (RequestError if the request is not valid)."""
+        ctx.check_ready()
+        ctx.check_model(body.model or "")
+        body.check()
+        if isinstance(body, ChatCompletionRequest):
+            prompt = await ctx.encode_chat(body.chat())
+        else:
+            single = body.single_prompt()
+            prompt = await ctx.encode_text(single) if isinstance(single, str) else list(single)
+        return prompt, resolve_params(ctx.limits, len(prompt), **body.sampling())
+
+    def _response(
+        self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest, rid: str
+    ) -> ChatResponse | CompletionResponse:
+        texts = None
+        if body.sampling()["logprobs"]:
+            if self._texts is None:  # one tokenizer per front, loaded once
+                self._texts = TokenTexts(ctx.tokenizer)
+            texts = self._texts
+        if isinstance(body, ChatCompletionRequest):
+            return ChatResponse(f"chatcmpl-{rid}", ctx.name, texts, body.return_token_ids)
+        return CompletionResponse(f"cmpl-{rid}", ctx.name, texts, body.return_token_ids)
+
+    # -- generation -------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = ChatCompletionRequest.model_validate_json(await self._body(request))
+        return await self._generate(request, body, "/v1/chat/completions", "chat")
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = CompletionRequest.model_validate_json(await self._body(request))
+        return await self._generate(request, body, "/v1/completions", "text_completion")
+
+    async def _generate(
+        self, request: Request, body: ChatCompletionRequest | CompletionRequest, route: str, operation: str
+    ) -> Response:
+        rid = self._request_id(request)
+        ctx = self.holder.get()
+        trace = self.telemetry.http_request(request.headers, route, operation)
+        out = self._response(ctx, body, rid)
+        headers = {"x-request-id": rid}
+        if body.streams:
+            events = self._events(ctx, trace, body, out)
+            first = await _unless_gone(request, events.__anext__())
+            if first is None:
+                return Response(status_code=CLIENT_GONE)
+            return StreamingResponse(
+                _prepend(first, events), media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers}
+            )
+        done = await _unless_gone(request, self._complete(ctx, trace, body, out.id))
+        if done is None:
+            return Response(status_code=CLIENT_GONE)
+        return _json(out.whole(done), headers=headers)
+
+    async def _complete(
+        self,
+        ctx: ModelContext,
+        trace: RequestTrace,
+        body: ChatCompletionRequest | CompletionRequest,
+        response_id: str,
+    ) -> GenerationChunk:
+        with trace:
+            prompt, params = await self._admit(ctx, body)
+            trace.admitted(response_id, len(prompt), params, stream=False)
+            done = await ctx.generate_all(prompt, params)
+            trace.chunk(done)
+        return done
+
+    async def _events(
+        self,
+        ctx: ModelContext,
+        trace: RequestTrace,
+        body: ChatCompletionRequest | CompletionRequest,
+        out: ChatResponse | CompletionResponse,
+    ) -> AsyncIterator[bytes]:
+        """The stream's events. An error before the first one raises (the handler answers with its
+        status); after it, the stream ends with an error event, as vLLM's do."""
+        sent = False
+        last: GenerationChunk | None = None
+        usage = body.include_usage
+        try:
+            with trace:
+                prompt, params = await self._admit(ctx, body)
+                trace.admitted(out.id, len(prompt), params, stream=True)
+                async for chunk in ctx.generate(prompt, params):
+                    trace.chunk(chunk)
+                    last = chunk
+                    yield sse.event(out.stream_chunk(chunk, usage))
+                    sent = True
+        except RequestError as err:
+            if not sent:
+                raise
+            yield sse.event(request_error(err)[1])
+            yield sse.DONE
+            return
+        except Exception as exc:  # a fault of ours, mid-stream: this stream ends, the server goes on
+            if not sent:
+                raise
+            log.exception("a streamed HTTP request failed")
+            yield sse.event(error_body(f"internal error: {exc}", "server_error", None, "internal_error"))
+            yield sse.DONE
+            return
+        if usage and last is not None:
+            yield sse.event(out.usage_chunk(last))
+        yield sse.DONE
+
+    # -- models and probes --------------------------------------------------------------------------
+    def _card(self, ctx: ModelContext) -> dict:
+        return {
+            "id": ctx.name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "tandem",
+            "max_model_len": ctx.limits.max_model_len,  # vLLM's extension
+        }
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return _json({"object": "list", "data": [self._card(self.holder.get())]})
+
+    async def model(self, request: Request, model: str) -> Response:
+        self._authorize(request)
+        ctx = self.holder.get()
+        ctx.check_model(model)
+        return _json(self._card(ctx))
+
+    async def health(self) -> Response:
+        """Liveness: 200 while the front can serve at all (loading and draining included)."""
+        if self.is_live():
+            return _json({"status": "live"})
+        return _json({"status": "engine gone"}, 503)
+
+    async def ready(self) -> Response:
+        """Readiness: 200 exactly when the front's gRPC health says SERVING."""
+        if self.holder.ctx is not None and self.is_ready():
+            return _json({"status": "ready"})
+        return _json({"status": "not ready"}, 503)

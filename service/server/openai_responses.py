@@ -1,0 +1,197 @@
+"""OpenAI response bodies made from the engine's chunks: chat completions and completions, whole
+and as stream chunks, with usage and logprobs; and OpenAI's error body.
+
+A token in logprobs is named by its own text (the token decoded alone), as OpenAI names it, not by
+its vocabulary entry as the native API does. `stop_reason` (the stop string or stop token id that
+ended a request) and `token_ids` (when the request sets `return_token_ids`) are vLLM's extensions.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from ..engine.errors import ErrorKind, RequestError
+from ..engine.outputs import TokenLogprob
+from ..engine.sequence import FinishReason
+from .request_stream import GenerationChunk
+
+FINISH = {
+    None: None,
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",  # vLLM's word; a client still listening does not get it
+}
+
+# ErrorKind -> (HTTP status, OpenAI error type, OpenAI error code)
+STATUS = {
+    ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    ErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+    ErrorKind.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
+    ErrorKind.INTERNAL: (500, "server_error", "internal_error"),
+}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# fields named by the first word of an engine-side refusal (validation.py's messages)
+_PARAMS = {"temperature", "top_p", "top_k", "seed", "max_tokens", "top_logprobs", "stop_token_ids", "prompt"}
+
+
+def _param(err: RequestError) -> str | None:
+    """The request field an error is about, where its message says (OpenAI's `param`)."""
+    if (param := getattr(err, "param", None)) is not None:
+        return param
+    if err.kind is ErrorKind.NOT_FOUND:
+        return "model"
+    if err.kind is not ErrorKind.INVALID_ARGUMENT:
+        return None
+    words = err.message.split()[:2]
+    if words and words[0] in _PARAMS:
+        return words[0]
+    if "stop" in words:  # "stop strings must not be empty", "a stop string has", "17 stop strings given"
+        return "stop"
+    return "messages" if words[:1] == ["chat"] else None
+
+
+def request_error(err: RequestError) -> tuple[int, dict]:
+    """A request error as (HTTP status, OpenAI error body)."""
+    status, type_, code = STATUS[err.kind]
+    return status, error_body(err.message, type_, _param(err), code)
+
+
+def usage(chunk: GenerationChunk) -> dict:
+    p, c = chunk.prompt_tokens, chunk.completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class TokenTexts:
+    """Each token's own text, cached: the logprobs of a stream name the same tokens over and over."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: tokenizer.decode([token_id])
+        )
+
+
+@dataclass
+class _Response:
+    """One request's response, as its chunks go out (a stream's renderer keeps its running state)."""
+
+    id: str
+    model: str
+    texts: TokenTexts | None = None  # set when the request asked for logprobs
+    token_ids: bool = False  # the request's return_token_ids
+    created: int = field(default_factory=lambda: int(time.time()))
+    _first: bool = field(default=True, init=False)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, chunk: GenerationChunk, body: dict) -> dict:
+        choice = {
+            "index": 0,
+            **body,
+            "logprobs": self._logprobs(chunk),
+            "finish_reason": FINISH[chunk.finish_reason],
+        }
+        if chunk.finish_reason is not None and chunk.stop_reason is not None:
+            choice["stop_reason"] = chunk.stop_reason
+        if self.token_ids:
+            choice["token_ids"] = chunk.token_ids
+        return choice
+
+    def _logprobs(self, chunk: GenerationChunk) -> dict | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, last: GenerationChunk) -> dict:
+        """The stream's last chunk under stream_options.include_usage: no choices, the usage."""
+        raise NotImplementedError
+
+    def _entries(self, chunk: GenerationChunk) -> list[tuple[int, TokenLogprob]]:
+        return list(zip(chunk.token_ids, chunk.logprobs or [], strict=False))
+
+
+class ChatResponse(_Response):
+    def whole(self, done: GenerationChunk) -> dict:
+        message = {"role": "assistant", "content": done.text}
+        return {
+            **self._head("chat.completion"),
+            "choices": [self._choice(done, {"message": message})],
+            "usage": usage(done),
+        }
+
+    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict:
+        delta = {"role": "assistant", "content": chunk.text} if self._first else {"content": chunk.text}
+        self._first = False
+        out = {**self._head("chat.completion.chunk"), "choices": [self._choice(chunk, {"delta": delta})]}
+        if with_usage:
+            out["usage"] = None  # as OpenAI: every chunk but the last, which carries it
+        return out
+
+    def usage_chunk(self, last: GenerationChunk) -> dict:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(last)}
+
+    def _logprobs(self, chunk: GenerationChunk) -> dict | None:
+        if self.texts is None or chunk.logprobs is None:
+            return None
+        text = self.texts.text
+
+        def entry(token_id: int, logprob: float) -> dict:
+            t = text(token_id)
+            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+        content = [
+            {**entry(tid, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+            for tid, lp in self._entries(chunk)
+        ]
+        return {"content": content, "refusal": None}
+
+
+@dataclass
+class CompletionResponse(_Response):
+    _offset: int = field(
+        default=0, init=False
+    )  # characters of completion text before this chunk's first token (text_offset)
+
+    def whole(self, done: GenerationChunk) -> dict:
+        return {
+            **self._head("text_completion"),
+            "choices": [self._choice(done, {"text": done.text})],
+            "usage": usage(done),
+        }
+
+    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict:
+        out = {**self._head("text_completion"), "choices": [self._choice(chunk, {"text": chunk.text})]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, last: GenerationChunk) -> dict:
+        return {**self._head("text_completion"), "choices": [], "usage": usage(last)}
+
+    def _logprobs(self, chunk: GenerationChunk) -> dict | None:
+        """The legacy API's: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset."""
+        if self.texts is None or chunk.logprobs is None:
+            return None
+        text = self.texts.text
+        entries = self._entries(chunk)
+        tokens = [text(tid) for tid, _ in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for _, lp in entries],
+            "top_logprobs": [{text(i): v for i, v in lp.top} for _, lp in entries],
+            "text_offset": offsets,
+        }

@@ -1,0 +1,184 @@
+"""The OpenAI API's request bodies, as the HTTP front reads them: `/v1/chat/completions` and
+`/v1/completions`, and what each field means for the engine.
+
+Unknown fields are ignored, as OpenAI ignores them. Known fields whose values Tandem cannot honour
+(n > 1, penalties, logit_bias, tools, echo, suffix, best_of > 1, non-text content) are refused with
+a message naming the field rather than dropped in silence. `top_k`, `ignore_eos`, `stop_token_ids`
+and `return_token_ids` are extensions, spelled as vLLM spells them. Values are checked strictly (a
+number given as a string is an error); their ranges are resolve_params's to check, as for gRPC.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..engine.errors import ErrorKind, RequestError
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's when a request names none (the native API's default is greedy)
+
+
+class InvalidField(RequestError):
+    """An invalid value of one field, which the OpenAI error body names as its `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(ErrorKind.INVALID_ARGUMENT, message)
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidField(
+                    f"messages.{index}.content",
+                    f"content parts of type {part.type!r} are not supported: only text",
+                )
+            texts.append(part.text)
+        return "\n".join(texts)  # as vLLM joins text parts
+
+
+class _Request(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None  # None: the served model (OpenAI requires it; vLLM does not)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension; -1 or 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    ignore_eos: bool = False  # extension: generate max_tokens whatever the model says
+    stop_token_ids: list[int] | None = None  # extension
+    return_token_ids: bool = False  # extension: each choice carries its token ids
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _check_common(self) -> None:
+        if self.n not in (None, 1):
+            raise InvalidField("n", f"n must be 1, got {self.n}: Tandem returns one choice per request")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidField(name, f"{name} is not supported (only 0)")
+        if self.logit_bias:
+            raise InvalidField("logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.streams:
+            raise InvalidField("stream_options", "stream_options is only allowed when stream is true")
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return False, 0
+
+    def sampling(self) -> dict[str, Any]:
+        """The request's sampling fields as resolve_params's keyword arguments."""
+        logprobs, top = self._logprobs()
+        return {
+            "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            "top_p": self.top_p,
+            "top_k": None if self.top_k == -1 else self.top_k,
+            "seed": self.seed,
+            "max_tokens": self._max_tokens(),
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
+            "stop_token_ids": list(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "top_logprobs": top,
+        }
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; it wins
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self._check_common()
+        if self.tools:
+            raise InvalidField("tools", "tools (function calling) are not supported")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise InvalidField("response_format", "only response_format {'type': 'text'} is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return bool(self.logprobs), self.top_logprobs or 0
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the legacy API's: this many top tokens per position (0 = the chosen only)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        self._check_common()
+        if self.echo:
+            raise InvalidField("echo", "echo is not supported (the engine returns no prompt logprobs)")
+        if self.suffix:
+            raise InvalidField("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise InvalidField("best_of", f"best_of must be 1, got {self.best_of}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise InvalidField("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids (a list of several prompts is refused, as n > 1 is)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise InvalidField("prompt", f"{len(p)} prompts given: Tandem takes one prompt per request")
+            return p[0]
+        return p
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
