@@ -469,6 +469,8 @@ def main() -> None:
             )
             report["mixed_profile"] = {"seed": seed, **(r.profile or {})}
 
+    write_json(a.out, report)  # so far: a run cut short keeps what it measured
+
     if "prefix" in selected:
         work = shared_prefixes(a.prefixes, a.per_prefix, a.prefix_len, vocab, 128, seed=7)
         running = min(MAX_NUM_SEQS, len(work.prompts)) * (64 + 128)
@@ -496,6 +498,8 @@ def main() -> None:
                 f"{off.seconds / on.seconds:.2f}x, TTFT p50 {report['prefix']['ttft_p50_ratio']:.1%}",
             ]
         )
+
+    write_json(a.out, report)  # so far: a run cut short keeps what it measured
 
     if "oversubscribed" in selected:
         report["oversubscribed"] = []
@@ -533,6 +537,8 @@ def main() -> None:
                     f"{rec.seconds / off_.seconds:.2f}x",
                 ]
             )
+
+    write_json(a.out, report)  # so far: a run cut short keeps what it measured
 
     if "long" in selected:
         work = fixed(a.long_requests, a.long_prompt, a.long_new, vocab, seed=13)
