@@ -157,7 +157,8 @@ async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: in
         assert env["TANDEM_PRICE_PER_GPU_HOUR"] == "2.0"
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert dep["spec"]["replicas"] == 1
-        assert {(p["name"], p["port"]) for p in svc["spec"]["ports"]} == {("grpc", 50051), ("metrics", 9400)}
+        ports = {(p["name"], p["port"]) for p in svc["spec"]["ports"]}
+        assert ports == {("grpc", 50051), ("http", 8000), ("metrics", 9400)}  # spec.openaiApi: on by default
         assert (
             svc["spec"]["selector"]
             == dep["spec"]["selector"]["matchLabels"]

@@ -160,9 +160,11 @@ async def test_external_mode_follows_spec_replicas_and_never_decides(kmock) -> N
         async def mirrored() -> dict | None:
             ms = await api.get(MS + "/ext")
             running = await deployment_replicas(api, "ext")
-            return ms if ms["spec"]["replicas"] == running == 3 else None
+            # the condition is written with the status, after the scale itself: wait for both
+            active = condition(ms, "ScalingActive").get("reason") != "ExternalScaler"
+            return ms if ms["spec"]["replicas"] == running == 3 and active else None
 
-        ms = await eventually(mirrored, what="spec.replicas is the policy's decision")
+        ms = await eventually(mirrored, what="spec.replicas is the policy's decision, and it says so")
         assert condition(ms, "ScalingActive")["reason"] != "ExternalScaler"
 
         async def reporting() -> bool:
