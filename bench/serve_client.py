@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import _repo  # noqa: F401  (tandem.v1 from this checkout)
@@ -34,6 +35,41 @@ class Timed:
     itl: list[float] = field(default_factory=list)  # per token after the first: the gap it waited
     error: str | None = None
 
+    def received(self, n: int, last: float) -> float:
+        """A message of `n` tokens arrived now, the previous one at `last`; returns now. The tokens
+        of one message arrive together: the first waited the gap, the others none."""
+        now = time.time()
+        if self.first is None:
+            self.first = now
+            self.itl += [0.0] * (n - 1)
+        else:
+            self.itl += [now - last] + [0.0] * (n - 1)
+        self.tokens += n
+        self.messages += 1
+        return now
+
+
+async def run_jobs(
+    streams: list[list[dict]], arrivals: list[dict], one: Callable[[int, dict], Awaitable[Timed]]
+) -> list[Timed]:
+    """Fixed concurrency: each stream's requests one after another; request rate: each request at
+    its arrival time. `one(i, job)` sends a request (i: its stream's or arrival's index)."""
+    start_at = time.time()
+    results: list[Timed] = []
+
+    async def stream(i: int, jobs: list[dict]) -> None:
+        for job in jobs:
+            results.append(await one(i, job))
+
+    async def arrival(i: int, job: dict) -> None:
+        await asyncio.sleep(max(0.0, start_at + job["at"] - time.time()))
+        results.append(await one(i, job))
+
+    tasks = [stream(i, jobs) for i, jobs in enumerate(streams)]
+    tasks += [arrival(i, job) for i, job in enumerate(arrivals)]
+    await asyncio.gather(*tasks)
+    return results
+
 
 def _request(job: dict) -> pb.GenerateRequest:
     return pb.GenerateRequest(
@@ -47,18 +83,8 @@ async def _one(stub: pb_grpc.TandemStub, job: dict) -> Timed:
     last = timed.start
     try:
         async for msg in stub.GenerateStream(_request(job), timeout=TIMEOUT_S):
-            n = len(msg.token_ids)
-            if not n:
-                continue
-            now = time.time()
-            if timed.first is None:
-                timed.first = now
-                timed.itl += [0.0] * (n - 1)
-            else:
-                timed.itl += [now - last] + [0.0] * (n - 1)  # tokens of one message arrive together
-            last = now
-            timed.tokens += n
-            timed.messages += 1
+            if msg.token_ids:
+                last = timed.received(len(msg.token_ids), last)
     except grpc.aio.AioRpcError as err:
         timed.error = err.code().name
     timed.end = time.time()
@@ -83,20 +109,7 @@ async def _main(
         await c.channel_ready()
     out.put("ready")
     await asyncio.get_running_loop().run_in_executor(None, go.wait)  # every client starts at once
-    start_at = time.time()
-    results: list[Timed] = []
-
-    async def stream(i: int, jobs: list[dict]) -> None:
-        for job in jobs:
-            results.append(await _one(stubs[i % len(stubs)], job))
-
-    async def arrival(i: int, job: dict) -> None:
-        await asyncio.sleep(max(0.0, start_at + job["at"] - time.time()))
-        results.append(await _one(stubs[i % len(stubs)], job))
-
-    tasks = [stream(i, jobs) for i, jobs in enumerate(streams)]
-    tasks += [arrival(i, job) for i, job in enumerate(arrivals)]
-    await asyncio.gather(*tasks)
+    results = await run_jobs(streams, arrivals, lambda i, job: _one(stubs[i % len(stubs)], job))
     for c in chans:
         await c.close()
     return [asdict(r) for r in results]

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 import aiohttp
 import msgspec
-from serve_client import TIMEOUT_S, Timed
+from serve_client import TIMEOUT_S, Timed, run_jobs
 
 
 class _Choice(msgspec.Struct):
@@ -62,17 +62,8 @@ async def _one(session: aiohttp.ClientSession, url: str, job: dict) -> Timed:
                         timed.error = str(event.error.get("code") or event.error.get("type"))
                         break
                     n = len(event.choices[0].token_ids) if event.choices else 0
-                    if not n:
-                        continue
-                    now = time.time()
-                    if timed.first is None:
-                        timed.first = now
-                        timed.itl += [0.0] * (n - 1)
-                    else:
-                        timed.itl += [now - last] + [0.0] * (n - 1)
-                    last = now
-                    timed.tokens += n
-                    timed.messages += 1
+                    if n:
+                        last = timed.received(n, last)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         timed.error = type(exc).__name__
     timed.end = time.time()
@@ -95,19 +86,8 @@ async def _main(
             assert resp.status == 200, f"{base_url}/ready answered {resp.status}"
         out.put("ready")
         await asyncio.get_running_loop().run_in_executor(None, go.wait)  # every client starts at once
-        start_at = time.time()
         url = f"{base_url}/v1/completions"
-        results: list[Timed] = []
-
-        async def stream(jobs: list[dict]) -> None:
-            for job in jobs:
-                results.append(await _one(session, url, job))
-
-        async def arrival(job: dict) -> None:
-            await asyncio.sleep(max(0.0, start_at + job["at"] - time.time()))
-            results.append(await _one(session, url, job))
-
-        await asyncio.gather(*[stream(jobs) for jobs in streams], *[arrival(job) for job in arrivals])
+        results = await run_jobs(streams, arrivals, lambda _, job: _one(session, url, job))
     return [asdict(r) for r in results]
 
 
