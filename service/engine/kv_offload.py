@@ -19,12 +19,11 @@ its copy in is queued). On the CPU the copies simply run.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .kv_cache import KVCache
 from .scheduler import BlockMoves
+from .streams import Streams, on
 
 
 def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -40,21 +39,21 @@ def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 class KVOffload:
-    def __init__(self, cache: KVCache, num_blocks: int, compute: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, cache: KVCache, num_blocks: int, streams: Streams | None = None) -> None:
         self.cache = cache
         self.device = cache.k_store.device
         self.cuda = self.device.type == "cuda"
-        self.block_dim = (
-            2 if cache.head_major else 1
-        )  # NHD [layer, block, slot, head, dim]; HND [layer, head, block, ...]
+        # the block dimension of the storage viewed by block: NHD [layer, block, slot, head, dim],
+        # HND [layer, head, block, slot, dim]
+        self.block_dim = 2 if cache.head_major else 1
         self.k_blocks, self.v_blocks = self._by_block(cache.k_store), self._by_block(cache.v_store)
         block_shape = self.k_blocks.select(self.block_dim, 0).shape
         # one pool block: its K and V of every layer, contiguous, so a run of blocks is one copy
         self.store = torch.empty(
             (num_blocks, 2, *block_shape), dtype=cache.k_store.dtype, pin_memory=self.cuda
         )
-        self.compute = compute
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.compute = streams.compute if streams is not None else None
+        self.stream = streams.offload if streams is not None else None
 
     def _by_block(self, store: torch.Tensor) -> torch.Tensor:
         bs = self.cache.block_size
@@ -81,7 +80,7 @@ class KVOffload:
     @torch.inference_mode()
     def _copy_out(self, device_ids: list[int], host_ids: list[int]) -> None:
         d = self.block_dim
-        with _on(self.compute):
+        with on(self.compute):
             index = self._index(device_ids)
             staging = torch.empty(
                 (len(device_ids), *self.store.shape[1:]), dtype=self.store.dtype, device=self.device
@@ -116,13 +115,9 @@ class KVOffload:
             self.compute.wait_event(loaded)
         else:
             staging = self.store[torch.tensor(host_ids)]
-        with _on(self.compute):
+        with on(self.compute):
             index = self._index(device_ids)
             self.k_blocks.index_copy_(d, index, staging[:, 0].movedim(0, d))
             self.v_blocks.index_copy_(d, index, staging[:, 1].movedim(0, d))
         if self.cuda:
             staging.record_stream(self.compute)
-
-
-def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

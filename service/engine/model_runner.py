@@ -13,7 +13,6 @@ other; `wait` blocks on d2h_done, the one host wait per step. On CPU the stages 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from .kv_offload import KVOffload
 from .sampler import SampleOutput, sample
 from .scheduler import BlockMoves, ScheduledChunk
 from .step_buffers import DeviceBatch, StepBuffers
+from .streams import Streams, on
 from .varlen_prefill import varlen_supported
 
 
@@ -93,13 +93,6 @@ class LaunchedStep:
         return self.events.compute_start.elapsed_time(self.events.compute_done) / 1e3
 
 
-class _Streams:
-    def __init__(self, device: torch.device) -> None:
-        self.h2d = torch.cuda.Stream(device)
-        self.compute = torch.cuda.Stream(device)
-        self.d2h = torch.cuda.Stream(device)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -137,10 +130,7 @@ class ModelRunner:
         self.num_sms = num_sms(device.index or 0) if device.type == "cuda" else 0
         # prompt chunks of a step in one flash-attention call, where this PyTorch and device can
         self.varlen_prefill = not self.sliding_window and varlen_supported(
-            device,
-            cache.k_store.dtype,
-            text_config.num_attention_heads,
-            cache.shape.num_kv_heads,
+            device, cache.k_store.dtype, text_config.num_attention_heads, cache.shape.num_kv_heads,
             cache.shape.head_dim,
         )
         self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
@@ -170,10 +160,10 @@ class ModelRunner:
             for _ in range(2)
         ]
         self._next_slot = 0
-        self.streams = _Streams(device) if device.type == "cuda" else None
+        self.streams = Streams(device) if device.type == "cuda" else None
         self.offload = None  # the host pool of preempted sequences' K/V (kv_offload.py)
         if kv_offload_blocks:
-            self.offload = KVOffload(cache, kv_offload_blocks, self.streams and self.streams.compute)
+            self.offload = KVOffload(cache, kv_offload_blocks, self.streams)
         self.graphs = None
         if cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
@@ -223,21 +213,21 @@ class ModelRunner:
             bucket = self.graphs.bucket_for(len(batch.decode_token_idx), bool(batch.prefills))
         st = self.streams
         ev = StageEvents.make() if st is not None else None
-        with _on(st and st.h2d):
+        with on(st and st.h2d):
             if ev is not None:
                 ev.h2d_host = time.time()
                 ev.h2d_start.record()
             dev = buf.upload(batch, bucket)
             if ev is not None:
                 ev.h2d_done.record()
-        with _on(st and st.compute):
+        with on(st and st.compute):
             if ev is not None:
                 st.compute.wait_event(ev.h2d_done)
                 ev.compute_start.record()
             out = self._compute(batch, dev, s, bucket, prev_tokens)
             if ev is not None:
                 ev.compute_done.record()
-        with _on(st and st.d2h):
+        with on(st and st.d2h):
             if ev is not None:
                 st.d2h.wait_event(ev.compute_done)
                 ev.d2h_start.record()
@@ -311,9 +301,6 @@ class ModelRunner:
                 result.top = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
         return result
 
-
-def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -201,18 +201,17 @@ class Scheduler:
         self.running.remove(seq)
         held = -(-seq.num_computed // self.blocks.block_size)  # the blocks holding its computed K/V
         if self.host is not None and held and self.host.can_allocate(held):
-            seq.host_blocks = self.host.allocate(held)
+            seq.host_blocks = self.host.allocate(held)  # it keeps num_computed: its K/V come back
             out.moves.out_device += seq.block_ids[:held]
             out.moves.out_host += seq.host_blocks
             self.blocks_offloaded += held
             self.preempted_offload += 1
-            computed = seq.num_computed
-            self.blocks.free(seq)  # the copy out is queued before any later step writes them
-            seq.num_computed = computed
         else:
-            self.blocks.free(seq)  # a step still running may write these blocks: later steps come after it
             seq.num_computed = 0
             self.preempted_recompute += 1
+        # a step still running may write these blocks, and the copy out reads them: both are queued
+        # before any later step that writes them
+        self.blocks.free(seq)
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -223,13 +222,14 @@ class Scheduler:
         moves.in_host += seq.host_blocks
         moves.in_device += seq.block_ids[:held]
         self.blocks_restored += held
-        assert self.host is not None
-        self.host.free(seq.host_blocks)  # later copies to these blocks queue after this one
-        seq.host_blocks = []
+        self._release_host(seq)  # later copies to these blocks queue after this one
 
     def _release(self, seq: Sequence) -> None:
         """Free whatever blocks a sequence holds, on the device and in the host pool."""
         self.blocks.free(seq)
+        self._release_host(seq)
+
+    def _release_host(self, seq: Sequence) -> None:
         if seq.host_blocks:
             assert self.host is not None
             self.host.free(seq.host_blocks)
