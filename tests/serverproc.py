@@ -7,10 +7,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tandem.health import wait_serving
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 # The session's shared server (conftest.tiny_server): the tiny llama under this name, with this many
 # KV blocks, every other setting the default. Modules that need nothing else talk to it.
@@ -77,3 +80,16 @@ def running_server(
             proc.kill()
         if log:
             out.close()
+
+
+def wait_idle(stub: pb_grpc.TandemStub, timeout: float = 5.0) -> pb.Load:
+    """Poll GetLoad until nothing runs or waits and every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = stub.GetLoad(pb.LoadRequest(), timeout=60.0)
+        idle = load.requests_running == 0 and load.requests_waiting == 0
+        if idle and load.kv_blocks_free == load.kv_blocks_total:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle {timeout} s after the last request: {load}")
+        time.sleep(0.05)

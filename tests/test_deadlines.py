@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import free_port, running_server
+from serverproc import free_port, running_server, wait_idle
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -46,17 +46,6 @@ def seconds_per_token(stub: pb_grpc.TandemStub) -> float:
     return (time.monotonic() - started) / 200
 
 
-def wait_idle(stub: pb_grpc.TandemStub) -> pb.Load:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
-        idle = load.requests_running == load.requests_waiting == 0
-        if idle and load.kv_blocks_free == load.kv_blocks_total:
-            return load
-        time.sleep(0.05)
-    raise AssertionError(f"not idle: {load}")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     log = tmp_path_factory.mktemp("deadlines") / "server.log"
@@ -83,7 +72,7 @@ def test_the_server_bound_ends_a_long_stream_and_frees_its_blocks(server):
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc.value.details()
         assert "deadline" in exc.value.details()
         assert SERVER_BOUND_S - 0.2 < took < SERVER_BOUND_S + 3 and 0 < got < 1000
-        wait_idle(stub)
+        wait_idle(stub, timeout=10)
         assert len(stub.Generate(request(3), timeout=TIMEOUT).token_ids) == 3  # and it serves on
 
 
@@ -122,10 +111,10 @@ def test_a_request_whose_deadline_passes_while_it_waits_never_starts(server):
     address, metrics = server
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.TandemStub(ch)
-        wait_idle(stub)
+        wait_idle(stub, timeout=10)
         # about 0.7 s of generation: well over the waiting request's 0.3 s, under the server's bound
         first_tokens = min(1000, max(20, round(0.7 / seconds_per_token(stub))))
-        wait_idle(stub)
+        wait_idle(stub, timeout=10)
         before = prompt_tokens(metrics)
         first = stub.GenerateStream(request(first_tokens), timeout=TIMEOUT)
         first_prompt = None
@@ -135,7 +124,7 @@ def test_a_request_whose_deadline_passes_while_it_waits_never_starts(server):
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         for msg in first:
             first_prompt = msg.usage.prompt_tokens or first_prompt
-        wait_idle(stub)
+        wait_idle(stub, timeout=10)
         time.sleep(0.6)  # the engine reports its counters at least every 0.5 s
         assert prompt_tokens(metrics) - before == first_prompt
 
@@ -160,4 +149,4 @@ def test_deadlines_that_expire_with_ours_end_quietly(server):
             ]
             for call in calls:
                 assert call.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK), call.details()
-        wait_idle(stub)
+        wait_idle(stub, timeout=10)

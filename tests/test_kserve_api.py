@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import queue
 import sys
-import time
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
-from serverproc import TINY_SERVER_MODEL
+from serverproc import TINY_SERVER_MODEL, wait_idle
 
 if "tandem.kserve.grpc_service_pb2" in sys.modules:  # pragma: no cover - a guard for the whole suite
     raise ImportError("tandem.kserve is imported in this process; tritonclient's protos would clash with it")
@@ -310,18 +309,6 @@ def test_stream_concurrent_requests(
             finished.add(rid)
     for rid, prompt in prompts.items():
         assert texts[rid] == native_text(native, prompt, 16)
-
-
-def wait_idle(native: pb_grpc.TandemStub, timeout: float = 5.0) -> pb.Load:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = native.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
-        idle = load.requests_running == load.requests_waiting == 0
-        if idle and load.kv_blocks_free == load.kv_blocks_total:
-            return load
-        if time.monotonic() > deadline:
-            pytest.fail(f"server not idle {timeout} s after the last request: {load}")
-        time.sleep(0.05)
 
 
 def test_stream_cancel_frees_kv_blocks(client: tc.InferenceServerClient, native: pb_grpc.TandemStub) -> None:

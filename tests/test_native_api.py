@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server
+from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server, wait_idle
 from transformers import AutoTokenizer
 
 from tandem.service.models.loader import default_cache_dir
@@ -84,19 +83,6 @@ def stream_all(stub: pb_grpc.TandemStub, req: pb.GenerateRequest) -> list[pb.Gen
 
 def merge(messages: list[pb.GenerateResponse]) -> tuple[str, list[int]]:
     return "".join(m.text for m in messages), [t for m in messages for t in m.token_ids]
-
-
-def wait_idle(stub: pb_grpc.TandemStub, timeout: float = 5.0) -> pb.Load:
-    """Poll GetLoad until nothing runs or waits and every KV block is free again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
-        idle = load.requests_running == 0 and load.requests_waiting == 0
-        if idle and load.kv_blocks_free == load.kv_blocks_total:
-            return load
-        if time.monotonic() > deadline:
-            pytest.fail(f"server not idle {timeout} s after the last request: {load}")
-        time.sleep(0.05)
 
 
 def prompt_ids(stub: pb_grpc.TandemStub) -> list[int]:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL
+from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, wait_idle
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -79,18 +79,6 @@ def events(resp: http.client.HTTPResponse) -> list[bytes]:
     out = raw.split(b"\n\n")[:-1]
     assert all(e.startswith(b"data: ") and b"\n" not in e for e in out), out
     return [e.removeprefix(b"data: ") for e in out]
-
-
-def wait_idle(stub: pb_grpc.TandemStub, timeout: float = 5.0) -> pb.Load:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)
-        idle = load.requests_running == load.requests_waiting == 0
-        if idle and load.kv_blocks_free == load.kv_blocks_total:
-            return load
-        if time.monotonic() > deadline:
-            pytest.fail(f"server not idle {timeout} s after the last request: {load}")
-        time.sleep(0.05)
 
 
 def chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str, str | None, object]:

@@ -364,6 +364,23 @@ def test_certificate_rotation_reaches_new_connections(
         _http(http_port, _https(pki, ca=old_ca), "GET", "/health")
 
 
+def serve_command(*args: str) -> list[str]:
+    """`tandem serve` on ports it picks itself (HTTP off), with `args`: for settings that stop the start."""
+    return [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        *args,
+    ]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -376,38 +393,18 @@ def test_certificate_rotation_reaches_new_connections(
     ],
 )
 def test_bad_security_settings_stop_the_start(args: list[str], message: str, tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "serve",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--http-port",
-        "0",
-    ]
-    cmd += args
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+    done = subprocess.run(serve_command(*args), capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode != 0
     assert message in done.stderr
 
 
 def test_an_empty_token_file_stops_the_start(tmp_path: Path) -> None:
     (tmp_path / "tokens").write_text("# nobody yet\n\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "serve",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--http-port",
-        "0",
-    ]
-    cmd += ["--auth-token-file", str(tmp_path / "tokens")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+    done = subprocess.run(
+        serve_command("--auth-token-file", str(tmp_path / "tokens")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
     assert done.returncode == 1 and "holds no token" in done.stderr
