@@ -28,6 +28,7 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -39,17 +40,15 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (must come before any tandem import)
 import torch
-from common import copy_bandwidth, environment, markdown_table, write_json
+from common import copy_bandwidth, environment, markdown_table, sync, write_json
+from gemm_floor import linear_shapes
 from gpu_sync import SERVER_CUDA, build_model
 from serve_workload import jobs as make_jobs
 
-from tandem.service.engine.block_manager import BlockManager
-from tandem.service.engine.core_builder import EngineConfig, _cache_salt, build_core
+from tandem.service.engine.core_builder import EngineConfig, build_core, build_scheduler
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.host_blocks import HostBlocks
 from tandem.service.engine.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-from tandem.service.engine.scheduler import Scheduler
 from tandem.service.engine.timing import StepTiming
 
 BLOCK = 16
@@ -96,14 +95,18 @@ class Run:
         }
 
 
-def fresh_scheduler(core: EngineCore, num_blocks: int, prefix_caching: bool, host_blocks: int) -> None:
-    """A new scheduler over the core's cache: its own block count (at most the cache's), prefix
-    caching on or off, a host pool (within the runner's) or none."""
+def fresh_scheduler(
+    core: EngineCore, config: EngineConfig, num_blocks: int, prefix_caching: bool, host_blocks: int
+) -> None:
+    """A new scheduler over the core's cache (built from `config`): its own block count (at most
+    the cache's), prefix caching on or off, a host pool (within the runner's) or none."""
     assert num_blocks <= core.runner.cache.num_blocks
     pool = core.runner.offload
     assert host_blocks == 0 or (pool is not None and host_blocks <= pool.store.shape[0])
-    blocks = BlockManager(num_blocks, core.runner.block_size, prefix_caching, _cache_salt(core.runner.model))
-    core.scheduler = Scheduler(blocks, MAX_NUM_SEQS, BUDGET, HostBlocks(host_blocks) if host_blocks else None)
+    mine = dataclasses.replace(
+        config, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_offload_blocks=host_blocks
+    )
+    core.scheduler = build_scheduler(mine, core.runner.model)
 
 
 def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | None = None) -> Run:
@@ -142,7 +145,7 @@ def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | N
     ids = [f"{tag}{i}" for i in range(len(work.prompts))]
     outputs: dict[str, list[int]] = {r: [] for r in ids}
     first: dict[str, float] = {}
-    sync(core)
+    sync(core.runner.device)
     start = time.perf_counter()
     for rid, prompt, n in zip(ids, work.prompts, work.new, strict=True):
         core.add(
@@ -153,14 +156,14 @@ def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | N
     while core.has_work:
         if profile is not None and profiled is None:
             if profiler is None and len(steps) >= profile[0]:
-                sync(core)
+                sync(core.runner.device)
                 cuda = core.runner.device.type == "cuda"
                 kind = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
                 profiler = torch.profiler.profile(activities=[kind])
                 profiler.__enter__()
                 began = len(steps)
             elif profiler is not None and len(steps) >= began + profile[1]:
-                sync(core)
+                sync(core.runner.device)
                 profiler.__exit__(None, None, None)
                 profiled = (began, len(steps))
         for u in core.run_once():
@@ -169,7 +172,7 @@ def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | N
             if u.request_id not in first:
                 first[u.request_id] = time.perf_counter() - start
             outputs[u.request_id] += u.new_token_ids
-    sync(core)
+    sync(core.runner.device)
     seconds = time.perf_counter() - start
     core.step_observer = None
     del scheduler.schedule
@@ -229,11 +232,6 @@ def kernel_profile(first: int, last: int, profiler: torch.profiler.profile, step
     }
 
 
-def sync(core: EngineCore) -> None:
-    if core.runner.device.type == "cuda":
-        torch.cuda.synchronize(core.runner.device)
-
-
 # -- limits ----------------------------------------------------------------------------------------
 
 
@@ -260,18 +258,8 @@ class Device:
 
 
 def linear_params(model: torch.nn.Module) -> int:
-    head = model.get_output_embeddings()
-    total = 0
-    for module in model.modules():
-        w = module._parameters.get("weight")
-        if (
-            w is not None
-            and w.dim() == 2
-            and module is not head
-            and not isinstance(module, torch.nn.Embedding)
-        ):
-            total += w.numel()
-    return total
+    shapes, _head = linear_shapes(model)  # the GEMM weights as the engine runs them, LM head apart
+    return sum(out_f * in_f * count for (out_f, in_f), count in shapes.items())
 
 
 def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
@@ -427,7 +415,7 @@ def main() -> None:
         host: int,
         profile: tuple[int, int] | None = None,
     ) -> Run:
-        fresh_scheduler(core, num_blocks, prefix, host)
+        fresh_scheduler(core, config, num_blocks, prefix, host)
         result = run(core, work, name, profile)
         print(f"{name}: {result.summary()}", file=sys.stderr, flush=True)
         return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from tandem.service.engine.core_builder import EngineConfig, build_core
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+from tandem.service.engine.sequence import Sequence
 
 
 @dataclass
@@ -28,6 +30,11 @@ class RunResult:
     preemptions: int = 0
     steps: int = 0
     max_batch: int = 0
+
+
+def block_holders(seqs: list[Sequence]) -> Counter[int]:
+    """Device KV block -> how many of `seqs` hold it (what its reference count must be)."""
+    return Counter(b for seq in seqs for b in seq.block_ids)
 
 
 def make_core(

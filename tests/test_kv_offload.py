@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from engine_harness import Arrival, hf_greedy, make_core, run
+from engine_harness import Arrival, block_holders, hf_greedy, make_core, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -140,11 +140,8 @@ def test_device_and_pool_blocks_never_leak_and_are_never_shared(
         held = [b for q in live for b in q.host_blocks]
         assert len(held) == len(set(held)) and len(held) + pool.num_free == host_blocks
         assert all(q in s.waiting for q in live if q.host_blocks)
-        holders: dict[int, int] = {}
-        for q in live:
-            for b in q.block_ids:
-                holders[b] = holders.get(b, 0) + 1
-        assert all(blocks.refs(b) == holders.get(b, 0) for b in range(num_blocks))
+        holders = block_holders(live)
+        assert all(blocks.refs(b) == holders[b] for b in range(num_blocks))
     assert not s.has_work
     assert blocks.num_free == num_blocks and pool.num_free == host_blocks
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from engine_harness import Arrival, hf_greedy, make_core, run
+from engine_harness import Arrival, block_holders, hf_greedy, make_core, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -178,10 +178,7 @@ def test_reference_counts_and_the_free_list_never_leak(requests, num_blocks, see
         if not s.has_work and not pending:
             break
         fake_step(s, token=rng.randrange(50))
-        holders: dict[int, int] = {}
-        for q in live:
-            for b in q.block_ids:
-                holders[b] = holders.get(b, 0) + 1
+        holders = block_holders(live)
         for b in range(num_blocks):
             assert blocks.refs(b) == holders.get(b, 0), b
         referenced = set(holders)

@@ -96,12 +96,7 @@ def build_core(
             config.kv_offload_blocks * config.block_size * shape.bytes_per_token(dtype) / 2**30,
         )
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_layout)
-    scheduler = Scheduler(
-        BlockManager(config.num_blocks, config.block_size, config.prefix_caching, _cache_salt(model)),
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        HostBlocks(config.kv_offload_blocks) if config.kv_offload_blocks else None,
-    )
+    scheduler = build_scheduler(config, model)
     runner = ModelRunner(
         model,
         cache,
@@ -125,6 +120,16 @@ def build_core(
         compile_prefill_shapes(core)
     core.step_observer = step_observer  # after the compile warm-up: its steps are not traffic
     return core
+
+
+def build_scheduler(config: EngineConfig, model: torch.nn.Module) -> Scheduler:
+    """The scheduler of `config` (its blocks, prefix caching, host pool) for `model`'s cache."""
+    return Scheduler(
+        BlockManager(config.num_blocks, config.block_size, config.prefix_caching, _cache_salt(model)),
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        HostBlocks(config.kv_offload_blocks) if config.kv_offload_blocks else None,
+    )
 
 
 def compile_prefill_shapes(core: EngineCore) -> None:

@@ -158,9 +158,8 @@ class ChatResponse(_Response):
 
 @dataclass
 class CompletionResponse(_Response):
-    _offset: int = field(
-        default=0, init=False
-    )  # characters of completion text before this chunk's first token (text_offset)
+    # characters of completion text before this chunk's first token (text_offset)
+    _offset: int = field(default=0, init=False)
 
     def whole(self, done: GenerationChunk) -> dict:
         return {
