@@ -23,6 +23,7 @@ from .decode_op import kernel_supports, num_sms
 from .deferred_rotary import defer_rotary
 from .kv_cache import KVCache
 from .kv_offload import KVOffload
+from .mixed_op import attending
 from .sampler import SampleOutput, sample
 from .scheduler import BlockMoves, ScheduledChunk
 from .step_buffers import DeviceBatch, StepBuffers
@@ -149,10 +150,12 @@ class ModelRunner:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if compile_decode:
             self.decode_forward = torch.compile(decode_model, backend=compile_backend)
-        # prefill and mixed steps, compiled where asked: one graph per stretch between attention
-        # calls (their attention stays eager, attention.py), with a symbolic token count
+        # prefill and mixed steps, compiled where asked: one graph around the mixed attention op
+        # (mixed_op.py), with a symbolic token count
         self.prefill_forward = model
         if compile_prefill:
+            for store in (cache.k_store, cache.v_store):  # fixed: no guard ties them to the step's sizes
+                torch._dynamo.mark_static(store)
             self.prefill_forward = torch.compile(model, backend=compile_backend, dynamic=True)
         max_blocks = -(-max_model_len // bs)
         self.slots = [
@@ -276,13 +279,14 @@ class ModelRunner:
             rows[len(keep) : 2].zero_()
             keep = rows[:2]
         forward = self.decode_forward if meta.decode_only else self.prefill_forward
-        out = forward(
-            input_ids=input_ids,
-            position_ids=dev.positions[None],
-            logits_to_keep=keep,
-            use_cache=False,
-            tandem_meta=meta,
-        )
+        with attending(meta):
+            out = forward(
+                input_ids=input_ids,
+                position_ids=dev.positions[None],
+                logits_to_keep=keep,
+                use_cache=False,
+                tandem_meta=meta,
+            )
         sampled = sample(out.logits[0, : len(tokens)], st)
         tokens.copy_(sampled.tokens)
         return sampled

@@ -1,0 +1,104 @@
+"""Prefill and mixed-step attention as one opaque custom op, its metadata taken from the step.
+
+A step with prompt chunks has metadata of no fixed signature: a variable number of chunks, decode
+rows or none, packed offsets whose maxima change every step. Passed into the compiled prefill
+forward, any of it would be a guard (a recompilation per batch composition) or a graph break per
+layer (one compiled frame per layer, each entered from Python: the host then takes longer to queue
+a step than the device takes to run it). So the op's signature holds only what every layer has
+(the layer's Q/K/V, the whole cache, the layer index) and it reads the rest from the step the
+runner is running (`attending`), as vLLM's attention op reads its forward context. The compiled
+forward is then one graph for every step with prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+
+from .attention_ref import decode_attention
+from .batch import AttentionMetadata
+from .kv_cache import slot_major
+
+_step: ContextVar[AttentionMetadata | None] = ContextVar("tandem_step", default=None)
+
+
+@contextmanager
+def attending(meta: AttentionMetadata) -> Iterator[None]:
+    """The step whose metadata `paged_mixed` reads, for the forward run inside."""
+    token = _step.set(meta)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
+@torch.library.custom_op("tandem::paged_mixed", mutates_args=("k_store", "v_store"))
+def paged_mixed(
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    k_store: torch.Tensor,  # every layer's cache, in its storage layout (kv_cache.py)
+    v_store: torch.Tensor,
+    layer: int,
+    head_major: bool,
+    scale: float,
+) -> torch.Tensor:
+    """-> [1, T, H, D]: write the step's new K/V, then attend its decode rows and prompt chunks."""
+    meta = _step.get()
+    if meta is None:
+        raise RuntimeError("tandem::paged_mixed runs only inside attending(meta)")
+    k_cache, v_cache = slot_major(k_store, head_major)[layer], slot_major(v_store, head_major)[layer]
+    new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    new_v = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))
+
+    q = query[0]  # [H, T, D]
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
+    if meta.decode_token_idx is not None:
+        qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)  # [B, H, D]
+        if meta.decode_kernel is not None:  # CUDA: read K/V in place
+            od = meta.decode_kernel(
+                qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
+            )
+        else:
+            blocks = (-1, meta.block_size, *k_cache.shape[1:])
+            ctx = (qd.shape[0], -1, *k_cache.shape[1:])
+            kd = k_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)  # [B, W * bs, Hkv, D]
+            vd = v_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)
+            od = decode_attention(qd, kd, vd, meta.decode_mask, scale)
+        out.index_copy_(0, meta.decode_token_idx, od)
+    if meta.varlen is not None:  # CUDA: every prompt chunk in one call
+        chunks = meta.varlen.attend(q.transpose(0, 1), k_cache, v_cache, scale)
+        out.index_copy_(0, meta.varlen.q_index, chunks)
+    for seg in meta.prefills:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        qp = q[:, rows].unsqueeze(0)  # [1, H, n, D]
+        if seg.slots is None:  # fresh prompt: its own K/V are the whole context
+            kp, vp = key[:, :, rows], value[:, :, rows]
+        else:
+            kp = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+            vp = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
+        )
+        out[rows] = op[0].transpose(0, 1)
+    return out.unsqueeze(0)
+
+
+@paged_mixed.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    layer: int,
+    head_major: bool,
+    scale: float,
+) -> torch.Tensor:
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
