@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import tempfile
 import time
@@ -131,6 +132,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     from tandem.service.engine.triton_decode import (
         NUM_STAGES,
         NUM_WARPS,
+        SPLIT_TOKENS,
         num_splits_for,
         paged_decode_attention,
         tile_for,
@@ -154,32 +156,30 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     last = (context - 1) // block
     slots = table[:, last].long() * block + (context - 1) % block
     new_kv = (new_k, new_v, slots)
-    splits_default = num_splits_for(batch, heads_kv, num_sms(dev.index or 0))
+    engine = num_splits_for(batch, heads_kv, num_sms(dev.index or 0))
+    # every sequence here has `context` tokens: the count the kernel takes for each (triton_decode.py)
+    splits_default = min(max(-(-context // SPLIT_TOKENS), engine.least), engine.most)
     chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
-    split_counts = sorted({max(1, splits_default // 2), splits_default, min(32, 2 * splits_default)})
+    split_counts = sorted({max(1, splits_default // 2), *(min(32, f * splits_default) for f in (1, 2, 4))})
     nbytes = 2 * batch * context * heads_kv * dim * dt.itemsize
     rows = []
     for layout, (k, v) in caches.items():
-        # Triton's own pipelining (num_stages 2, 3) and 16-token tiles lost every point of the
-        # previous sweep (docs/benchmarks.md): not tried again
-        stages = NUM_STAGES
-        for tile in (32, 64):
-            for warps in (4, 8):
-                for splits in split_counts:
-                    def call(k=k, v=v, tile=tile, stages=stages, warps=warps, splits=splits) -> None:
-                        paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv,
-                                               tile=tile, num_warps=warps, num_stages=stages)
-                    config = {"layout": layout, "tile": tile, "stages": stages, "warps": warps,
-                              "splits": splits}
-                    try:
-                        seconds = timed(call)
-                    except Exception as exc:  # a configuration the compiler rejects: note it, go on
-                        rows.append({**config, "error": str(exc)[:200]})
-                        continue
-                    share = round(nbytes / seconds / bandwidth, 3)
-                    engine_pick = layout == "NHD" and (tile, stages, warps, splits) == chosen
-                    rows.append({**config, "chosen": engine_pick, "us": round(1e6 * seconds, 1),
-                                 "of_bandwidth": share})
+        # 16-token tiles lost every point of an earlier sweep (docs/benchmarks.md): not tried again
+        for tile, stages, warps, splits in itertools.product((32, 64), (1, 2), (4, 8), split_counts):
+            def call(k=k, v=v, tile=tile, stages=stages, warps=warps, splits=splits) -> None:
+                paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv,
+                                       tile=tile, num_warps=warps, num_stages=stages)
+            config = {"layout": layout, "tile": tile, "stages": stages, "warps": warps,
+                      "splits": splits}
+            try:
+                seconds = timed(call)
+            except Exception as exc:  # a configuration the compiler rejects: note it, go on
+                rows.append({**config, "error": str(exc)[:200]})
+                continue
+            share = round(nbytes / seconds / bandwidth, 3)
+            engine_pick = layout == "NHD" and (tile, stages, warps, splits) == chosen
+            rows.append({**config, "chosen": engine_pick, "us": round(1e6 * seconds, 1),
+                         "of_bandwidth": share})
     return rows
 
 

@@ -49,7 +49,7 @@ def test_kernel_rotates_query_and_new_key(
 def _check_kernel(
     dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new, layout, rotary=None
 ):
-    from tandem.service.engine.triton_decode import num_splits_for, paged_decode_attention, tile_for
+    from tandem.service.engine.triton_decode import Splits, num_splits_for, paged_decode_attention, tile_for
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + max_len)
     num_blocks = batch * (-(-max_len // block_size)) + 8
@@ -90,7 +90,8 @@ def _check_kernel(
     ref = decode_attention(ref_q.float(), ref_k[slots_of].float(), ref_v[slots_of].float(),
                            pos[None, :] < lens[:, None], scale)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-    for splits in {1, num_splits_for(batch, kv_heads, sms), 32}:
+    # one count for all, and counts that follow each sequence's context (random lengths here)
+    for splits in {1, num_splits_for(batch, kv_heads, sms), 32, Splits(1, 32), Splits(2, 5)}:
         # the engine's tile, and (bf16) one smaller than a block: tiles that split blocks
         for tile in {tile_for(block_size)} | ({16} if dtype == torch.bfloat16 else set()):
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides

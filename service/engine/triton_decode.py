@@ -3,9 +3,10 @@
 Each program takes one (sequence, KV head, context split) and walks that split of the sequence's
 context one tile of tokens at a time (several cache blocks, found through the block table), for
 all the query heads that share the KV head (grouped-query attention reads each K/V tile once).
-In a decode step the kernel also writes the step's new K/V into the cache: one launch, not three;
-where the decode model leaves the rotary embedding to it, it rotates Q and the new K as it loads
-them (deferred_rotary.py).
+A longer context gets more splits, within the grid's, so that few long sequences still keep every
+multiprocessor reading. In a decode step the kernel also writes the step's new K/V into the cache:
+one launch, not three; where the decode model leaves the rotary embedding to it, it rotates Q and
+the new K as it loads them (deferred_rotary.py).
 A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
 No gather copy of K/V, no host sync: the launch depends only on the batch size, so it can be
 captured in a CUDA graph.
@@ -44,6 +45,12 @@ def _rotary(inv_freq_ptr, rope_scaling, pos, d, HEAD_DIM: tl.constexpr, DTYPE: t
 
 
 @triton.jit
+def _splits_of(ctx_len, least, most, SPLIT_TOKENS: tl.constexpr):
+    """Splits of one sequence's context: one per SPLIT_TOKENS tokens, within [least, most]."""
+    return tl.minimum(tl.maximum(tl.cdiv(ctx_len, SPLIT_TOKENS), least), most)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -59,6 +66,8 @@ def _decode_split_kernel(
     out_ptr,
     scale,
     rope_scaling,
+    least_splits,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -76,7 +85,8 @@ def _decode_split_kernel(
     stride_ms,
     stride_ob,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -91,9 +101,12 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
-    # each sequence's tiles are spread evenly over the splits, whatever its length
+    # each sequence's tiles are spread evenly over its splits, whatever its length
+    splits = _splits_of(ctx_len, least_splits, num_splits, SPLIT_TOKENS)
+    if split >= splits:  # a short context in a grid sized for long ones
+        return
     num_tiles = tl.cdiv(ctx_len, TILE)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(num_tiles, splits)
     first_tile = split * per_split
     last_tile = tl.minimum(first_tile + per_split, num_tiles)
     g = tl.arange(0, GROUP_PAD)
@@ -148,7 +161,7 @@ def _decode_split_kernel(
         lsum = lsum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
-    if NUM_SPLITS == 1:  # the whole context in one program: the output, with no merge launch
+    if DIRECT:  # one split for every sequence: the output, with no merge launch
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -165,6 +178,9 @@ def _merge_kernel(
     part_out_ptr,
     part_ml_ptr,
     out_ptr,
+    lens_ptr,
+    least_splits,
+    num_splits,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -173,7 +189,7 @@ def _merge_kernel(
     stride_ms,
     stride_ob,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -181,7 +197,7 @@ def _merge_kernel(
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    ok = s < NUM_SPLITS
+    ok = s < _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
     ml = part_ml_ptr + b * stride_mb + h * stride_mh + s * stride_ms
     m = tl.load(ml, mask=ok, other=float("-inf"))
     lsum = tl.load(ml + 1, mask=ok, other=0.0)
@@ -197,9 +213,28 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> int:
-    """Enough programs to cover the device about twice; fixed per batch size (graph-friendly)."""
-    return max(1, min(32, -(-2 * num_sms // (batch * kv_heads))))
+SPLIT_TOKENS = 512  # context tokens per split, past the fewest splits: the best count on the H200
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class Splits:
+    """How many programs share each sequence's context: `least` for every sequence, one more per
+    SPLIT_TOKENS of its context, up to `most` (the grid's split dimension)."""
+
+    least: int
+    most: int
+
+
+def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> Splits:
+    """Fixed per batch size (graph-friendly); each sequence's count follows its context in the kernel.
+
+    At least enough programs to cover the device about twice; at most about 16 programs per
+    multiprocessor, so that few sequences at long contexts keep every multiprocessor reading
+    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    pairs = batch * kv_heads
+    least = max(1, min(MAX_SPLITS, -(-2 * num_sms // pairs)))
+    return Splits(least, max(least, min(MAX_SPLITS, 16 * num_sms // pairs)))
 
 
 NUM_STAGES = 1  # Triton's software-pipeline stages of the tile loop: 2 and 3 were slower on the H200
@@ -225,7 +260,7 @@ def paged_decode_attention(
     ctx_lens: torch.Tensor,  # [B] tokens of context per sequence (>= 1)
     block_size: int,
     scale: float,
-    num_splits: int,
+    num_splits: int | Splits,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rotary: DecodeRotary | None = None,
     tile: int | None = None,
@@ -233,6 +268,9 @@ def paged_decode_attention(
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its paged context.
+
+    `num_splits`: programs per sequence and KV head, the same for every sequence (an int) or
+    following each one's context (Splits).
 
     `new_kv` = (key [B, Hkv, D], value, slot_mapping [B]): the step's own K/V, written into the
     cache at `slot_mapping` by the kernel itself (the last context position of each sequence),
@@ -245,6 +283,8 @@ def paged_decode_attention(
     kv_heads = k_cache.shape[1]
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
+    num_splits = splits.most
     if num_splits > 1:  # each split's partial output, max and sum, for the merge
         part_out = torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b, h, num_splits, 2, dtype=torch.float32, device=q.device)
@@ -271,6 +311,8 @@ def paged_decode_attention(
         out,
         scale,
         rotary.scaling if rotary is not None else 1.0,
+        splits.least,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -288,7 +330,8 @@ def paged_decode_attention(
         part_ml.stride(2),
         out.stride(0),
         out.stride(1),
-        NUM_SPLITS=num_splits,
+        DIRECT=num_splits == 1,
+        SPLIT_TOKENS=SPLIT_TOKENS,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
@@ -308,6 +351,9 @@ def paged_decode_attention(
         part_out,
         part_ml,
         out,
+        ctx_lens,
+        splits.least,
+        num_splits,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -316,7 +362,7 @@ def paged_decode_attention(
         part_ml.stride(2),
         out.stride(0),
         out.stride(1),
-        NUM_SPLITS=num_splits,
+        SPLIT_TOKENS=SPLIT_TOKENS,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=d,
     )
@@ -325,10 +371,10 @@ def paged_decode_attention(
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """The kernel bound to a cache's block size and a batch size's split count."""
+    """The kernel bound to a cache's block size and a batch size's split counts."""
 
     block_size: int
-    num_splits: int
+    num_splits: Splits
 
     @classmethod
     def for_batch(cls, cache: object, batch: int, num_sms: int) -> DecodeKernel:
