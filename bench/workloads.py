@@ -28,8 +28,10 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
+import pstats
 import random
 import sys
 import tempfile
@@ -78,6 +80,7 @@ class Run:
     hit_tokens: int = 0
     queried_tokens: int = 0
     profile: dict | None = None
+    host_profile: dict | None = None
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft)
@@ -109,21 +112,37 @@ def fresh_scheduler(
     core.scheduler = build_scheduler(mine, core.runner.model)
 
 
-def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | None = None) -> Run:
+def run(
+    core: EngineCore,
+    work: Workload,
+    tag: str,
+    profile: tuple[int, int] | None = None,
+    host_profile: bool = False,
+) -> Run:
     """Every request at once; each step's kind and sizes recorded from the scheduler's output, and
     the host time of its launch (queueing its forward). `profile` (first step, steps): kernels of
-    those steps by kind, from torch.profiler (Run.profile)."""
+    those steps by kind, from torch.profiler (Run.profile). `host_profile`: the Python functions
+    that the launches of mixed steps spend their time in, from cProfile (Run.host_profile)."""
     scheduler = core.scheduler
     steps: list[dict] = []
     schedule = scheduler.schedule
     launch = core.runner.launch
     launch_ms: list[float] = []
+    launches = cProfile.Profile() if host_profile else None
+    host_steps = 0
 
     def timed_launch(*args, **kwargs):
+        nonlocal host_steps
+        profiled = launches is not None and steps[-1]["kind"] == "mixed"  # scheduled just before
         t = time.perf_counter()
+        if profiled:
+            launches.enable()
+            host_steps += 1
         try:
             return launch(*args, **kwargs)
         finally:
+            if profiled:
+                launches.disable()
             launch_ms.append(1e3 * (time.perf_counter() - t))
 
     def recording():
@@ -188,6 +207,7 @@ def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | N
         raise RuntimeError(f"{len(short)} requests ended early")
     blocks = scheduler.blocks
     kernels = kernel_profile(*profiled, profiler, steps) if profiled is not None else None
+    hosted = host_functions(launches, host_steps) if launches is not None and host_steps else None
     return Run(
         seconds,
         sum(work.new),
@@ -198,7 +218,21 @@ def run(core: EngineCore, work: Workload, tag: str, profile: tuple[int, int] | N
         blocks.hit_tokens,
         blocks.queried_tokens,
         kernels,
+        hosted,
     )
+
+
+def host_functions(profiler: cProfile.Profile, steps: int, top: int = 30) -> dict:
+    """The functions the profiled launches spent their own time in (cProfile's tottime), per step."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, tottime, cumtime, _)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    named = [(f"{Path(f).name}:{line}({name})", calls, tottime)
+             for (f, line, name), (calls, _, tottime, _, _) in rows]
+    return {
+        "steps": steps,
+        "own_ms_per_step": {name: round(1e3 * tottime / steps, 3) for name, _, tottime in named},
+        "calls_per_step": {name: round(calls / steps, 1) for name, calls, _ in named},
+    }
 
 
 def kernel_profile(first: int, last: int, profiler: torch.profiler.profile, steps: list[dict]) -> dict:
@@ -292,6 +326,8 @@ def step_kinds(steps: list[dict]) -> dict:
             "device_s": round(sum(device) / 1e3, 3) if device else None,
             "prepare_ms_mean": round(sum(s["prepare_ms"] for s in of) / len(of), 3),
             "launch_ms_mean": round(sum(s["launch_ms"] for s in of) / len(of), 3),
+            "launch_ms_p50": round(sorted(s["launch_ms"] for s in of)[len(of) // 2], 3),
+            "launch_ms_max": round(max(s["launch_ms"] for s in of), 3),
             "prompt_tokens_mean": round(sum(s["prompt"] for s in of) / len(of), 1),
             "decode_rows_mean": round(sum(s["decode_rows"] for s in of) / len(of), 1),
         }
@@ -350,6 +386,11 @@ def main() -> None:
         default=None,
         metavar="FIRST:STEPS",
         help="mixed, first seed: profile these steps' kernels (torch.profiler)",
+    )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="mixed, first seed: a run of its own with the mixed steps' launches under cProfile",
     )
     ap.add_argument("--cache-gib", type=float, default=60.0, help="the device cache all runs share")
     ap.add_argument("--out", default="bench/results/workloads.json")
@@ -414,9 +455,10 @@ def main() -> None:
         prefix: bool,
         host: int,
         profile: tuple[int, int] | None = None,
+        host_profile: bool = False,
     ) -> Run:
         fresh_scheduler(core, config, num_blocks, prefix, host)
-        result = run(core, work, name, profile)
+        result = run(core, work, name, profile, host_profile)
         print(f"{name}: {result.summary()}", file=sys.stderr, flush=True)
         return result
 
@@ -456,6 +498,11 @@ def main() -> None:
                 "mixed_profiled", mixed(a.requests, vocab, 4096, seed), cache_blocks, True, 0, (first, count)
             )
             report["mixed_profile"] = {"seed": seed, **(r.profile or {})}
+        if a.host_profile:  # cProfile slows the launches it records: a run of its own too
+            seed = int(a.seeds.split(",")[0])
+            r = timed("mixed_host_profiled", mixed(a.requests, vocab, 4096, seed), cache_blocks, True, 0,
+                      host_profile=True)
+            report["mixed_host_profile"] = {"seed": seed, **(r.host_profile or {})}
 
     write_json(a.out, report)  # so far: a run cut short keeps what it measured
 

@@ -261,3 +261,38 @@ def test_soak_plan_is_seeded_and_shared_kserve_calls_cancel_together(monkeypatch
         if u[0]["cancel"] in ("chunks", "deadline"):
             assert all((r["cancel"], r["deadline_s"]) == (u[0]["cancel"], u[0]["deadline_s"]) for r in u)
         assert all(r["cancel"] != "timeout_param" for r in u)  # an error response names no request
+
+
+def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(tmp_path):
+    """`tandem bench workloads --smoke`: every workload runs to completion through the CLI, each
+    side by side with its feature off, and the JSON says what each run did: the oversubscribed
+    runs preempt (by offload in one, recompute in the other), the prefix run with caching hits
+    and the one without does not, the mixed run's bound and step kinds add up, and the host
+    profile names the mixed attention op among the launches' functions."""
+    out = tmp_path / "workloads.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run(
+        [str(tandem), "bench", "workloads", "--smoke", "--host-profile", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    (mixed,) = report["mixed"]
+    bound = mixed["additive_bound"]
+    assert bound["seconds"] == pytest.approx(bound["decode_memory_s"] + bound["prompt_gemm_s"], abs=2e-3)
+    assert mixed["of_bound"] == pytest.approx(bound["seconds"] / mixed["seconds"], rel=0.01, abs=1e-3)
+    kinds = mixed["step_kinds"]
+    assert sum(k["steps"] for k in kinds.values()) == mixed["steps"] and kinds["mixed"]["steps"] > 0
+    assert kinds["mixed"]["launch_ms_p50"] <= kinds["mixed"]["launch_ms_max"]
+    host = report["mixed_host_profile"]
+    assert host["steps"] == kinds["mixed"]["steps"]  # the profiled run schedules as the timed one
+    assert any("paged_mixed" in name for name in host["own_ms_per_step"])
+    prefix = report["prefix"]
+    assert prefix["on"]["prefix_hit_rate"] > 0 and prefix["off"]["prefix_hit_rate"] == 0
+    for shape in report["oversubscribed"]:
+        offload, recompute = shape["offload"], shape["recompute"]
+        assert offload["preemptions_offload"] > 0 and offload["preemptions_recompute"] == 0
+        assert recompute["preemptions_recompute"] > 0 and recompute["preemptions_offload"] == 0
+        assert shape["same_tokens"] == shape["requests"]  # fp32 on the CPU: the same greedy tokens
+    assert report["long"]["new"] * report["long"]["requests"] == pytest.approx(
+        report["long"]["tok_s"] * report["long"]["seconds"], rel=0.01)
