@@ -49,8 +49,8 @@ class EngineConfig:
     # The server turns it on for CUDA (0.17 ms of an 8B step at batch 32 on the H200); on the CPU
     # the op's eager rotation shows no gain (SmolLM2: within run-to-run noise, docs/architecture.md)
     fold_rotary: bool = False
-    # prefill and mixed steps run a torch.compile'd forward too (symbolic token count; attention
-    # eager), compiled at start-up by a short warm-up. The server turns it on for CUDA
+    # prefill and mixed steps run a torch.compile'd forward too (symbolic token count, one graph
+    # around the mixed attention op), compiled at start-up by a short warm-up. The server turns it on for CUDA
     compile_prefill: bool = False
     idle_window_s: float = 60.0  # the sliding window of the engine's idle fraction
     # full KV blocks stay cached for later requests with the same prefix (block_manager.py); the
