@@ -294,5 +294,6 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
         assert offload["preemptions_offload"] > 0 and offload["preemptions_recompute"] == 0
         assert recompute["preemptions_recompute"] > 0 and recompute["preemptions_offload"] == 0
         assert shape["same_tokens"] == shape["requests"]  # fp32 on the CPU: the same greedy tokens
+        assert shape["recomputed_tokens"] > 0 and shape["ratio_bound"] >= 1.0  # what offload can save
     assert report["long"]["new"] * report["long"]["requests"] == pytest.approx(
         report["long"]["tok_s"] * report["long"]["seconds"], rel=0.01)
