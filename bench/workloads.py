@@ -46,6 +46,7 @@ import _repo  # noqa: F401  (must come before any tandem import)
 import torch
 from common import copy_bandwidth, environment, markdown_table, sync, write_json
 from gemm_floor import linear_shapes
+from gemm_floor import timed as seconds_per_call
 from gpu_sync import SERVER_CUDA, build_model
 from serve_workload import jobs as make_jobs
 
@@ -299,20 +300,12 @@ def linear_params(model: torch.nn.Module) -> int:
 
 
 def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
-    if device.type != "cuda":
+    """Dense GEMM FLOP/s of an n x n x n product (gemm_floor's timing: a CUDA graph of the calls)."""
+    cuda = device.type == "cuda"
+    if not cuda:
         n = 256
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    reps = 10
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+    return 2 * n**3 / seconds_per_call(lambda: a @ b, reps=10, cuda=cuda)
 
 
 def step_kinds(steps: list[dict]) -> dict:
