@@ -43,19 +43,31 @@ def _stamp(paths: list[Path]) -> Stamp:
     return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in stats)
 
 
-class CertificateFiles:
-    def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
+class _WatchedFiles:
+    """A certificate, its key and an optional client CA, with the stat of the files last loaded."""
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
         self.cert, self.key, self.client_ca = cert, key, client_ca
         self._stamp: Stamp | None = None
         self.reloads = 0
-        self.initial = self._load()  # raises InvalidCertificate: the server cannot start with them
-
-    @property
-    def _paths(self) -> list[Path]:
-        return [p for p in (self.cert, self.key, self.client_ca) if p is not None]
 
     def _current_stamp(self) -> Stamp:
-        return _stamp(self._paths)
+        return _stamp([p for p in (self.cert, self.key, self.client_ca) if p is not None])
+
+    def _changed(self) -> bool:
+        """Whether the files changed since last seen; they count as seen from now on, so that a
+        bad new pair is reported once, not at every look."""
+        stamp = self._current_stamp()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
+class CertificateFiles(_WatchedFiles):
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
+        super().__init__(cert, key, client_ca)
+        self.initial = self._load()  # raises InvalidCertificate: the server cannot start with them
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         stamp = self._current_stamp()
@@ -70,10 +82,8 @@ class CertificateFiles:
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """grpc's fetcher: a new configuration when the files changed, else None (keep the current)."""
         try:
-            stamp = self._current_stamp()
-            if stamp == self._stamp:
+            if not self._changed():
                 return None
-            self._stamp = stamp  # a bad new pair is reported once, not at every connection
             config = self._load()
         except (OSError, InvalidCertificate) as exc:
             log.error("TLS files changed but do not load; keeping the previous certificate: %s", exc)
@@ -88,28 +98,22 @@ class CertificateFiles:
         )
 
 
-class ServerSSLContext:
+class ServerSSLContext(_WatchedFiles):
     """The HTTP port's TLS (1.2 or later; client certificates required under mutual TLS): one
     ssl.SSLContext, into which `refresh` loads the files again once they changed, for the
     connections that come after. A client CA can be added that way, not removed (OpenSSL's trust
     store only grows): dropping a CA from the HTTP port takes a restart."""
 
     def __init__(self, cert: Path, key: Path, client_ca: Path | None = None) -> None:
-        self.cert, self.key, self.client_ca = cert, key, client_ca
+        super().__init__(cert, key, client_ca)
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         if client_ca is not None:
             self.context.verify_mode = ssl.CERT_REQUIRED
-        self.reloads = 0
-        self._stamp: Stamp | None = None
         self._load()  # raises InvalidCertificate: the server cannot start with them
 
-    @property
-    def _paths(self) -> list[Path]:
-        return [p for p in (self.cert, self.key, self.client_ca) if p is not None]
-
     def _load(self) -> None:
-        stamp = _stamp(self._paths)
+        stamp = self._current_stamp()
         _check(self.cert, self.key, self.client_ca)  # in a context of its own: a bad pair never gets here
         self.context.load_cert_chain(self.cert, self.key)
         if self.client_ca is not None:
@@ -118,10 +122,8 @@ class ServerSSLContext:
 
     def refresh(self) -> None:
         try:
-            stamp = _stamp(self._paths)
-            if stamp == self._stamp:
+            if not self._changed():
                 return
-            self._stamp = stamp  # a bad new pair is reported once
             self._load()
         except (OSError, InvalidCertificate, ssl.SSLError) as exc:
             log.error("TLS files changed but do not load; the HTTP port keeps its certificate: %s", exc)
