@@ -12,6 +12,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -109,36 +110,51 @@ class _Response:
             choice["token_ids"] = chunk.token_ids
         return choice
 
+    # the response's "object" whole and as a stream's chunk, and each kind's body of a choice
+    whole_object: ClassVar[str]
+    chunk_object: ClassVar[str]
+
+    def _whole_body(self, done: GenerationChunk) -> dict:
+        raise NotImplementedError
+
+    def _chunk_body(self, chunk: GenerationChunk) -> dict:
+        raise NotImplementedError
+
     def _logprobs(self, chunk: GenerationChunk) -> dict | None:
         raise NotImplementedError
 
+    def whole(self, done: GenerationChunk) -> dict:
+        return {
+            **self._head(self.whole_object),
+            "choices": [self._choice(done, self._whole_body(done))],
+            "usage": usage(done),
+        }
+
+    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict:
+        out = {**self._head(self.chunk_object), "choices": [self._choice(chunk, self._chunk_body(chunk))]}
+        if with_usage:
+            out["usage"] = None  # as OpenAI: every chunk but the last, which carries it
+        return out
+
     def usage_chunk(self, last: GenerationChunk) -> dict:
         """The stream's last chunk under stream_options.include_usage: no choices, the usage."""
-        raise NotImplementedError
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(last)}
 
     def _entries(self, chunk: GenerationChunk) -> list[tuple[int, TokenLogprob]]:
         return list(zip(chunk.token_ids, chunk.logprobs or [], strict=False))
 
 
 class ChatResponse(_Response):
-    def whole(self, done: GenerationChunk) -> dict:
-        message = {"role": "assistant", "content": done.text}
-        return {
-            **self._head("chat.completion"),
-            "choices": [self._choice(done, {"message": message})],
-            "usage": usage(done),
-        }
+    whole_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
 
-    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict:
+    def _whole_body(self, done: GenerationChunk) -> dict:
+        return {"message": {"role": "assistant", "content": done.text}}
+
+    def _chunk_body(self, chunk: GenerationChunk) -> dict:
         delta = {"role": "assistant", "content": chunk.text} if self._first else {"content": chunk.text}
         self._first = False
-        out = {**self._head("chat.completion.chunk"), "choices": [self._choice(chunk, {"delta": delta})]}
-        if with_usage:
-            out["usage"] = None  # as OpenAI: every chunk but the last, which carries it
-        return out
-
-    def usage_chunk(self, last: GenerationChunk) -> dict:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(last)}
+        return {"delta": delta}
 
     def _logprobs(self, chunk: GenerationChunk) -> dict | None:
         if self.texts is None or chunk.logprobs is None:
@@ -161,21 +177,12 @@ class CompletionResponse(_Response):
     # characters of completion text before this chunk's first token (text_offset)
     _offset: int = field(default=0, init=False)
 
-    def whole(self, done: GenerationChunk) -> dict:
-        return {
-            **self._head("text_completion"),
-            "choices": [self._choice(done, {"text": done.text})],
-            "usage": usage(done),
-        }
+    whole_object = chunk_object = "text_completion"
 
-    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict:
-        out = {**self._head("text_completion"), "choices": [self._choice(chunk, {"text": chunk.text})]}
-        if with_usage:
-            out["usage"] = None
-        return out
+    def _whole_body(self, done: GenerationChunk) -> dict:
+        return {"text": done.text}
 
-    def usage_chunk(self, last: GenerationChunk) -> dict:
-        return {**self._head("text_completion"), "choices": [], "usage": usage(last)}
+    _chunk_body = _whole_body  # a stream's chunk carries its own text the same way
 
     def _logprobs(self, chunk: GenerationChunk) -> dict | None:
         """The legacy API's: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset."""
