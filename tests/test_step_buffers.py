@@ -51,3 +51,20 @@ def test_mixed_step_keeps_exact_sizes():
     dev = buf.upload(batch)
     assert dev.input_ids.tolist() == list(range(5)) and dev.carry.tolist() == [-1] * 5
     assert dev.logits_indices.tolist() == [4] and dev.block_table.shape[0] == 0
+
+
+def test_staged_tensors_keep_their_buffers_and_grow_when_a_step_needs_more():
+    """`stage` (the packed prompt chunks' indexes): each name has its own buffers, reused at the
+    same address while a step's tensor fits, grown for a larger one; shapes and values survive."""
+    buf = StepBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"),
+                      scratch_block=32, block_size=4)
+    first = buf.stage("index", torch.arange(10, dtype=torch.int64))
+    offsets = buf.stage("offsets", torch.tensor([[0, 3, 10], [0, 5, 20]], dtype=torch.int32))
+    assert first.tolist() == list(range(10)) and offsets.dtype == torch.int32
+    assert offsets.tolist() == [[0, 3, 10], [0, 5, 20]]  # its own buffer: the index is untouched
+    again = buf.stage("index", torch.arange(100, 110, dtype=torch.int64))
+    assert again.data_ptr() == first.data_ptr() and again.tolist() == list(range(100, 110))
+    big = buf.stage("index", torch.arange(5000, dtype=torch.int64))
+    assert big.tolist() == list(range(5000))
+    small = buf.stage("index", torch.tensor([7, 8], dtype=torch.int64))
+    assert small.data_ptr() == big.data_ptr() and small.tolist() == [7, 8]

@@ -15,7 +15,7 @@ import torch
 from .attention_ref import causal_mask, decode_mask
 from .deferred_rotary import DecodeRotary
 from .scheduler import ScheduledChunk
-from .varlen_prefill import VarlenPrefill, upload
+from .varlen_prefill import Stage, VarlenPrefill, upload
 
 if TYPE_CHECKING:
     from .step_buffers import DeviceBatch
@@ -175,12 +175,13 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None = None,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
-    varlen: bool = False,
+    varlen: Stage | None = None,
 ) -> AttentionMetadata:
     """Attention metadata of an eagerly run step, from its uploaded inputs (`dev`).
 
     `varlen`: the prompt chunks go to one variable-length flash-attention call (CUDA, no sliding
-    window); otherwise each chunk gets its own segment, attended by SDPA."""
+    window), their indexes put on the device by this (the step slot's `stage`); otherwise each
+    chunk gets its own segment, attended by SDPA."""
     device = dev.input_ids.device
     meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size)
     if batch.decode_block_table is not None:
@@ -199,13 +200,13 @@ def build_attention_metadata(
             meta.decode_blocks = dev.block_table.long().flatten()
             width = dev.block_table.shape[1] * block_size
             meta.decode_mask = decode_mask(dev.ctx_lens.long(), width, sliding_window)
-    if varlen and batch.prefills and not sliding_window:
+    if varlen is not None and batch.prefills and not sliding_window:
         segments = [
             (q_start, q_len, batch.slot_mapping[q_start : q_start + q_len] if blocks is None
              else _slots_of(torch.tensor(blocks, dtype=torch.int64), ctx_len, block_size))
             for q_start, q_len, ctx_len, blocks in batch.prefills
         ]
-        meta.varlen = VarlenPrefill.build(segments, device)
+        meta.varlen = VarlenPrefill.build(segments, varlen)
         return meta
     for q_start, q_len, ctx_len, blocks in batch.prefills:
         seg = PrefillSegment(q_start, q_len, ctx_len)

@@ -261,7 +261,8 @@ class ModelRunner:
         if self.decode_kernel is not None and batch.decode_token_idx:
             kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
         meta = build_attention_metadata(
-            batch, dev, self.block_size, self.sliding_window, kernel, varlen=self.varlen_prefill
+            batch, dev, self.block_size, self.sliding_window, kernel,
+            varlen=self.slots[s].stage if self.varlen_prefill else None,
         )
         meta.kv_cache = self.cache
         if meta.decode_only:

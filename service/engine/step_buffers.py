@@ -68,6 +68,23 @@ class StepBuffers:
         # the step's sampled tokens: the next step's carried inputs read them on the device
         self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.tokens_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
+        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stage(): name -> (host, device)
+
+    def stage(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """A step's tensor of no fixed size (the packed prompt chunks' indexes) on the device,
+        through this slot's staging buffer of that name (pinned on CUDA), grown when a step needs
+        more; the copy is queued on the current stream. No pinned allocation per step: by the time
+        the loop fills this slot again, the step that last used it is done."""
+        n = values.numel()
+        host, dev = self._staged.get(name, (None, None))
+        if host is None or host.numel() < n or host.dtype != values.dtype:
+            size = max(n, 2 * host.numel() if host is not None else 1024)
+            host = torch.empty(size, dtype=values.dtype, pin_memory=self.device.type == "cuda")
+            dev = torch.empty(size, dtype=values.dtype, device=self.device)
+            self._staged[name] = (host, dev)
+        host[:n].copy_(values.flatten())
+        dev[:n].copy_(host[:n], non_blocking=True)
+        return dev[:n].view(values.shape)
 
     def upload(self, batch: HostBatch, pad_to: int | None = None) -> DeviceBatch:
         """Stage `batch` in pinned memory and queue its copies to the device (current stream).

@@ -9,9 +9,12 @@ causal from the bottom right, so a chunk that continues a cached prefix sees tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+Stage = Callable[[str, torch.Tensor], torch.Tensor]  # StepBuffers.stage: (name, host tensor) -> on the device
 
 
 @dataclass
@@ -26,18 +29,17 @@ class VarlenPrefill:
     max_k: int
 
     @classmethod
-    def build(
-        cls, segments: list[tuple[int, int, torch.Tensor]], device: torch.device
-    ) -> VarlenPrefill:
-        """`segments`: (q_start, q_len, context slots [ctx_len] on the host) of each chunk."""
+    def build(cls, segments: list[tuple[int, int, torch.Tensor]], stage: Stage) -> VarlenPrefill:
+        """`segments`: (q_start, q_len, context slots [ctx_len] on the host) of each chunk; `stage`
+        puts the indexes and offsets on the device (through the step's slot)."""
         q_index = torch.cat([torch.arange(s, s + n) for s, n, _ in segments])
         kv_slots = torch.cat([slots for _, _, slots in segments])
         q_lens = [n for _, n, _ in segments]
         k_lens = [len(slots) for _, _, slots in segments]
         lens = torch.tensor([[0, 0], *zip(q_lens, k_lens, strict=True)], dtype=torch.int32)
         cu = lens.cumsum(0, dtype=torch.int32)  # the kernel takes int32 offsets only
-        on_device = upload(torch.cat([q_index, kv_slots]), device)
-        cu = upload(cu.t().contiguous(), device)
+        on_device = stage("varlen_index", torch.cat([q_index, kv_slots]))
+        cu = stage("varlen_offsets", cu.t().contiguous())
         return cls(on_device[: len(q_index)], on_device[len(q_index) :], cu[0], cu[1], max(q_lens),
                    max(k_lens))
 
