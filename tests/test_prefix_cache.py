@@ -121,6 +121,30 @@ def test_a_later_request_skips_the_cached_prefix_and_counts_the_hit():
     assert s.blocks.hit_tokens == 32 and s.blocks.queried_tokens == 35 + 34
 
 
+def test_the_rest_after_a_cached_prefix_is_chunked_at_the_budget_beside_decodes():
+    """A prompt whose uncached rest is longer than the step budget: its first chunk starts where
+    the cache ends, takes what the running decode leaves of the budget, and the next chunks carry
+    on from there until the prompt is in."""
+    s = Scheduler(BlockManager(64, 4, prefix_caching=True), max_num_seqs=8, max_num_batched_tokens=8)
+    system = list(range(100, 116))  # 16 tokens: 4 full blocks
+    s.add(seq("a", system + [1], max_tokens=20))
+    while s.blocks.num_cached < 4:  # a's prompt goes in, in chunks of the budget
+        fake_step(s)
+    s.add(seq("b", system + list(range(200, 211))))  # 11 tokens of its own past the cached 16
+    spans = []
+    while True:
+        out = s.schedule()
+        s.finish_step(out, {i: 7 for i, c in enumerate(out.chunks) if c.samples})
+        mine = [c for c in out.chunks if c.seq.request_id == "b"]
+        assert sum(c.num_tokens for c in out.chunks) <= 8
+        if mine and mine[0].num_tokens > 1:
+            spans.append((mine[0].start, mine[0].num_tokens))
+        elif mine:
+            break
+    assert spans == [(16, 7), (23, 4)]  # a's decode takes one token of each step's budget
+    assert s.blocks.hit_tokens >= 16
+
+
 def test_blocks_of_a_step_are_not_shared_before_its_tokens_come_back():
     """Two requests with the same prompt in one step: the second cannot read blocks the first is
     writing in that very step, so both compute their own."""
@@ -220,6 +244,29 @@ def test_shared_prefixes_arriving_later_and_preempted_match_generate(llama, loop
     assert result.preemptions > 0, "the cache was meant to be too small for all requests at once"
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 16, None), a.request_id
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_chunks_continuing_a_cached_prefix_at_the_budget_edge_match_generate(llama, loop):
+    """Prompts whose own tokens past a cached system prompt take several steps of a small budget
+    (8 tokens, shared with the running decodes): each continues the cached prefix chunk by chunk
+    and gets generate()'s greedy tokens."""
+    rng = random.Random(13)
+    vocab = llama.config.vocab_size
+    system = [rng.randrange(vocab) for _ in range(16)]
+    prompts = [system + [rng.randrange(vocab) for _ in range(n)] for n in (2, 13, 21, 7, 17)]
+    arrivals = [
+        Arrival(f"r{i}", p, SamplingParams(max_tokens=10), at)
+        for i, (p, at) in enumerate(zip(prompts, [0, 4, 5, 7, 9], strict=True))
+    ]
+    core = make_core(
+        llama, num_blocks=48, block_size=4, max_num_batched_tokens=8, max_model_len=64,
+        step_loop=loop, prefix_caching=True,
+    )  # fmt: skip
+    result = run(core, arrivals)
+    assert core.scheduler.blocks.hit_tokens >= 4 * 16, "the later requests were meant to hit the cache"
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 10, None), a.request_id
 
 
 def test_the_hit_counters_equal_the_prefill_the_engine_skipped(llama):
