@@ -21,8 +21,8 @@ import transformers
 from machine import machine
 from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
 
-from tandem.service.engine.attention import register
 from tandem.service.engine.engine_core import EngineCore
+from tandem.service.engine.ops.attention import register
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
 

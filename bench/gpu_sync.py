@@ -45,7 +45,7 @@ from gemm_floor import workload_floor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.service.engine.core_builder import EngineConfig, build_core
-from tandem.service.engine.kv_cache import CacheShape
+from tandem.service.engine.ops.kv_cache import CacheShape
 
 # the server's CUDA defaults over the benchmark's spec: compiled decode and prefill forwards, fused
 # projections, cuBLASLt preferred for the GEMMs, the rotary embedding in the decode kernel

@@ -30,8 +30,8 @@ from gemm_floor import time_linear, timed
 from gpu_sync import VARIANTS, build_model
 
 from tandem.service.engine.core_builder import EngineConfig, build_core
-from tandem.service.engine.decode_op import num_sms
-from tandem.service.engine.kv_cache import CacheShape
+from tandem.service.engine.ops.decode_op import num_sms
+from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
 
@@ -129,7 +129,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode step),
     over both cache layouts, tile sizes, warps and split counts around the engine's (half, same,
     double); the configuration the engine picks (for the NHD layout, its default) is marked."""
-    from tandem.service.engine.triton_decode import (
+    from tandem.service.engine.ops.triton_decode import (
         NUM_STAGES,
         NUM_WARPS,
         SPLIT_TOKENS,

@@ -20,7 +20,7 @@ from common import copy_bandwidth
 
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.factory import build_engine, configure_threads, resolve_device
-from tandem.service.engine.kv_cache import CacheShape
+from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.models.loader import load_model
 from tandem.service.runtime.engine_process import warm_up

@@ -52,7 +52,7 @@ from serve_workload import jobs as make_jobs
 
 from tandem.service.engine.core_builder import EngineConfig, build_core, build_scheduler
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.kv_cache import CacheShape
+from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.engine.timing import StepTiming
 

@@ -87,7 +87,7 @@ def test_gemm_floor_counts_every_gemm_weight_once(monkeypatch):
     from gemm_floor import linear_shapes
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tandem.service.engine.fused_projections import fuse_projections
+    from tandem.service.engine.ops.fused_projections import fuse_projections
 
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)

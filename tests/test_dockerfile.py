@@ -244,3 +244,16 @@ def test_build_context_has_what_the_wheel_stage_copies() -> None:
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not _ignored(source, patterns), f"{source} is excluded by .dockerignore"
+
+
+def test_every_package_directory_is_in_the_wheel() -> None:
+    """The image installs the wheel, whose packages pyproject lists one by one: a new package
+    directory left off that list would import in an editable checkout and be missing from the
+    image."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    for name, directory in setuptools["package-dir"].items():
+        for init in (ROOT / directory).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / directory).parts
+            package = ".".join((name, *parts))
+            assert package in listed, f"{init.parent} ({package}) is not among pyproject's packages"

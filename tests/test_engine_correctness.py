@@ -164,8 +164,8 @@ def test_packed_prompt_chunks_match_generate(tiny_models, loop, monkeypatch):
     flash-attention call, run on the CPU with the reference math in place of the kernel: the
     packing (query rows, context slots of fresh and continued chunks, offsets) must give the
     model's own tokens through chunked prompts over cached prefixes, mixed steps and preemption."""
-    from tandem.service.engine import varlen_prefill
-    from tandem.service.engine.attention_ref import varlen_causal_attention
+    from tandem.service.engine.ops import varlen_prefill
+    from tandem.service.engine.ops.attention_ref import varlen_causal_attention
 
     calls = []
 

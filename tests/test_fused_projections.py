@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_config
 from transformers import AutoModelForCausalLM
 
-from tandem.service.engine.fused_projections import FusedLinear, LinearPart, fuse_projections
+from tandem.service.engine.ops.fused_projections import FusedLinear, LinearPart, fuse_projections
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])  # qwen2: biased Q/K/V

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.service.engine.attention_ref import decode_attention
-from tandem.service.engine.deferred_rotary import DecodeRotary, rotate
+from tandem.service.engine.ops.attention_ref import decode_attention
+from tandem.service.engine.ops.deferred_rotary import DecodeRotary, rotate
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,12 @@ def test_kernel_rotates_query_and_new_key(
 def _check_kernel(
     dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new, layout, rotary=None
 ):
-    from tandem.service.engine.triton_decode import Splits, num_splits_for, paged_decode_attention, tile_for
+    from tandem.service.engine.ops.triton_decode import (
+        Splits,
+        num_splits_for,
+        paged_decode_attention,
+        tile_for,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + max_len)
     num_blocks = batch * (-(-max_len // block_size)) + 8
@@ -110,7 +115,7 @@ def _check_kernel(
 def test_kernel_addresses_blocks_past_two_billion_elements():
     """A cache of more than 2**31 elements (4 GiB per cache in bf16) switches the kernel to 64-bit
     address arithmetic: blocks at its far end are read and written where they lie."""
-    from tandem.service.engine.triton_decode import paged_decode_attention
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(7)
     kv_heads, head_dim, block_size, batch, width = 8, 128, 16, 4, 8
@@ -143,8 +148,8 @@ def test_flash_varlen_matches_reference(dtype, heads, kv_heads, head_dim):
     """The packed prompt path's kernel (PyTorch's FlashAttention-2, variable length) against one
     SDPA per chunk in fp32: fresh chunks (queries = the whole context) and continued ones (queries
     = the last positions of a longer context), grouped-query heads read as they are."""
-    from tandem.service.engine.attention_ref import varlen_causal_attention
-    from tandem.service.engine.varlen_prefill import flash_varlen, varlen_supported
+    from tandem.service.engine.ops.attention_ref import varlen_causal_attention
+    from tandem.service.engine.ops.varlen_prefill import flash_varlen, varlen_supported
 
     assert varlen_supported(torch.device("cuda"), dtype, heads, kv_heads, head_dim)
     torch.manual_seed(heads * head_dim)

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from tandem.service.engine.block_manager import BlockManager
 from tandem.service.engine.host_blocks import HostBlocks
-from tandem.service.engine.kv_cache import CacheShape, KVCache
 from tandem.service.engine.kv_offload import KVOffload, _runs
+from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import BlockMoves, Scheduler
 from tandem.service.engine.sequence import Sequence

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import register
 from .block_manager import BlockManager
 from .engine_core import EngineCore
-from .fused_projections import fuse_projections
 from .host_blocks import HostBlocks
-from .kv_cache import CacheShape, KVCache
 from .model_runner import ModelRunner
+from .ops.attention import register
+from .ops.fused_projections import fuse_projections
+from .ops.kv_cache import CacheShape, KVCache
 from .sampling_params import GenerationRequest, SamplingParams
 from .scheduler import Scheduler
 from .timing import StepTiming

@@ -14,9 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from .batch import AttentionMetadata, carry_over
-from .deferred_rotary import DecodeRotary
-from .kv_cache import KVCache
+from .batch import carry_over
+from .ops.attention_metadata import AttentionMetadata
+from .ops.deferred_rotary import DecodeRotary
+from .ops.kv_cache import KVCache
 from .sampler import sample
 from .step_buffers import StepBuffers
 

@@ -12,7 +12,7 @@ from ..models.loader import LoadedModel
 from ..settings import ServerSettings
 from .core_builder import EngineConfig, build_core
 from .engine_core import EngineCore
-from .kv_cache import CacheShape, KVCache
+from .ops.kv_cache import CacheShape, KVCache
 from .timing import StepTiming
 from .validation import Limits
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache import KVCache
+from .ops.kv_cache import KVCache
 from .scheduler import BlockMoves
 from .streams import Streams, on
 

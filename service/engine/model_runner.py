@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
-from .decode_op import kernel_supports, num_sms
-from .deferred_rotary import defer_rotary
-from .kv_cache import KVCache
 from .kv_offload import KVOffload
-from .mixed_op import attending
+from .ops.decode_op import kernel_supports, num_sms
+from .ops.deferred_rotary import defer_rotary
+from .ops.kv_cache import KVCache
+from .ops.mixed_op import attending
+from .ops.varlen_prefill import varlen_supported
 from .sampler import SampleOutput, sample
 from .scheduler import BlockMoves, ScheduledChunk
 from .step_buffers import DeviceBatch, StepBuffers
 from .streams import Streams, on
-from .varlen_prefill import varlen_supported
 
 
 @dataclass
@@ -136,7 +136,7 @@ class ModelRunner:
         )
         self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
         if self.in_place_decode:
-            from .triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
+            from .ops.triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
 
             self.decode_kernel = DecodeKernel.for_batch
         # decode-only steps run the decode model: the model, but for its rotary embedding, which

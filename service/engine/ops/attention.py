@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 
 from . import decode_op, mixed_op
-from .batch import AttentionMetadata
+from .attention_metadata import AttentionMetadata
 
 ATTN_IMPLEMENTATION = "tandem_paged"
 

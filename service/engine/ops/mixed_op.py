@@ -19,8 +19,8 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
+from .attention_metadata import AttentionMetadata
 from .attention_ref import decode_attention
-from .batch import AttentionMetadata
 from .kv_cache import slot_major
 
 _step: ContextVar[AttentionMetadata | None] = ContextVar("tandem_step", default=None)
