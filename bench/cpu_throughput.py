@@ -27,7 +27,8 @@ from common import (
     write_json,
 )
 
-from tandem.service.engine.core_builder import EngineConfig, build_core
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.models.loader import load_model
 
 QUESTIONS = [

@@ -44,7 +44,8 @@ from common import (
 from gemm_floor import workload_floor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tandem.service.engine.core_builder import EngineConfig, build_core
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.kv_cache import CacheShape
 
 # the server's CUDA defaults over the benchmark's spec: compiled decode and prefill forwards, fused

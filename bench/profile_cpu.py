@@ -20,7 +20,8 @@ from common import ForeignLoad, blocks_for, markdown_table, run_tandem
 from cpu_throughput import QUESTIONS, TANDEM_SPEC
 
 from tandem.service.engine import engine_core, model_runner, scheduler
-from tandem.service.engine.core_builder import EngineConfig, build_core
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops import attention
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.engine.step_buffers import StepBuffers

@@ -29,7 +29,8 @@ from common import blocks_for, copy_bandwidth, environment, markdown_table, writ
 from gemm_floor import time_linear, timed
 from gpu_sync import VARIANTS, build_model
 
-from tandem.service.engine.core_builder import EngineConfig, build_core
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams

@@ -50,7 +50,8 @@ from gemm_floor import timed as seconds_per_call
 from gpu_sync import SERVER_CUDA, build_model
 from serve_workload import jobs as make_jobs
 
-from tandem.service.engine.core_builder import EngineConfig, build_core, build_scheduler
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core, build_scheduler
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams

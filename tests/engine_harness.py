@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.service.engine.core_builder import EngineConfig, build_core
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.engine.sequence import Sequence

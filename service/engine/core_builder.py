@@ -5,13 +5,14 @@ The server's factory, the benchmarks and the tests all build their cores here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .engine_core import EngineCore
 from .host_blocks import HostBlocks
 from .model_runner import ModelRunner
@@ -23,42 +24,6 @@ from .scheduler import Scheduler
 from .timing import StepTiming
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's, capped by what the cache holds
-    cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
-    step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
-    # Q/K/V and gate/up as one GEMM each (changes the model in place). The server turns it on for
-    # CUDA (0.5 ms of an 8B step at batch 32 on the H200); on the CPU it is no faster
-    fuse_projections: bool = False
-    # "NHD" (each token's heads together) or "HND" (each head's tokens together): kv_cache.py
-    kv_layout: str = "NHD"
-    compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
-    compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
-    # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");
-    # a process-wide choice (torch.backends.cuda.preferred_blas_library), made when the core is built
-    blas_library: str = "default"
-    # decode steps: the decode attention op applies the rotary embedding to Q and K as it loads them,
-    # instead of two element-wise kernels per layer (deferred_rotary.py; where the model allows).
-    # The server turns it on for CUDA (0.17 ms of an 8B step at batch 32 on the H200); on the CPU
-    # the op's eager rotation shows no gain (SmolLM2: within run-to-run noise, docs/architecture.md)
-    fold_rotary: bool = False
-    # prefill and mixed steps run a torch.compile'd forward too (symbolic token count, one graph
-    # around the mixed attention op), compiled at start-up by a short warm-up. The server turns it on for CUDA
-    compile_prefill: bool = False
-    idle_window_s: float = 60.0  # the sliding window of the engine's idle fraction
-    # full KV blocks stay cached for later requests with the same prefix (block_manager.py); the
-    # server turns it on (TANDEM_PREFIX_CACHING)
-    prefix_caching: bool = False
-    # blocks of the host pool that preempted sequences' K/V are copied to (kv_offload.py; pinned on
-    # CUDA); 0 = none, preempted sequences are recomputed. The server sizes it (TANDEM_KV_OFFLOAD_GIB)
-    kv_offload_blocks: int = 0
 
 
 def build_core(
@@ -97,20 +62,7 @@ def build_core(
         )
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_layout)
     scheduler = build_scheduler(config, model)
-    runner = ModelRunner(
-        model,
-        cache,
-        device,
-        cuda_graphs=config.cuda_graphs,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        compile_decode=config.compile_decode,
-        compile_backend=config.compile_backend,
-        fold_rotary=config.fold_rotary,
-        compile_prefill=config.compile_prefill,
-        kv_offload_blocks=config.kv_offload_blocks,
-    )
+    runner = ModelRunner(model, cache, dataclasses.replace(config, max_model_len=max_model_len))
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
     core = EngineCore(

@@ -10,7 +10,8 @@ import torch
 
 from ..models.loader import LoadedModel
 from ..settings import ServerSettings
-from .core_builder import EngineConfig, build_core
+from .config import EngineConfig
+from .core_builder import build_core
 from .engine_core import EngineCore
 from .ops.kv_cache import CacheShape, KVCache
 from .timing import StepTiming

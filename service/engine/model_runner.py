@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
+from .config import EngineConfig
 from .kv_offload import KVOffload
 from .ops.decode_op import kernel_supports, num_sms
 from .ops.deferred_rotary import defer_rotary
@@ -95,24 +96,12 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cache: KVCache,
-        device: torch.device,
-        cuda_graphs: bool = False,
-        max_num_seqs: int = 256,
-        max_model_len: int = 8192,
-        max_num_batched_tokens: int = 2048,
-        compile_decode: bool = False,
-        compile_backend: str = "inductor",
-        fold_rotary: bool = False,
-        compile_prefill: bool = False,
-        kv_offload_blocks: int = 0,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, config: EngineConfig) -> None:
+        """`config.max_model_len`: resolved (build_core caps it by the cache)."""
+        assert config.max_model_len is not None
         self.model = model
         self.cache = cache
-        self.device = device
+        self.device = device = next(model.parameters()).device
         self.block_size = cache.block_size
         text_config = model.config.get_text_config()
         self.sliding_window = (
@@ -142,37 +131,38 @@ class ModelRunner:
         # decode-only steps run the decode model: the model, but for its rotary embedding, which
         # the decode op applies where the model family allows it (deferred_rotary.py)
         decode_model, self.decode_rotary = (
-            defer_rotary(model, cache.shape.head_dim) if fold_rotary else (model, None)
+            defer_rotary(model, cache.shape.head_dim) if config.fold_rotary else (model, None)
         )
         # ... compiled, where asked: norms, activations and residuals fused around the op
         self.decode_forward = decode_model
-        if compile_decode or compile_prefill:
+        if config.compile_decode or config.compile_prefill:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if compile_decode:
-            self.decode_forward = torch.compile(decode_model, backend=compile_backend)
+        if config.compile_decode:
+            self.decode_forward = torch.compile(decode_model, backend=config.compile_backend)
         # prefill and mixed steps, compiled where asked: one graph around the mixed attention op
         # (mixed_op.py), with a symbolic token count
         self.prefill_forward = model
-        if compile_prefill:
+        if config.compile_prefill:
             for store in (cache.k_store, cache.v_store):  # fixed: no guard ties them to the step's sizes
                 torch._dynamo.mark_static(store)
-            self.prefill_forward = torch.compile(model, backend=compile_backend, dynamic=True)
-        max_blocks = -(-max_model_len // bs)
+            self.prefill_forward = torch.compile(model, backend=config.compile_backend, dynamic=True)
+        max_blocks = -(-config.max_model_len // bs)
         self.slots = [
-            StepBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, device, cache.scratch_block, bs)
+            StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, device,
+                        cache.scratch_block, bs)
             for _ in range(2)
         ]
         self._next_slot = 0
         self.streams = Streams(device) if device.type == "cuda" else None
         self.offload = None  # the host pool of preempted sequences' K/V (kv_offload.py)
-        if kv_offload_blocks:
-            self.offload = KVOffload(cache, kv_offload_blocks, self.streams)
+        if config.kv_offload_blocks:
+            self.offload = KVOffload(cache, config.kv_offload_blocks, self.streams)
         self.graphs = None
-        if cuda_graphs and self.in_place_decode:
+        if config.cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
-                self.decode_forward, cache, self.slots, max_num_seqs, self.decode_rotary
+                self.decode_forward, cache, self.slots, config.max_num_seqs, self.decode_rotary
             )
 
     @property
