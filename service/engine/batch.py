@@ -14,6 +14,8 @@ import torch
 
 from .ops.attention_metadata import AttentionMetadata, PrefillSegment
 from .ops.attention_ref import causal_mask, decode_mask
+from .ops.deferred_rotary import DecodeRotary
+from .ops.kv_cache import KVCache
 from .ops.varlen_prefill import Stage, VarlenPrefill, upload
 from .scheduler import ScheduledChunk
 
@@ -137,27 +139,42 @@ def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.
     return slots.flatten(-2)[..., :length]
 
 
+def decode_metadata(dev: DeviceBatch, cache: KVCache, rotary: DecodeRotary | None) -> AttentionMetadata:
+    """A decode-only step's metadata (rows are the decodes, in order): what the decode op reads,
+    for the eager step and for the graph captured over a slot's buffers alike. `rotary`: the
+    decode model leaves the rotary embedding to the op."""
+    return AttentionMetadata(
+        slot_mapping=dev.slot_mapping,
+        block_size=cache.block_size,
+        kv_cache=cache,
+        decode_only=True,
+        decode_block_table=dev.block_table,
+        decode_ctx_lens=dev.ctx_lens,
+        rotary=rotary,
+    )
+
+
 def build_attention_metadata(
     batch: HostBatch,
     dev: DeviceBatch,
-    block_size: int,
+    cache: KVCache,
     sliding_window: int | None = None,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
     varlen: Stage | None = None,
+    rotary: DecodeRotary | None = None,
 ) -> AttentionMetadata:
     """Attention metadata of an eagerly run step, from its uploaded inputs (`dev`).
 
     `varlen`: the prompt chunks go to one variable-length flash-attention call (CUDA, no sliding
     window), their indexes put on the device by this (the step slot's `stage`); otherwise each
-    chunk gets its own segment, attended by SDPA."""
+    chunk gets its own segment, attended by SDPA. `rotary`: a decode-only step's (decode_metadata)."""
     device = dev.input_ids.device
-    meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size)
+    block_size = cache.block_size
+    if batch.decode_block_table is not None and not batch.prefills and not sliding_window:
+        return decode_metadata(dev, cache, rotary)
+    meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size, kv_cache=cache)
     if batch.decode_block_table is not None:
-        if not batch.prefills and not sliding_window:  # rows are the decodes, in order
-            meta.decode_only = True
-            meta.decode_block_table = dev.block_table
-            meta.decode_ctx_lens = dev.ctx_lens
-        elif decode_kernel is not None:
+        if decode_kernel is not None:
             meta.decode_kernel = decode_kernel
             meta.decode_token_idx = dev.decode_idx
             meta.decode_block_table = dev.block_table

@@ -14,11 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from .batch import carry_over
-from .ops.attention_metadata import AttentionMetadata
+from .batch import carry_over, decode_metadata
+from .forward import forward_and_sample
 from .ops.deferred_rotary import DecodeRotary
 from .ops.kv_cache import KVCache
-from .sampler import sample
 from .step_buffers import StepBuffers
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -58,25 +57,9 @@ class DecodeGraphs:
         buf = self.slots[s]
         prev = self.slots[(s + 1) % len(self.slots)]  # the previous step ran in the other slot
         dev = buf.view(b, b, b, buf.dev["block_table"].shape[1], all_greedy=not sampled)
-        meta = AttentionMetadata(
-            slot_mapping=dev.slot_mapping,
-            block_size=self.cache.block_size,
-            kv_cache=self.cache,
-            decode_only=True,
-            decode_block_table=dev.block_table,
-            decode_ctx_lens=dev.ctx_lens,
-            rotary=self.rotary,
-        )
-        out = self.forward(
-            input_ids=carry_over(dev.input_ids, dev.carry, prev.tokens)[None],
-            position_ids=dev.positions[None],
-            logits_to_keep=0,
-            use_cache=False,
-            tandem_meta=meta,
-        )
-        logits = out.logits[0]
-        buf.tokens[:b].copy_(sample(logits, dev.sampling).tokens)
-        return logits
+        meta = decode_metadata(dev, self.cache, self.rotary)
+        input_ids = carry_over(dev.input_ids, dev.carry, prev.tokens)
+        return forward_and_sample(self.forward, input_ids, dev, meta, 0, buf.tokens[:b])[0]
 
     @torch.inference_mode()
     def capture(self) -> None:

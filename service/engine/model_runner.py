@@ -20,11 +20,11 @@ import torch
 
 from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
 from .config import EngineConfig
+from .forward import forward_and_sample
 from .kv_offload import KVOffload
 from .ops.decode_op import kernel_supports, num_sms
 from .ops.deferred_rotary import defer_rotary
 from .ops.kv_cache import KVCache
-from .ops.mixed_op import attending
 from .ops.varlen_prefill import varlen_supported
 from .sampler import SampleOutput, sample
 from .scheduler import BlockMoves, ScheduledChunk
@@ -251,16 +251,12 @@ class ModelRunner:
         if self.decode_kernel is not None and batch.decode_token_idx:
             kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
         meta = build_attention_metadata(
-            batch, dev, self.block_size, self.sliding_window, kernel,
-            varlen=self.slots[s].stage if self.varlen_prefill else None,
+            batch, dev, self.cache, self.sliding_window, kernel,
+            varlen=self.slots[s].stage if self.varlen_prefill else None, rotary=self.decode_rotary,
         )
-        meta.kv_cache = self.cache
-        if meta.decode_only:
-            meta.rotary = self.decode_rotary
         input_ids = carry_over(dev.input_ids, dev.carry, prev_tokens)
         if input_ids is not dev.input_ids:  # in the slot's buffer, as without carries: one kind of
             input_ids = dev.input_ids.copy_(input_ids)  # tensor for the compiled forward's guards
-        input_ids = input_ids[None]
         keep = 0 if meta.decode_only else dev.logits_indices
         if self.prefill_compiled and not meta.decode_only and len(keep) < 2:
             # 0 and 1 rows are sizes the compiler specialises on: pad to 2 (row 0, dropped
@@ -270,17 +266,7 @@ class ModelRunner:
             rows[len(keep) : 2].zero_()
             keep = rows[:2]
         forward = self.decode_forward if meta.decode_only else self.prefill_forward
-        with attending(meta):
-            out = forward(
-                input_ids=input_ids,
-                position_ids=dev.positions[None],
-                logits_to_keep=keep,
-                use_cache=False,
-                tandem_meta=meta,
-            )
-        sampled = sample(out.logits[0, : len(tokens)], st)
-        tokens.copy_(sampled.tokens)
-        return sampled
+        return forward_and_sample(forward, input_ids, dev, meta, keep, tokens)[1]
 
     @staticmethod
     def wait(step: LaunchedStep) -> StepResult:
