@@ -34,7 +34,7 @@ def _is_fatal(exc: BaseException) -> bool:
 
 @dataclass
 class InFlight:
-    """A launched step whose tokens the host has not seen yet."""
+    """A launched step whose tokens the host has not seen yet (or, in the synchronous loop, has)."""
 
     out: SchedulerOutput
     step: LaunchedStep
@@ -142,11 +142,7 @@ class EngineCore:
             result = self.runner.wait(step)
         except Exception as exc:  # a failed step fails the request that caused it, not the server
             return self._contain([out], exc)
-        end = time.monotonic()
-        busy = step.device_seconds()  # CUDA: from the compute stream's event timestamps
-        self._count_step(end - started if busy is None else busy, end)
-        self._observe(out, step, t0)
-        return self._process(out, result)
+        return self._complete(InFlight(out, step, started, t0), result)
 
     def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
         """One turn of the asynchronous loop: schedule and launch step N+1, then finish step N.
@@ -194,6 +190,7 @@ class EngineCore:
         return out
 
     def _complete(self, launched: InFlight, result: StepResult) -> list[SeqUpdate]:
+        """Both loops' tail: count the step's busy time, report its timing, hand out its tokens."""
         end = time.monotonic()
         busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
         if busy is None:

@@ -182,10 +182,6 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> HostBatch:
         return build_host_batch(chunks, self.block_size, prev_rows=prev_rows)
 
-    def run(self, chunks: list[ScheduledChunk]) -> StepResult:
-        """The synchronous step: launch, then wait for its tokens."""
-        return self.wait(self.launch(chunks, None))
-
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> LaunchedStep:
         """Queue one step and return without waiting for the device.
