@@ -19,7 +19,7 @@ import torch
 from common import ForeignLoad, blocks_for, markdown_table, run_tandem
 from cpu_throughput import QUESTIONS, TANDEM_SPEC
 
-from tandem.service.engine import engine_core, model_runner, scheduler
+from tandem.service.engine import engine_core, forward, model_runner, scheduler
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops import attention
@@ -71,7 +71,7 @@ def instrument(model: torch.nn.Module) -> None:
         "-- attention.py:paged_attention_forward (all layers)", attention.paged_attention_forward
     )
     model.lm_head.forward = timed("- lm_head (one row per sequence x vocab)", model.lm_head.forward)
-    model_runner.sample = timed("sampler.py:sample", model_runner.sample)
+    forward.sample = timed("sampler.py:sample", forward.sample)  # the eager step's (forward.py)
     StepBuffers.upload = timed("step_buffers.py:StepBuffers.upload (staging + copies)", StepBuffers.upload)
     Runner.wait = staticmethod(timed("model_runner.py:ModelRunner.wait (.tolist)", Runner.wait))
     Core._process = timed("engine_core.py:EngineCore._process (finish_step, updates)", Core._process)
