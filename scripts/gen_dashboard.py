@@ -11,6 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "charts" / "tandem" / "dashboards" / "tandem.json"
 SEL = 'namespace=~"$namespace", pod=~"$pod"'
+OP = 'namespace=~"$namespace"'  # the operator's series: the ModelServer's namespace (honorLabels)
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
@@ -73,6 +74,25 @@ PANELS = [
         (f"max(tandem_kv_offload_usage_ratio{{{SEL}}})", "host pool used (max over pods)"),
     ], 8, "Requests preempted per second when the KV cache ran out, by mode (offload = K/V copied to the "
      "host pool and back, recompute = prefilled again), and the share of the host pool in use."),
+    # the operator's own metrics (docs/operator.md): what the autoscaler decided, and why
+    ("Autoscaler: replicas", "short", [
+        (f"sum by (modelserver) (tandem_operator_replicas{{{OP}}})", "{{modelserver}} replicas"),
+        (f"sum by (modelserver) (tandem_operator_desired_replicas{{{OP}}})", "{{modelserver}} desired"),
+        (f"sum by (modelserver) (tandem_operator_ready_replicas{{{OP}}})", "{{modelserver}} ready"),
+    ], 8, "Each ModelServer's replicas, the replicas the operator's last decision asked for, and the "
+     "ready pods (status.replicas, status.desiredReplicas, status.readyReplicas)."),
+    ("Autoscaler: decisions", "short", [
+        (f"sum by (action, reason) (rate(tandem_operator_decisions_total{{{OP}}}[15m]))",
+         "{{action}} ({{reason}})"),
+    ], 8, "Scaling decisions per second by action and reason (one per tick of each ModelServer; Hold "
+     "included, with the reason it held)."),
+    ("Autoscaler: failed scrapes and tick time", "short", [
+        (f"sum by (problem) (rate(tandem_operator_scrape_failures_total{{{OP}}}[5m]))", "{{problem}} /s"),
+        ("histogram_quantile(0.99, sum by (le) (rate(tandem_operator_tick_duration_seconds_bucket[10m])))",
+         "tick p99 (s)"),
+        ("max(tandem_operator_leader)", "a leader acts (1)"),
+    ], 8, "Ready pods whose /metrics the operator could not use, by problem; the p99 time of one scaling "
+     "tick; whether an operator replica holds the leader Lease."),
 ]  # fmt: skip
 
 
@@ -119,7 +139,8 @@ def dashboard() -> dict:
     return {
         "uid": "tandem-overview",
         "title": "Tandem",
-        "description": "LLM model servers: idle fraction, cost per token, throughput, latency, queue, KV.",
+        "description": "LLM model servers: idle fraction, cost per token, throughput, latency, queue, KV; "
+        "the autoscaler's decisions.",
         "tags": ["tandem", "llm"],
         "schemaVersion": 39,
         "version": 1,

@@ -42,3 +42,31 @@ def test_every_panel_queries_the_datasource_variable():
             t["expr"] and t["datasource"]["uid"] == "${datasource}" for t in p["targets"]
         )
         assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+
+
+def test_the_autoscaler_panels_query_only_metrics_the_operator_exports():
+    """The operator's panels name series that operator/metrics.py really exports (each kind of
+    series recorded once, then the registry rendered as Prometheus scrapes it)."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tandem.operator.metrics import OperatorMetrics
+
+    m = OperatorMetrics()
+    m.decided("ml", "chat", "Hold", "WithinBand")
+    m.scrape_failed("ml", "chat", "Timeout")
+    m.observed("ml", "chat", 2, 3, 2)
+    with m.tick("Operator"):
+        pass
+    m.leading(lambda: True)
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(m.render().decode())
+        for sample in family.samples
+    }
+    d = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in d["panels"] for t in p["targets"]]
+    wanted = {n for e in exprs for n in re.findall(r"\b(tandem_operator_[a-z_]+)\b", e)}
+    assert len(wanted) >= 6, wanted  # replicas, desired, ready, decisions, failed scrapes, tick, leader
+    assert wanted <= exported, f"not exported by the operator: {wanted - exported}"
