@@ -453,6 +453,12 @@ def rule_table(role: dict) -> dict[tuple[str, str], set[str]]:
     return table
 
 
+def operator_cluster_role(docs: list[dict]) -> dict:
+    """The operator's own ClusterRole (beside the user roles that aggregate into the built-in ones)."""
+    (role,) = [r for r in objects(docs, "ClusterRole") if "aggregate-to" not in str(r["metadata"]["labels"])]
+    return role
+
+
 def lease_role(docs: list[dict]) -> dict:
     (role,) = [r for r in objects(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
     return role
@@ -460,7 +466,7 @@ def lease_role(docs: list[dict]) -> dict:
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(rendered: dict[str, list[dict]]) -> None:
     docs = rendered["default"]
-    role = one(docs, "ClusterRole")
+    role = operator_cluster_role(docs)
     assert rule_table(role) == {**CRD_RULES, **NAMESPACED_RULES}
     binding = one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {
@@ -479,7 +485,7 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_calls(rendered: dict[str
 
 def test_namespaced_rbac_grants_only_the_watched_namespaces(rendered: dict[str, list[dict]]) -> None:
     docs = rendered["monitoring"]
-    assert rule_table(one(docs, "ClusterRole")) == CRD_RULES
+    assert rule_table(operator_cluster_role(docs)) == CRD_RULES
     leases = lease_role(docs)
     assert rule_table(leases) == LEASE_RULES and leases["metadata"]["namespace"] == NAMESPACE
     roles = {r["metadata"]["namespace"]: r for r in objects(docs, "Role") if r is not leases}
@@ -495,6 +501,39 @@ def test_namespaced_rbac_grants_only_the_watched_namespaces(rendered: dict[str, 
     for namespace, binding in bindings.items():
         assert binding["roleRef"]["name"] == roles[namespace]["metadata"]["name"]
         assert binding["subjects"][0]["namespace"] == NAMESPACE
+
+
+USER_EDIT_RULES = {
+    ("tandem.dev", "modelservers"): {
+        "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection",
+    },
+    ("tandem.dev", "modelservers/scale"): {"get", "update", "patch"},
+    ("tandem.dev", "modelservers/status"): {"get"},
+}  # fmt: skip
+USER_VIEW_RULES = {
+    ("tandem.dev", r): {"get", "list", "watch"}
+    for r in ("modelservers", "modelservers/scale", "modelservers/status")
+}
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def test_user_roles_aggregate_modelservers_into_the_built_in_roles(chart: helm.Chart) -> None:
+    """Kubernetes' admin, edit and view ClusterRoles do not know a CRD: the chart's aggregated roles
+    let a namespace's editors manage and `kubectl scale` ModelServers and its viewers read them,
+    with nothing outside tandem.dev; rbac.aggregateToDefaultRoles=false ships neither."""
+    docs = render(chart, {})
+    roles = {
+        label.removeprefix(AGGREGATE): r
+        for r in objects(docs, "ClusterRole")
+        for label, value in r["metadata"]["labels"].items()
+        if label.startswith(AGGREGATE) and value == "true"
+    }
+    assert set(roles) == {"admin", "edit", "view"} and roles["admin"] is roles["edit"]
+    assert rule_table(roles["edit"]) == USER_EDIT_RULES and rule_table(roles["view"]) == USER_VIEW_RULES
+    bound = {b["roleRef"]["name"] for b in objects(docs, "ClusterRoleBinding")}
+    assert not bound & {r["metadata"]["name"] for r in roles.values()}  # granted by aggregation only
+    off = render(chart, {"rbac": {"aggregateToDefaultRoles": False}})
+    assert objects(off, "ClusterRole") == [operator_cluster_role(off)]
 
 
 def test_operator_elects_a_leader_on_the_lease_the_rbac_names(rendered: dict[str, list[dict]]) -> None:
