@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +17,6 @@ from .ops.deferred_rotary import DecodeRotary
 from .ops.kv_cache import KVCache
 from .ops.varlen_prefill import Stage, VarlenPrefill, upload
 from .scheduler import ScheduledChunk
-
-if TYPE_CHECKING:
-    from .step_buffers import DeviceBatch
 
 
 @dataclass
@@ -33,6 +29,22 @@ class SamplingTensors:
     all_greedy: bool
     needs_filter: bool  # any top-k / top-p in the batch
     num_logprobs: int  # -1 = none wanted; else top alternatives to return (0 = just the chosen one)
+
+
+@dataclass
+class DeviceBatch:
+    """Device views of one step's inputs (the first rows of a slot's buffers)."""
+
+    input_ids: torch.Tensor  # [T] with placeholders where `carry` >= 0
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    carry: torch.Tensor  # [T] row of the previous step's tokens to take, or -1
+    logits_indices: torch.Tensor  # [S]
+    decode_idx: torch.Tensor  # [B] packed index of each decode's token
+    block_table: torch.Tensor  # [B, max_blocks] int32, decode rows
+    ctx_lens: torch.Tensor  # [B] int32
+    sampling: SamplingTensors
+
 
 
 @dataclass

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
+from .batch import DeviceBatch
 from .ops.attention_metadata import AttentionMetadata
 from .ops.mixed_op import attending
 from .sampler import SampleOutput, sample
-from .step_buffers import DeviceBatch
 
 
 def forward_and_sample(

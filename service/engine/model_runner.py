@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import HostBatch, build_attention_metadata, build_host_batch, carry_over
+from .batch import DeviceBatch, HostBatch, build_attention_metadata, build_host_batch, carry_over
 from .config import EngineConfig
 from .forward import forward_and_sample
 from .kv_offload import KVOffload
@@ -28,7 +28,7 @@ from .ops.kv_cache import KVCache
 from .ops.varlen_prefill import varlen_supported
 from .sampler import SampleOutput, sample
 from .scheduler import BlockMoves, ScheduledChunk
-from .step_buffers import DeviceBatch, StepBuffers
+from .step_buffers import StepBuffers
 from .streams import Streams, on
 
 

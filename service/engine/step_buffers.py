@@ -7,27 +7,9 @@ read its inputs and write its sampled tokens without any per-step allocation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .batch import HostBatch, SamplingTensors
-
-
-@dataclass
-class DeviceBatch:
-    """Device views of one step's inputs (the first rows of a slot's buffers)."""
-
-    input_ids: torch.Tensor  # [T] with placeholders where `carry` >= 0
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T]
-    carry: torch.Tensor  # [T] row of the previous step's tokens to take, or -1
-    logits_indices: torch.Tensor  # [S]
-    decode_idx: torch.Tensor  # [B] packed index of each decode's token
-    block_table: torch.Tensor  # [B, max_blocks] int32, decode rows
-    ctx_lens: torch.Tensor  # [B] int32
-    sampling: SamplingTensors
-
+from .batch import DeviceBatch, HostBatch, SamplingTensors
 
 _PER_DECODE = ("decode_idx", "ctx_lens")
 
