@@ -133,7 +133,6 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     from tandem.service.engine.ops.triton_decode import (
         NUM_STAGES,
         NUM_WARPS,
-        SPLIT_TOKENS,
         num_splits_for,
         paged_decode_attention,
         tile_for,
@@ -157,9 +156,8 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     last = (context - 1) // block
     slots = table[:, last].long() * block + (context - 1) % block
     new_kv = (new_k, new_v, slots)
-    engine = num_splits_for(batch, heads_kv, num_sms(dev.index or 0))
-    # every sequence here has `context` tokens: the count the kernel takes for each (triton_decode.py)
-    splits_default = min(max(-(-context // SPLIT_TOKENS), engine.least), engine.most)
+    # every sequence here has `context` tokens: the count the kernel takes for each
+    splits_default = num_splits_for(batch, heads_kv, num_sms(dev.index or 0)).of(context)
     chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
     split_counts = sorted({max(1, splits_default // 2), *(min(32, f * splits_default) for f in (1, 2, 4))})
     nbytes = 2 * batch * context * heads_kv * dim * dt.itemsize

@@ -46,7 +46,6 @@ class DeviceBatch:
     sampling: SamplingTensors
 
 
-
 @dataclass
 class HostBatch:
     """CPU tensors for one step (staged into a slot's pinned buffers on upload) and the result map."""

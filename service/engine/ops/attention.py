@@ -45,6 +45,7 @@ def paged_attention_forward(
         )
     return out, None
 
+
 def register() -> str:
     """Make `tandem_paged` a valid `attn_implementation` for every transformers model."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

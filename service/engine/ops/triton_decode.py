@@ -225,6 +225,10 @@ class Splits:
     least: int
     most: int
 
+    def of(self, ctx_len: int) -> int:
+        """The splits of a sequence of `ctx_len` tokens (the kernel's `_splits_of`, on the host)."""
+        return min(max(-(-ctx_len // SPLIT_TOKENS), self.least), self.most)
+
 
 def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> Splits:
     """Fixed per batch size (graph-friendly); each sequence's count follows its context in the kernel.
