@@ -39,6 +39,20 @@ def decode_attention(
     return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)
 
 
+def gathered_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,
+    block_size: int, scale: float | None,
+) -> torch.Tensor:
+    """decode_attention over whole cache blocks gathered from the paged cache (one copy per block,
+    not per token): q [B, H, D], caches [slots, Hkv, D], blocks [B * W] (W blocks per sequence),
+    mask [B, W * block_size] -> [B, H, D]."""
+    shape = (-1, block_size, *k_cache.shape[1:])
+    ctx = (q.shape[0], -1, *k_cache.shape[1:])  # [B, W * block_size, Hkv, D]
+    kd = k_cache.view(shape).index_select(0, blocks).view(ctx)
+    vd = v_cache.view(shape).index_select(0, blocks).view(ctx)
+    return decode_attention(q, kd, vd, mask, scale)
+
+
 def varlen_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float
 ) -> torch.Tensor:

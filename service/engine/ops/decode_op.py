@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .attention_ref import decode_attention, decode_mask
+from .attention_ref import decode_mask, gathered_decode_attention
 from .deferred_rotary import DecodeRotary, rotate
 from .kv_cache import slot_major
 
@@ -79,12 +79,8 @@ def paged_decode(
         v_cache.index_copy_(0, slot_mapping, new_v.to(v_cache.dtype))
         width = -(-int(ctx_lens.max()) // block_size)
         blocks = block_table[:, :width].long().flatten()
-        shape = (-1, block_size, *k_cache.shape[1:])
-        ctx = (q.shape[0], -1, *k_cache.shape[1:])
-        kd = k_cache.view(shape).index_select(0, blocks).view(ctx)
-        vd = v_cache.view(shape).index_select(0, blocks).view(ctx)
         mask = decode_mask(ctx_lens.long(), width * block_size, None)
-        out = decode_attention(q, kd, vd, mask, scale)
+        out = gathered_decode_attention(q, k_cache, v_cache, blocks, mask, block_size, scale)
     return out[None]
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_metadata import AttentionMetadata
-from .attention_ref import decode_attention
+from .attention_ref import gathered_decode_attention
 from .kv_cache import slot_major
 
 _step: ContextVar[AttentionMetadata | None] = ContextVar("tandem_step", default=None)
@@ -66,11 +66,9 @@ def paged_mixed(
                 qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
             )
         else:
-            blocks = (-1, meta.block_size, *k_cache.shape[1:])
-            ctx = (qd.shape[0], -1, *k_cache.shape[1:])
-            kd = k_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)  # [B, W * bs, Hkv, D]
-            vd = v_cache.view(blocks).index_select(0, meta.decode_blocks).view(ctx)
-            od = decode_attention(qd, kd, vd, meta.decode_mask, scale)
+            od = gathered_decode_attention(
+                qd, k_cache, v_cache, meta.decode_blocks, meta.decode_mask, meta.block_size, scale
+            )
         out.index_copy_(0, meta.decode_token_idx, od)
     if meta.varlen is not None:  # CUDA: every prompt chunk in one call
         chunks = meta.varlen.attend(q.transpose(0, 1), k_cache, v_cache, scale)
