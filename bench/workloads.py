@@ -85,6 +85,7 @@ class Run:
     queried_tokens: int = 0
     profile: dict | None = None
     host_profile: dict | None = None
+    allocator: dict = field(default_factory=dict)  # CUDA caching allocator counters during the run
 
     def summary(self) -> dict:
         ttft = sorted(self.ttft)
@@ -99,6 +100,7 @@ class Run:
             "prefix_hit_rate": round(self.hit_tokens / self.queried_tokens, 4)
             if self.queried_tokens
             else 0.0,
+            **({"allocator": self.allocator} if self.allocator else {}),
         }
 
 
@@ -114,6 +116,18 @@ def fresh_scheduler(
         config, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_offload_blocks=host_blocks
     )
     core.scheduler = build_scheduler(mine, core.runner.model)
+
+
+# cudaMalloc retries free the cache and synchronise the device; device allocs and frees are calls
+# the driver serialises: a run in steady state should have none of either
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counters(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
 
 
 def run(
@@ -169,6 +183,8 @@ def run(
     outputs: dict[str, list[int]] = {r: [] for r in ids}
     first: dict[str, float] = {}
     sync(core.runner.device)
+    counted = allocator_counters(core.runner.device)
+    syncs = SyncCalls() if host_profile and core.runner.device.type == "cuda" else None
     start = time.perf_counter()
     for rid, prompt, n in zip(ids, work.prompts, work.new, strict=True):
         core.add(
@@ -197,6 +213,9 @@ def run(
             outputs[u.request_id] += u.new_token_ids
     sync(core.runner.device)
     seconds = time.perf_counter() - start
+    allocator = {k: v - counted[k] for k, v in allocator_counters(core.runner.device).items()}
+    if syncs is not None:
+        allocator["synchronising_calls"] = syncs.close()
     core.step_observer = None
     del scheduler.schedule
     del core.runner.launch
@@ -223,7 +242,30 @@ def run(
         blocks.queried_tokens,
         kernels,
         hosted,
+        allocator,
     )
+
+
+class SyncCalls:
+    """Every operation that synchronises the host with the device while it is open, by the engine
+    line that made it (torch.cuda.set_sync_debug_mode): a step loop that never waits but once per
+    step has none. The explicit per-step wait (an event's synchronize) is not one of them."""
+
+    def __init__(self) -> None:
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._seen = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def close(self) -> dict[str, int]:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(None, None, None)
+        where: dict[str, int] = defaultdict(int)
+        for w in self._seen:
+            where[f"{Path(w.filename).name}:{w.lineno}"] += 1
+        return dict(sorted(where.items(), key=lambda kv: -kv[1]))
 
 
 def host_functions(profiler: cProfile.Profile, steps: int, top: int = 30) -> dict:
@@ -281,13 +323,18 @@ class Device:
     bandwidth: float  # bytes read + written per second, device-to-device copy
     gemm_flops: float  # dense GEMM rate, FLOP/s
 
+    def decode_memory_s(self, step: dict) -> float:
+        """A step's decode rows' memory traffic at the copy bandwidth: every weight, their K/V."""
+        if not step["decode_rows"]:
+            return 0.0
+        return (self.weight_bytes + step["decode_context"] * self.kv_per_token) / self.bandwidth
+
+    def prompt_gemm_s(self, step: dict) -> float:
+        return 2 * self.linear_params * step["prompt"] / self.gemm_flops
+
     def additive_bound(self, steps: list[dict]) -> dict:
-        decode = sum(
-            (self.weight_bytes + s["decode_context"] * self.kv_per_token) / self.bandwidth
-            for s in steps
-            if s["decode_rows"]
-        )
-        prompt = sum(2 * self.linear_params * s["prompt"] for s in steps) / self.gemm_flops
+        decode = sum(map(self.decode_memory_s, steps))
+        prompt = sum(map(self.prompt_gemm_s, steps))
         return {
             "decode_memory_s": round(decode, 3),
             "prompt_gemm_s": round(prompt, 3),
@@ -309,17 +356,34 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n**3 / seconds_per_call(lambda: a @ b, reps=10, cuda=cuda)
 
 
-def step_kinds(steps: list[dict]) -> dict:
-    """Per kind of step: how many, their device time and host preparation time."""
+def device_busy(r: Run) -> float | None:
+    """The share of the run's time the compute stream spent in steps (the rest: the host's)."""
+    device = [s["device_ms"] for s in r.steps if "device_ms" in s]
+    return round(sum(device) / 1e3 / r.seconds, 4) if device else None
+
+
+DECODE_ROWS = ((1, 16), (17, 64), (65, 128), (129, 256))  # decode-only steps, by batch size
+
+
+def step_kinds(steps: list[dict], limits: Device | None = None) -> dict:
+    """Per kind of step (decode-only ones also by batch size): how many, their device time (and,
+    with `limits`, their own additive bound and its share of that time) and host times."""
+    groups = {kind: [s for s in steps if s["kind"] == kind] for kind in ("decode", "prompt", "mixed")}
+    for lo, hi in DECODE_ROWS:
+        groups[f"decode {lo}-{hi} rows"] = [s for s in groups["decode"] if lo <= s["decode_rows"] <= hi]
     out = {}
-    for kind in ("decode", "prompt", "mixed"):
-        of = [s for s in steps if s["kind"] == kind]
+    for kind, of in groups.items():
         if not of:
             continue
         device = [s["device_ms"] for s in of if "device_ms" in s]
+        bound = {}
+        if limits is not None and device:
+            seconds = sum(limits.decode_memory_s(s) + limits.prompt_gemm_s(s) for s in of)
+            bound = {"bound_s": round(seconds, 3), "of_bound": round(1e3 * seconds / sum(device), 4)}
         out[kind] = {
             "steps": len(of),
             "device_s": round(sum(device) / 1e3, 3) if device else None,
+            **bound,
             "prepare_ms_mean": round(sum(s["prepare_ms"] for s in of) / len(of), 3),
             "launch_ms_mean": round(sum(s["launch_ms"] for s in of) / len(of), 3),
             "launch_ms_p50": round(sorted(s["launch_ms"] for s in of)[len(of) // 2], 3),
@@ -476,7 +540,8 @@ def main() -> None:
                     **r.summary(),
                     "additive_bound": bound,
                     "of_bound": round(bound["seconds"] / r.seconds, 4),
-                    "step_kinds": step_kinds(r.steps),
+                    "device_busy": device_busy(r),
+                    "step_kinds": step_kinds(r.steps, limits),
                 }
             )
             rows.append(
@@ -594,7 +659,7 @@ def main() -> None:
             **r.summary(),
             "roofline_s": round(roof, 3),
             "of_roofline": round(roof / r.seconds, 4),
-            "step_kinds": step_kinds(r.steps),
+            "step_kinds": step_kinds(r.steps, limits),
         }
         rows.append(
             [
