@@ -96,7 +96,8 @@ def _check_kernel(
                            pos[None, :] < lens[:, None], scale)
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     # one count for all, and counts that follow each sequence's context (random lengths here)
-    for splits in {1, num_splits_for(batch, kv_heads, sms), 32, Splits(1, 32), Splits(2, 5)}:
+    step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)  # a mixed step's grid
+    for splits in {1, num_splits_for(batch, kv_heads, sms), step_sized, 32, Splits(1, 32), Splits(2, 5)}:
         # the engine's tile, and (bf16) one smaller than a block: tiles that split blocks
         for tile in {tile_for(block_size)} | ({16} if dtype == torch.bfloat16 else set()):
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
@@ -110,6 +111,22 @@ def _check_kernel(
                 assert torch.equal(k_run, ref_k), f"splits={splits}, tile={tile}"
             else:  # the kernel rounds once (fp32 math), transformers' arithmetic after each op
                 torch.testing.assert_close(k_run, ref_k, atol=tol, rtol=tol)
+
+
+def test_step_sized_grid_holds_every_split_of_the_longest_context():
+    """Where the host knows a step's longest context, the grid holds every split it takes even at
+    batch sizes whose graph-sized grid has one; never fewer than the graph rule's least."""
+    from tandem.service.engine.ops.triton_decode import SPLIT_TOKENS, num_splits_for
+
+    sms, kv_heads = 132, 8
+    assert num_splits_for(210, kv_heads, sms).most == 1
+    assert num_splits_for(210, kv_heads, sms, longest=3000).most == -(-3000 // SPLIT_TOKENS)
+    assert num_splits_for(210, kv_heads, sms, longest=100).most == 1  # nothing to split
+    for batch in (1, 8, 64, 256):
+        graph = num_splits_for(batch, kv_heads, sms)
+        step = num_splits_for(batch, kv_heads, sms, longest=16384)
+        assert step.least == graph.least and step.most >= graph.most
+        assert batch * kv_heads * step.most <= max(64 * sms, batch * kv_heads)
 
 
 def test_kernel_addresses_blocks_past_two_billion_elements():

@@ -245,7 +245,8 @@ class ModelRunner:
             return out
         kernel = None
         if self.decode_kernel is not None and batch.decode_token_idx:
-            kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms)
+            longest = int(batch.decode_ctx_lens.max())  # the host knows it: the grid fits the step
+            kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms, longest)
         meta = build_attention_metadata(
             batch, dev, self.cache, self.sliding_window, kernel,
             varlen=self.slots[s].stage if self.varlen_prefill else None, rotary=self.decode_rotary,

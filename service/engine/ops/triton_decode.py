@@ -230,15 +230,24 @@ class Splits:
         return min(max(-(-ctx_len // SPLIT_TOKENS), self.least), self.most)
 
 
-def num_splits_for(batch: int, kv_heads: int, num_sms: int) -> Splits:
+def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int | None = None) -> Splits:
     """Fixed per batch size (graph-friendly); each sequence's count follows its context in the kernel.
 
     At least enough programs to cover the device about twice; at most about 16 programs per
     multiprocessor, so that few sequences at long contexts keep every multiprocessor reading
-    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    (bench/profile_gpu.py --attention; docs/benchmarks.md).
+
+    `longest`: the step's longest context, where the host knows it (a step run eagerly, as mixed
+    steps are): the grid then holds every split that context takes, whatever the batch size (up
+    to about 64 programs per multiprocessor), so one long sequence among many short ones is not
+    read by one program while the others wait."""
     pairs = batch * kv_heads
     least = max(1, min(MAX_SPLITS, -(-2 * num_sms // pairs)))
-    return Splits(least, max(least, min(MAX_SPLITS, 16 * num_sms // pairs)))
+    if longest is None:
+        most = 16 * num_sms // pairs
+    else:
+        most = min(-(-longest // SPLIT_TOKENS), max(1, 64 * num_sms // pairs))
+    return Splits(least, max(least, min(MAX_SPLITS, most)))
 
 
 NUM_STAGES = 1  # Triton's software-pipeline stages of the tile loop: 2 and 3 were slower on the H200
@@ -381,8 +390,8 @@ class DecodeKernel:
     num_splits: Splits
 
     @classmethod
-    def for_batch(cls, cache: object, batch: int, num_sms: int) -> DecodeKernel:
-        return cls(cache.block_size, num_splits_for(batch, cache.shape.num_kv_heads, num_sms))
+    def for_batch(cls, cache: object, batch: int, num_sms: int, longest: int | None = None) -> DecodeKernel:
+        return cls(cache.block_size, num_splits_for(batch, cache.shape.num_kv_heads, num_sms, longest))
 
     def __call__(
         self,
