@@ -120,7 +120,8 @@ def test_step_sized_grid_holds_every_split_of_the_longest_context():
 
     sms, kv_heads = 132, 8
     assert num_splits_for(210, kv_heads, sms).most == 1
-    assert num_splits_for(210, kv_heads, sms, longest=3000).most == -(-3000 // SPLIT_TOKENS)
+    assert num_splits_for(210, kv_heads, sms, longest=2000).most == -(-2000 // SPLIT_TOKENS)
+    assert num_splits_for(210, kv_heads, sms, longest=16384).most == 64 * sms // (210 * kv_heads)
     assert num_splits_for(210, kv_heads, sms, longest=100).most == 1  # nothing to split
     for batch in (1, 8, 64, 256):
         graph = num_splits_for(batch, kv_heads, sms)
