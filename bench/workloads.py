@@ -366,11 +366,20 @@ DECODE_ROWS = ((1, 16), (17, 64), (65, 128), (129, 256))  # decode-only steps, b
 
 
 def step_kinds(steps: list[dict], limits: Device | None = None) -> dict:
-    """Per kind of step (decode-only ones also by batch size): how many, their device time (and,
-    with `limits`, their own additive bound and its share of that time) and host times."""
-    groups = {kind: [s for s in steps if s["kind"] == kind] for kind in ("decode", "prompt", "mixed")}
-    for lo, hi in DECODE_ROWS:
-        groups[f"decode {lo}-{hi} rows"] = [s for s in groups["decode"] if lo <= s["decode_rows"] <= hi]
+    """Per kind of step: how many, their device time (and, with `limits`, their own additive
+    bound and its share of that time) and host times."""
+    kinds = ("decode", "prompt", "mixed")
+    return step_groups({kind: [s for s in steps if s["kind"] == kind] for kind in kinds}, limits)
+
+
+def decode_by_rows(steps: list[dict], limits: Device | None = None) -> dict:
+    """The decode-only steps of step_kinds, by batch size."""
+    decode = [s for s in steps if s["kind"] == "decode"]
+    return step_groups({f"{lo}-{hi} rows": [s for s in decode if lo <= s["decode_rows"] <= hi]
+                        for lo, hi in DECODE_ROWS}, limits)
+
+
+def step_groups(groups: dict[str, list[dict]], limits: Device | None) -> dict:
     out = {}
     for kind, of in groups.items():
         if not of:
@@ -542,6 +551,7 @@ def main() -> None:
                     "of_bound": round(bound["seconds"] / r.seconds, 4),
                     "device_busy": device_busy(r),
                     "step_kinds": step_kinds(r.steps, limits),
+                    "decode_by_rows": decode_by_rows(r.steps, limits),
                 }
             )
             rows.append(

@@ -206,7 +206,8 @@ def _recommend(
             what.append(f"queue of {waiting:.0f} requests")
         if ttft_over:
             what.append(f"TTFT p95 {window.ttft_p95_s:.2f}s > {targets.target_ttft_s:.2f}s")
-        wanted = max(current + 1, math.ceil(current * size - 1e-9))
+        # bounded before rounding: a vanishing admission rate makes the offered share overflow
+        wanted = max(current + 1, math.ceil(min(current * size, targets.max_replicas) - 1e-9))
         return wanted, "Saturated", ", ".join(what)
 
     idle = window.idle_fraction

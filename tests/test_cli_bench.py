@@ -284,6 +284,11 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
     kinds = mixed["step_kinds"]
     assert sum(k["steps"] for k in kinds.values()) == mixed["steps"] and kinds["mixed"]["steps"] > 0
     assert kinds["mixed"]["launch_ms_p50"] <= kinds["mixed"]["launch_ms_max"]
+    # each kind's own bound: together the run's; the decode-only steps by batch size: all of them
+    assert sum(k["bound_s"] for k in kinds.values()) == pytest.approx(bound["seconds"], abs=5e-3)
+    by_rows = mixed["decode_by_rows"]
+    assert sum(g["steps"] for g in by_rows.values()) == kinds["decode"]["steps"]
+    assert 0 < mixed["device_busy"] <= 1 and all(0 < k["of_bound"] for k in kinds.values())
     host = report["mixed_host_profile"]
     assert host["steps"] == kinds["mixed"]["steps"]  # the profiled run schedules as the timed one
     assert any("paged_mixed" in name for name in host["own_ms_per_step"])

@@ -134,6 +134,18 @@ def test_the_policy_is_total_on_any_float(targets, window, current, ready, histo
     assert d.message and d.reason
 
 
+def test_a_vanishing_admission_rate_behind_a_queue_scales_up_within_bounds():
+    """Found by the property above: an admission rate of the smallest float behind a queue made
+    the offered share infinite, and rounding it raised instead of scaling up to the bound."""
+    targets = ScalingTargets(min_replicas=1, max_replicas=3, target_ttft_s=1.0, target_batch_fill=1.0,
+                             target_utilization=1.0, scale_up_stabilization_s=0.0, max_scale_up_step=2,
+                             max_num_seqs=1)
+    window = MetricsWindow(observed_at=NOW, pods=1, requests_running=0.0, requests_waiting=1.0,
+                           tokens_per_s=1.0, capacity_tokens_per_s=1.0, admitted_per_s=5e-324)
+    d = decide(window, targets, ScalingState(1, 1, (), None), NOW, stale_after_s=1000)
+    assert (d.action, d.replicas) == ("ScaleUp", 3)
+
+
 MISSING = ["none", "no pods", "no running", "stale"]
 
 
