@@ -38,6 +38,7 @@ import random
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,8 +253,6 @@ class SyncCalls:
     step has none. The explicit per-step wait (an event's synchronize) is not one of them."""
 
     def __init__(self) -> None:
-        import warnings
-
         self._catch = warnings.catch_warnings(record=True)
         self._seen = self._catch.__enter__()
         warnings.simplefilter("always")
@@ -329,12 +328,13 @@ class Device:
             return 0.0
         return (self.weight_bytes + step["decode_context"] * self.kv_per_token) / self.bandwidth
 
-    def prompt_gemm_s(self, step: dict) -> float:
-        return 2 * self.linear_params * step["prompt"] / self.gemm_flops
+    def prompt_gemm_s(self, tokens: int) -> float:
+        """The GEMM work of `tokens` prompt tokens at the measured GEMM rate."""
+        return 2 * self.linear_params * tokens / self.gemm_flops
 
     def additive_bound(self, steps: list[dict]) -> dict:
         decode = sum(map(self.decode_memory_s, steps))
-        prompt = sum(map(self.prompt_gemm_s, steps))
+        prompt = sum(self.prompt_gemm_s(s["prompt"]) for s in steps)
         return {
             "decode_memory_s": round(decode, 3),
             "prompt_gemm_s": round(prompt, 3),
@@ -387,7 +387,7 @@ def step_groups(groups: dict[str, list[dict]], limits: Device | None) -> dict:
         device = [s["device_ms"] for s in of if "device_ms" in s]
         bound = {}
         if limits is not None and device:
-            seconds = sum(limits.decode_memory_s(s) + limits.prompt_gemm_s(s) for s in of)
+            seconds = sum(limits.decode_memory_s(s) + limits.prompt_gemm_s(s["prompt"]) for s in of)
             bound = {"bound_s": round(seconds, 3), "of_bound": round(1e3 * seconds / sum(device), 4)}
         out[kind] = {
             "steps": len(of),
@@ -623,7 +623,7 @@ def main() -> None:
             # what offloading can save at most: the recompute run's extra prompt tokens, at the
             # GEMM rate (a lower bound on their cost, so the bound on the ratio is a little low)
             recomputed = sum(s["prompt"] for s in rec.steps) - sum(s["prompt"] for s in off_.steps)
-            recompute_s = 2 * limits.linear_params * max(0, recomputed) / limits.gemm_flops
+            recompute_s = limits.prompt_gemm_s(max(0, recomputed))
             bound = rec.seconds / max(1e-9, rec.seconds - recompute_s)
             report["oversubscribed"].append(
                 {
@@ -657,11 +657,7 @@ def main() -> None:
     if "long" in selected:
         work = fixed(a.long_requests, a.long_prompt, a.long_new, vocab, seed=13)
         r = timed("long", work, cache_blocks, True, 0)
-        roof = sum(
-            (limits.weight_bytes + s["decode_context"] * kv) / limits.bandwidth
-            for s in r.steps
-            if s["decode_rows"]
-        )
+        roof = sum(map(limits.decode_memory_s, r.steps))
         report["long"] = {
             "requests": a.long_requests,
             "prompt": a.long_prompt,
