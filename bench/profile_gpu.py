@@ -6,7 +6,7 @@
 2. the GEMMs of a step alone at its batch size, with cuBLAS and cuBLASLt: achieved bandwidth of
    each weight read;
 3. the paged decode attention kernel alone (--attention B:CTX,...), per cache layout, tile, warps
-   and split count.
+   and split count; and its split grids at mixed contexts (--attention-grid B:mixed,...).
 
     python bench/profile_gpu.py [--shape 8b] [--requests 32] [--prompt 640] [--steps 8]
                                 [--engine compiled] [--trace steps.json] [--out results.json]
@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import random
 import tempfile
 import time
 from collections import defaultdict
@@ -28,6 +29,7 @@ import torch
 from common import blocks_for, copy_bandwidth, environment, markdown_table, write_json
 from gemm_floor import time_linear, timed
 from gpu_sync import VARIANTS, build_model
+from serve_workload import MIXED_OUTPUT, MIXED_PROMPT
 
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
@@ -182,6 +184,53 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     return rows
 
 
+def grid_contexts(kind: str, batch: int, seed: int = 1) -> list[int]:
+    """Each sequence's context at one decode step: `mixed` (a prompt of the mixed workload and part of
+    its answer, bench/serve_workload.py) or a fixed length ("512")."""
+    if kind != "mixed":
+        return [int(kind)] * batch
+    rng = random.Random(seed)
+    return [MIXED_PROMPT.draw(rng) + rng.randrange(MIXED_OUTPUT.draw(rng)) + 1 for _ in range(batch)]
+
+
+def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
+    """The engine's kernel configuration at one batch size over grids of more and more splits: the
+    rule graph-captured steps use (their longest context: the block table's width) against the grid
+    sized by the batch alone (`longest=None`) and fixed grids, on one layer's cache."""
+    from tandem.service.engine.ops.triton_decode import Splits, num_splits_for, paged_decode_attention
+
+    shape = CacheShape.of(model.config)
+    heads, block = model.config.num_attention_heads, 16
+    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
+    lens_host = grid_contexts(kind, batch)
+    width = -(-max(4096, max(lens_host)) // block)  # a table as wide as a 4,096-token context
+    k, v = (torch.randn(batch * width * block, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
+            for _ in "kv")
+    table = torch.randperm(batch * width, device=dev, dtype=torch.int32).view(batch, width)
+    lens = torch.tensor(lens_host, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, heads, shape.head_dim, dtype=dt, device=dev)
+    new_k = torch.randn(batch, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
+    last = (lens.long() - 1) // block
+    slots = table.gather(1, last[:, None])[:, 0].long() * block + (lens.long() - 1) % block
+    new_kv = (new_k, torch.randn_like(new_k), slots)
+    sms = num_sms(dev.index or 0)
+    by_batch = num_splits_for(batch, shape.num_kv_heads, sms)
+    engine = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
+    grids = {"batch only": by_batch, "engine (longest = table)": engine}
+    for most in (2, 4, 8, 16, 32):
+        if most > by_batch.least:
+            grids[f"most {most}"] = Splits(by_batch.least, most)
+    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    rows = []
+    for name, splits in grids.items():
+        def call(splits=splits) -> None:
+            paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv)
+        seconds = timed(call)
+        rows.append({"grid": name, "least": splits.least, "most": splits.most,
+                     "us": round(1e6 * seconds, 1), "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["8b", "1b"], default="8b")
@@ -195,7 +244,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON result path")
     ap.add_argument("--attention", default="", metavar="B:CTX,...",
                     help="sweep the decode kernel's configurations at these batch:context points")
-    ap.add_argument("--no-step", action="store_true", help="only the linears and the kernel sweep")
+    ap.add_argument("--attention-grid", default="", metavar="B:CONTEXTS,...",
+                    help="time the decode kernel's split grids at these batch sizes, contexts `mixed` "
+                         "(the mixed workload's) or a length")
+    ap.add_argument("--no-step", action="store_true", help="only the linears and the kernel sweeps")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_gpu.py profiles CUDA kernels: it needs a CUDA device")
@@ -228,9 +280,18 @@ def main() -> None:
         failed = [r for r in rows if "error" in r]
         if failed:
             print(f"{len(failed)} configurations failed, e.g. {failed[0]}")
+    grids = {}
+    for point in a.attention_grid.split(",") if a.attention_grid else []:
+        batch, kind = point.split(":")
+        grids[point] = decode_grid_sweep(model, int(batch), kind, bandwidth)
+        print(f"decode attention split grids, batch {batch}, contexts {kind}")
+        print(markdown_table(["grid", "least", "most", "us (layer)", "of bandwidth"],
+                             [[r["grid"], r["least"], r["most"], r["us"], f"{r['of_bandwidth']:.0%}"]
+                              for r in grids[point]]))
     if a.no_step:
         write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
-                   {"benchmark": "profile_gpu", "environment": env, "attention": attention})
+                   {"benchmark": "profile_gpu", "environment": env, "attention": attention,
+                    "decode_grids": grids})
         return
 
     g = torch.Generator().manual_seed(1)
@@ -255,7 +316,7 @@ def main() -> None:
                           for k in steps["top_kernels"]]))
     result = {"benchmark": "profile_gpu", "environment": env, "shape": a.shape, "engine": a.engine,
               "requests": a.requests, "context": context, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-              "linears": linears, "decode_attention": attention, "step": steps}
+              "linears": linears, "decode_attention": attention, "decode_grids": grids, "step": steps}
     out = write_json(a.out or _repo.REPO / f"bench/results/profile_{a.shape}_{a.engine}_{a.requests}.json",
                      result)
     print(f"wrote {out}; trace {trace}")

@@ -111,6 +111,13 @@ def _check_kernel(
                 assert torch.equal(k_run, ref_k), f"splits={splits}, tile={tile}"
             else:  # the kernel rounds once (fp32 math), transformers' arithmetic after each op
                 torch.testing.assert_close(k_run, ref_k, atol=tol, rtol=tol)
+    # a sequence one program reads is written by that program, not merged: the one-split grid's bits
+    wide = Splits(1, 32)
+    outs = [paged_decode_attention(q, k_cache.clone(), v_cache.clone(), table, lens, block_size, scale,
+                                   splits, new_kv, rotary) for splits in (1, wide)]
+    alone = torch.tensor([wide.of(int(n)) == 1 for n in lens], device="cuda")  # batch > 1: length 1
+    assert torch.equal(outs[0][alone], outs[1][alone])
+    assert alone.any() or batch == 1
 
 
 def test_step_sized_grid_holds_every_split_of_the_longest_context():
@@ -128,6 +135,9 @@ def test_step_sized_grid_holds_every_split_of_the_longest_context():
         step = num_splits_for(batch, kv_heads, sms, longest=16384)
         assert step.least == graph.least and step.most >= graph.most
         assert batch * kv_heads * step.most <= max(64 * sms, batch * kv_heads)
+        # a captured step's grid (longest: its table's width) gives no context fewer splits
+        table = num_splits_for(batch, kv_heads, sms, longest=4096)
+        assert all(table.of(n) >= graph.of(n) for n in range(1, 4097, 7))
 
 
 def test_kernel_addresses_blocks_past_two_billion_elements():

@@ -65,9 +65,11 @@ def paged_decode(
     if q.is_cuda and kernel_supports(block_size):
         from .triton_decode import num_splits_for, paged_decode_attention
 
-        # splits depend only on the batch size: fixed per captured graph; the kernel writes the
-        # new K/V into the cache itself
-        splits = num_splits_for(q.shape[0], k_cache.shape[1], num_sms(q.device.index or 0))
+        # the grid depends only on the batch size and the table's width (the longest context a
+        # sequence may have), so it is fixed per captured graph; the kernel writes the new K/V
+        # into the cache itself
+        sms, longest = num_sms(q.device.index or 0), block_table.shape[1] * block_size
+        splits = num_splits_for(q.shape[0], k_cache.shape[1], sms, longest=longest)
         out = paged_decode_attention(
             q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits,
             new_kv=(new_k, new_v, slot_mapping), rotary=rotary,

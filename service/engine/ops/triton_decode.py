@@ -7,7 +7,8 @@ A longer context gets more splits, within the grid's, so that few long sequences
 multiprocessor reading. In a decode step the kernel also writes the step's new K/V into the cache:
 one launch, not three; where the decode model leaves the rotary embedding to it, it rotates Q and
 the new K as it loads them (deferred_rotary.py).
-A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
+A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge);
+a sequence read by one program has its output written by that program, and the merge skips it.
 No gather copy of K/V, no host sync: the launch depends only on the batch size, so it can be
 captured in a CUDA graph.
 """
@@ -161,7 +162,7 @@ def _decode_split_kernel(
         lsum = lsum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
-    if DIRECT:  # one split for every sequence: the output, with no merge launch
+    if DIRECT or splits == 1:  # this sequence's output, with nothing for the merge to do
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -195,9 +196,12 @@ def _merge_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
+    if splits == 1:  # the split kernel wrote this sequence's output itself
+        return
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    ok = s < _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
+    ok = s < splits
     ml = part_ml_ptr + b * stride_mb + h * stride_mh + s * stride_ms
     m = tl.load(ml, mask=ok, other=float("-inf"))
     lsum = tl.load(ml + 1, mask=ok, other=0.0)
@@ -237,10 +241,11 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int | None 
     multiprocessor, so that few sequences at long contexts keep every multiprocessor reading
     (bench/profile_gpu.py --attention; docs/benchmarks.md).
 
-    `longest`: the step's longest context, where the host knows it (a step run eagerly, as mixed
-    steps are): the grid then holds every split that context takes, whatever the batch size (up
-    to about 64 programs per multiprocessor), so one long sequence among many short ones is not
-    read by one program while the others wait."""
+    `longest`: the longest context in the step (a step run eagerly, as mixed steps are), or the
+    longest any sequence may have (a captured decode step: its block table's width). The grid
+    then holds every split that context takes, whatever the batch size (up to about 64 programs
+    per multiprocessor), so one long sequence among many short ones is not read by one program
+    while the others wait; the programs a shorter context does not need return at once."""
     pairs = batch * kv_heads
     least = max(1, min(MAX_SPLITS, -(-2 * num_sms // pairs)))
     if longest is None:
