@@ -111,7 +111,7 @@ def _check_kernel(
                 assert torch.equal(k_run, ref_k), f"splits={splits}, tile={tile}"
             else:  # the kernel rounds once (fp32 math), transformers' arithmetic after each op
                 torch.testing.assert_close(k_run, ref_k, atol=tol, rtol=tol)
-    # a sequence one program reads is written by that program, not merged: the one-split grid's bits
+    # a sequence that needs one split, in a grid of many: the merge gives it the one-split grid's bits
     wide = Splits(1, 32)
     outs = [paged_decode_attention(q, k_cache.clone(), v_cache.clone(), table, lens, block_size, scale,
                                    splits, new_kv, rotary) for splits in (1, wide)]

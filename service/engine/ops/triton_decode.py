@@ -7,10 +7,9 @@ A longer context gets more splits, within the grid's, so that few long sequences
 multiprocessor reading. In a decode step the kernel also writes the step's new K/V into the cache:
 one launch, not three; where the decode model leaves the rotary embedding to it, it rotates Q and
 the new K as it loads them (deferred_rotary.py).
-A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge);
-a sequence read by one program has its output written by that program, and the merge skips it.
-No gather copy of K/V, no host sync: the launch depends only on the batch size, so it can be
-captured in a CUDA graph.
+A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
+No gather copy of K/V, no host sync: the launch depends only on the batch size and the block
+table's width, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -162,7 +161,7 @@ def _decode_split_kernel(
         lsum = lsum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
-    if DIRECT or splits == 1:  # this sequence's output, with nothing for the merge to do
+    if DIRECT:  # one split for every sequence: the output, with no merge launch
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -196,12 +195,9 @@ def _merge_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
-    if splits == 1:  # the split kernel wrote this sequence's output itself
-        return
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    ok = s < splits
+    ok = s < _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
     ml = part_ml_ptr + b * stride_mb + h * stride_mh + s * stride_ms
     m = tl.load(ml, mask=ok, other=float("-inf"))
     lsum = tl.load(ml + 1, mask=ok, other=0.0)
@@ -235,7 +231,8 @@ class Splits:
 
 
 def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int | None = None) -> Splits:
-    """Fixed per batch size (graph-friendly); each sequence's count follows its context in the kernel.
+    """Fixed per batch size and `longest` (graph-friendly); each sequence's count follows its
+    context in the kernel.
 
     At least enough programs to cover the device about twice; at most about 16 programs per
     multiprocessor, so that few sequences at long contexts keep every multiprocessor reading
