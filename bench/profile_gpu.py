@@ -128,6 +128,41 @@ def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> li
     return rows
 
 
+DECODE_BLOCK = 16  # cache block size of the kernel sweeps (the engine's default)
+
+
+@dataclasses.dataclass
+class DecodeInputs:
+    """One decode step's attention inputs on one layer's cache, blocks scattered in a random order."""
+
+    caches: dict[str, list[torch.Tensor]]  # layout -> [K, V] as [slots, Hkv, D] views of its storage
+    table: torch.Tensor  # [B, width] int32 block ids
+    lens: torch.Tensor  # [B] int32 contexts, the new token included
+    q: torch.Tensor  # [B, H, D]
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's K, V and their slots
+
+
+def decode_inputs(model: torch.nn.Module, lens_host: list[int], width: int,
+                  layouts: tuple[str, ...] = ("NHD",)) -> DecodeInputs:
+    shape = CacheShape.of(model.config)
+    heads, block = model.config.num_attention_heads, DECODE_BLOCK
+    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
+    batch, heads_kv, dim = len(lens_host), shape.num_kv_heads, shape.head_dim
+    slots_all = batch * width * block
+    storage = {  # [slots, Hkv, D] views of each storage
+        "NHD": lambda: torch.randn(slots_all, heads_kv, dim, dtype=dt, device=dev),
+        "HND": lambda: torch.randn(heads_kv, slots_all, dim, dtype=dt, device=dev).transpose(0, 1),
+    }
+    caches = {layout: [storage[layout]() for _ in "kv"] for layout in layouts}
+    table = torch.randperm(batch * width, device=dev, dtype=torch.int32).view(batch, width)
+    lens = torch.tensor(lens_host, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, heads, dim, dtype=dt, device=dev)
+    new_k = torch.randn(batch, heads_kv, dim, dtype=dt, device=dev)
+    last = lens.long() - 1  # each sequence's new token goes to its last position
+    slots = table.gather(1, (last // block)[:, None])[:, 0].long() * block + last % block
+    return DecodeInputs(caches, table, lens, q, (new_k, torch.randn_like(new_k), slots))
+
+
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwidth: float) -> list[dict]:
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode step),
     over both cache layouts, tile sizes, warps and split counts around the engine's (half, same,
@@ -141,25 +176,15 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwi
     )
 
     shape = CacheShape.of(model.config)
-    heads, block = model.config.num_attention_heads, 16
-    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
-    per_seq = -(-context // block)
-    slots_all = batch * per_seq * block
+    block, dt = DECODE_BLOCK, next(model.parameters()).dtype
     heads_kv, dim = shape.num_kv_heads, shape.head_dim
-    caches = {  # [slots, Hkv, D] views of each storage
-        "NHD": [torch.randn(slots_all, heads_kv, dim, dtype=dt, device=dev) for _ in "kv"],
-        "HND": [torch.randn(heads_kv, slots_all, dim, dtype=dt, device=dev).transpose(0, 1) for _ in "kv"],
-    }
-    table = torch.randperm(batch * per_seq, device=dev, dtype=torch.int32).view(batch, per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, heads, dim, dtype=dt, device=dev)
-    new_k = torch.randn(batch, heads_kv, dim, dtype=dt, device=dev)
-    new_v = torch.randn_like(new_k)
-    last = (context - 1) // block
-    slots = table[:, last].long() * block + (context - 1) % block
-    new_kv = (new_k, new_v, slots)
-    # every sequence here has `context` tokens: the count the kernel takes for each
-    splits_default = num_splits_for(batch, heads_kv, num_sms(dev.index or 0)).of(context)
+    width = -(-context // block)
+    d = decode_inputs(model, [context] * batch, width, ("NHD", "HND"))
+    caches, table, lens, q, new_kv = d.caches, d.table, d.lens, d.q, d.new_kv
+    # every sequence here has `context` tokens: the count the engine's grid (a captured step's,
+    # sized by its table: ops/decode_op.py) gives each
+    sms = num_sms(q.device.index or 0)
+    splits_default = num_splits_for(batch, heads_kv, sms, longest=width * block).of(context)
     chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
     split_counts = sorted({max(1, splits_default // 2), *(min(32, f * splits_default) for f in (1, 2, 4))})
     nbytes = 2 * batch * context * heads_kv * dim * dt.itemsize
@@ -200,20 +225,12 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     from tandem.service.engine.ops.triton_decode import Splits, num_splits_for, paged_decode_attention
 
     shape = CacheShape.of(model.config)
-    heads, block = model.config.num_attention_heads, 16
-    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
+    block, dt = DECODE_BLOCK, next(model.parameters()).dtype
     lens_host = grid_contexts(kind, batch)
     width = -(-max(4096, max(lens_host)) // block)  # a table as wide as a 4,096-token context
-    k, v = (torch.randn(batch * width * block, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
-            for _ in "kv")
-    table = torch.randperm(batch * width, device=dev, dtype=torch.int32).view(batch, width)
-    lens = torch.tensor(lens_host, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, heads, shape.head_dim, dtype=dt, device=dev)
-    new_k = torch.randn(batch, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev)
-    last = (lens.long() - 1) // block
-    slots = table.gather(1, last[:, None])[:, 0].long() * block + (lens.long() - 1) % block
-    new_kv = (new_k, torch.randn_like(new_k), slots)
-    sms = num_sms(dev.index or 0)
+    d = decode_inputs(model, lens_host, width)
+    (k, v), table, lens, q, new_kv = d.caches["NHD"], d.table, d.lens, d.q, d.new_kv
+    sms = num_sms(q.device.index or 0)
     by_batch = num_splits_for(batch, shape.num_kv_heads, sms)
     engine = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
     grids = {"batch only": by_batch, "engine (longest = table)": engine}

@@ -234,9 +234,11 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int | None 
     """Fixed per batch size and `longest` (graph-friendly); each sequence's count follows its
     context in the kernel.
 
-    At least enough programs to cover the device about twice; at most about 16 programs per
-    multiprocessor, so that few sequences at long contexts keep every multiprocessor reading
-    (bench/profile_gpu.py --attention; docs/benchmarks.md).
+    At least enough programs to cover the device about twice, so that few sequences at long
+    contexts keep every multiprocessor reading (bench/profile_gpu.py --attention;
+    docs/benchmarks.md). Without `longest`, at most about 16 programs per multiprocessor: the
+    rule by batch size alone, which the engine no longer uses (the benchmarks and tests compare
+    with it).
 
     `longest`: the longest context in the step (a step run eagerly, as mixed steps are), or the
     longest any sequence may have (a captured decode step: its block table's width). The grid
