@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import _repo
 import torch
@@ -36,6 +37,9 @@ from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.service.engine.ops.triton_decode import Splits
 
 
 def kernel_kind(name: str) -> str:
@@ -218,10 +222,19 @@ def grid_contexts(kind: str, batch: int, seed: int = 1) -> list[int]:
     return [MIXED_PROMPT.draw(rng) + rng.randrange(MIXED_OUTPUT.draw(rng)) + 1 for _ in range(batch)]
 
 
+def splits_by_batch_alone(batch: int, kv_heads: int, num_sms: int) -> Splits:
+    """The grid captured decode steps had before it was sized by their table: about 16 programs
+    per multiprocessor, whatever the contexts (the baseline of `decode_grid_sweep`)."""
+    from tandem.service.engine.ops.triton_decode import MAX_SPLITS, Splits, least_splits
+
+    least = least_splits(batch, kv_heads, num_sms)
+    return Splits(least, max(least, min(MAX_SPLITS, 16 * num_sms // (batch * kv_heads))))
+
+
 def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
     """The engine's kernel configuration at one batch size over grids of more and more splits: the
     rule graph-captured steps use (their longest context: the block table's width) against the grid
-    sized by the batch alone (`longest=None`) and fixed grids, on one layer's cache."""
+    sized by the batch alone and fixed grids, on one layer's cache."""
     from tandem.service.engine.ops.triton_decode import Splits, num_splits_for, paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -231,7 +244,7 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     d = decode_inputs(model, lens_host, width)
     (k, v), table, lens, q, new_kv = d.caches["NHD"], d.table, d.lens, d.q, d.new_kv
     sms = num_sms(q.device.index or 0)
-    by_batch = num_splits_for(batch, shape.num_kv_heads, sms)
+    by_batch = splits_by_batch_alone(batch, shape.num_kv_heads, sms)
     engine = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
     grids = {"batch only": by_batch, "engine (longest = table)": engine}
     for most in (2, 4, 8, 16, 32):

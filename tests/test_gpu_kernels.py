@@ -97,7 +97,8 @@ def _check_kernel(
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     # one count for all, and counts that follow each sequence's context (random lengths here)
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)  # a mixed step's grid
-    for splits in {1, num_splits_for(batch, kv_heads, sms), step_sized, 32, Splits(1, 32), Splits(2, 5)}:
+    table_sized = num_splits_for(batch, kv_heads, sms, longest=width * block_size)  # a captured step's
+    for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5)}:
         # the engine's tile, and (bf16) one smaller than a block: tiles that split blocks
         for tile in {tile_for(block_size)} | ({16} if dtype == torch.bfloat16 else set()):
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
@@ -120,24 +121,31 @@ def _check_kernel(
     assert alone.any() or batch == 1
 
 
-def test_step_sized_grid_holds_every_split_of_the_longest_context():
-    """Where the host knows a step's longest context, the grid holds every split it takes even at
-    batch sizes whose graph-sized grid has one; never fewer than the graph rule's least."""
-    from tandem.service.engine.ops.triton_decode import SPLIT_TOKENS, num_splits_for
+def test_grid_holds_every_split_of_the_longest_context():
+    """The grid holds every split the longest context takes (one per SPLIT_TOKENS), even at batch
+    sizes large enough to fill the device alone; capped at about 64 programs per multiprocessor,
+    and never under the device-covering least."""
+    from tandem.service.engine.ops.triton_decode import (
+        MAX_SPLITS,
+        SPLIT_TOKENS,
+        least_splits,
+        num_splits_for,
+    )
 
     sms, kv_heads = 132, 8
-    assert num_splits_for(210, kv_heads, sms).most == 1
     assert num_splits_for(210, kv_heads, sms, longest=2000).most == -(-2000 // SPLIT_TOKENS)
     assert num_splits_for(210, kv_heads, sms, longest=16384).most == 64 * sms // (210 * kv_heads)
     assert num_splits_for(210, kv_heads, sms, longest=100).most == 1  # nothing to split
     for batch in (1, 8, 64, 256):
-        graph = num_splits_for(batch, kv_heads, sms)
-        step = num_splits_for(batch, kv_heads, sms, longest=16384)
-        assert step.least == graph.least and step.most >= graph.most
-        assert batch * kv_heads * step.most <= max(64 * sms, batch * kv_heads)
-        # a captured step's grid (longest: its table's width) gives no context fewer splits
-        table = num_splits_for(batch, kv_heads, sms, longest=4096)
-        assert all(table.of(n) >= graph.of(n) for n in range(1, 4097, 7))
+        least = least_splits(batch, kv_heads, sms)
+        assert batch * kv_heads * least >= min(2 * sms, batch * kv_heads * MAX_SPLITS)
+        for longest in (100, 4096, 16384):
+            grid = num_splits_for(batch, kv_heads, sms, longest)
+            assert grid.least == least
+            assert batch * kv_heads * grid.most <= max(64 * sms, batch * kv_heads * least)
+            cap = max(least, min(MAX_SPLITS, 64 * sms // (batch * kv_heads)))
+            for n in range(1, longest + 1, 7):  # each context: one split per SPLIT_TOKENS, to the cap
+                assert grid.of(n) == max(least, min(-(-n // SPLIT_TOKENS), cap))
 
 
 def test_kernel_addresses_blocks_past_two_billion_elements():

@@ -230,27 +230,23 @@ class Splits:
         return min(max(-(-ctx_len // SPLIT_TOKENS), self.least), self.most)
 
 
-def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int | None = None) -> Splits:
+def least_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Enough programs to cover the device about twice, so that few sequences at long contexts
+    keep every multiprocessor reading (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // (batch * kv_heads))))
+
+
+def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int) -> Splits:
     """Fixed per batch size and `longest` (graph-friendly); each sequence's count follows its
     context in the kernel.
 
-    At least enough programs to cover the device about twice, so that few sequences at long
-    contexts keep every multiprocessor reading (bench/profile_gpu.py --attention;
-    docs/benchmarks.md). Without `longest`, at most about 16 programs per multiprocessor: the
-    rule by batch size alone, which the engine no longer uses (the benchmarks and tests compare
-    with it).
-
     `longest`: the longest context in the step (a step run eagerly, as mixed steps are), or the
     longest any sequence may have (a captured decode step: its block table's width). The grid
-    then holds every split that context takes, whatever the batch size (up to about 64 programs
-    per multiprocessor), so one long sequence among many short ones is not read by one program
-    while the others wait; the programs a shorter context does not need return at once."""
-    pairs = batch * kv_heads
-    least = max(1, min(MAX_SPLITS, -(-2 * num_sms // pairs)))
-    if longest is None:
-        most = 16 * num_sms // pairs
-    else:
-        most = min(-(-longest // SPLIT_TOKENS), max(1, 64 * num_sms // pairs))
+    holds every split that context takes, whatever the batch size (up to about 64 programs per
+    multiprocessor), so one long sequence among many short ones is not read by one program while
+    the others wait; the programs a shorter context does not need return at once."""
+    least = least_splits(batch, kv_heads, num_sms)
+    most = min(-(-longest // SPLIT_TOKENS), max(1, 64 * num_sms // (batch * kv_heads)))
     return Splits(least, max(least, min(MAX_SPLITS, most)))
 
 
@@ -394,7 +390,7 @@ class DecodeKernel:
     num_splits: Splits
 
     @classmethod
-    def for_batch(cls, cache: object, batch: int, num_sms: int, longest: int | None = None) -> DecodeKernel:
+    def for_batch(cls, cache: object, batch: int, num_sms: int, longest: int) -> DecodeKernel:
         return cls(cache.block_size, num_splits_for(batch, cache.shape.num_kv_heads, num_sms, longest))
 
     def __call__(
