@@ -66,12 +66,45 @@ def linear_shapes(model: torch.nn.Module) -> tuple[Counter, tuple[int, int]]:
 
 def forward_gemm_seconds(model: torch.nn.Module, rows: int, sampled: int) -> float:
     """One forward's GEMMs alone: every linear at `rows` rows, the LM head at `sampled`."""
+    return body_gemm_seconds(model, rows) + head_gemm_seconds(model, sampled)
+
+
+def body_gemm_seconds(model: torch.nn.Module, rows: int) -> float:
+    """Every linear of the model but the LM head, alone at `rows` rows."""
     p = next(model.parameters())
-    shapes, head = linear_shapes(model)
-    total = 0.0
-    for (out_f, in_f), count in shapes.items():
-        total += count * time_linear(torch.randn(rows, in_f, dtype=p.dtype, device=p.device), out_f, in_f)
-    return total + time_linear(torch.randn(sampled, head[1], dtype=p.dtype, device=p.device), *head)
+    shapes, _head = linear_shapes(model)
+    return sum(count * time_linear(torch.randn(rows, in_f, dtype=p.dtype, device=p.device), out_f, in_f)
+               for (out_f, in_f), count in shapes.items())
+
+
+def head_gemm_seconds(model: torch.nn.Module, rows: int) -> float:
+    """The LM head alone at `rows` rows (the sampled ones)."""
+    p = next(model.parameters())
+    _shapes, head = linear_shapes(model)
+    return time_linear(torch.randn(rows, head[1], dtype=p.dtype, device=p.device), *head)
+
+
+class StepGemmFloor:
+    """Any step's GEMM floor: its linears at its row count (prompt tokens + decode rows), the LM head
+    at its sampled rows, each timed once per `bucket` rows (rounded up: a floor a little high at
+    most), plus its decode rows' K/V read at the copy bandwidth. For workloads whose steps differ in
+    size, where `workload_floor`'s fixed shape does not apply."""
+
+    def __init__(self, model: torch.nn.Module, kv_per_token: int, bandwidth: float, bucket: int = 16) -> None:
+        self.model, self.kv_per_token, self.bandwidth, self.bucket = model, kv_per_token, bandwidth, bucket
+        self._body: dict[int, float] = {}
+        self._head: dict[int, float] = {}
+
+    def _rounded(self, rows: int) -> int:
+        return -(-max(1, rows) // self.bucket) * self.bucket
+
+    def seconds(self, rows: int, sampled: int, decode_context: int) -> float:
+        body, head = self._rounded(rows), self._rounded(sampled)
+        if body not in self._body:
+            self._body[body] = body_gemm_seconds(self.model, body)
+        if head not in self._head:
+            self._head[head] = head_gemm_seconds(self.model, head)
+        return self._body[body] + self._head[head] + decode_context * self.kv_per_token / self.bandwidth
 
 
 def workload_floor(

@@ -46,7 +46,7 @@ from pathlib import Path
 import _repo  # noqa: F401  (must come before any tandem import)
 import torch
 from common import copy_bandwidth, environment, markdown_table, sync, write_json
-from gemm_floor import linear_shapes
+from gemm_floor import StepGemmFloor, linear_shapes
 from gemm_floor import timed as seconds_per_call
 from gpu_sync import SERVER_CUDA, build_model
 from serve_workload import jobs as make_jobs
@@ -356,6 +356,15 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n**3 / seconds_per_call(lambda: a @ b, reps=10, cuda=cuda)
 
 
+def gemm_floor(steps: list[dict], floor: StepGemmFloor) -> float:
+    """Each step's GEMM floor (its linears at its rows, the LM head at its decode rows, the K/V read),
+    kept in the step as `floor_ms`; -> the run's, in seconds."""
+    for s in steps:
+        rows = s["prompt"] + s["decode_rows"]
+        s["floor_ms"] = 1e3 * floor.seconds(rows, max(1, s["decode_rows"]), s["decode_context"])
+    return sum(s["floor_ms"] for s in steps) / 1e3
+
+
 def device_busy(r: Run) -> float | None:
     """The share of the run's time the compute stream spent in steps (the rest: the host's)."""
     device = [s["device_ms"] for s in r.steps if "device_ms" in s]
@@ -367,7 +376,8 @@ DECODE_ROWS = ((1, 16), (17, 64), (65, 128), (129, 256))  # decode-only steps, b
 
 def step_kinds(steps: list[dict], limits: Device | None = None) -> dict:
     """Per kind of step: how many, their device time (and, with `limits`, their own additive
-    bound and its share of that time) and host times."""
+    bound and its share of that time; where the steps carry it, their GEMM floor and its share)
+    and host times."""
     kinds = ("decode", "prompt", "mixed")
     return step_groups({kind: [s for s in steps if s["kind"] == kind] for kind in kinds}, limits)
 
@@ -389,6 +399,9 @@ def step_groups(groups: dict[str, list[dict]], limits: Device | None) -> dict:
         if limits is not None and device:
             seconds = sum(limits.decode_memory_s(s) + limits.prompt_gemm_s(s["prompt"]) for s in of)
             bound = {"bound_s": round(seconds, 3), "of_bound": round(1e3 * seconds / sum(device), 4)}
+        if device and all("floor_ms" in s for s in of):
+            floor = sum(s["floor_ms"] for s in of)
+            bound |= {"floor_s": round(floor / 1e3, 3), "of_floor": round(floor / sum(device), 4)}
         out[kind] = {
             "steps": len(of),
             "device_s": round(sum(device) / 1e3, 3) if device else None,
@@ -499,6 +512,7 @@ def main() -> None:
         bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10,
         gemm_flops=gemm_rate(device, dtype),
     )
+    floor = StepGemmFloor(model, kv, limits.bandwidth)
     report: dict = {
         "environment": environment(device),
         "shape": a.shape,
@@ -540,6 +554,7 @@ def main() -> None:
             work = mixed(a.requests, vocab, 4096, seed)
             r = timed(f"mixed{seed}", work, cache_blocks, True, 0)
             bound = limits.additive_bound(r.steps)
+            floor_s = gemm_floor(r.steps, floor)
             report["mixed"].append(
                 {
                     "seed": seed,
@@ -549,6 +564,8 @@ def main() -> None:
                     **r.summary(),
                     "additive_bound": bound,
                     "of_bound": round(bound["seconds"] / r.seconds, 4),
+                    "gemm_floor_s": round(floor_s, 3),
+                    "of_gemm_floor": round(floor_s / r.seconds, 4),
                     "device_busy": device_busy(r),
                     "step_kinds": step_kinds(r.steps, limits),
                     "decode_by_rows": decode_by_rows(r.steps, limits),
@@ -559,7 +576,8 @@ def main() -> None:
                     f"mixed, seed {seed}",
                     "-",
                     r.summary()["tok_s"],
-                    f"{bound['seconds'] / r.seconds:.1%} of additive bound",
+                    f"{bound['seconds'] / r.seconds:.1%} of additive bound, "
+                    f"{floor_s / r.seconds:.1%} of GEMM floor",
                 ]
             )
         if a.profile:  # a run of its own: the profiler slows the steps it records
@@ -658,6 +676,7 @@ def main() -> None:
         work = fixed(a.long_requests, a.long_prompt, a.long_new, vocab, seed=13)
         r = timed("long", work, cache_blocks, True, 0)
         roof = sum(map(limits.decode_memory_s, r.steps))
+        floor_s = gemm_floor(r.steps, floor)
         report["long"] = {
             "requests": a.long_requests,
             "prompt": a.long_prompt,
@@ -665,6 +684,8 @@ def main() -> None:
             **r.summary(),
             "roofline_s": round(roof, 3),
             "of_roofline": round(roof / r.seconds, 4),
+            "gemm_floor_s": round(floor_s, 3),
+            "of_gemm_floor": round(floor_s / r.seconds, 4),
             "step_kinds": step_kinds(r.steps, limits),
         }
         rows.append(
@@ -672,7 +693,7 @@ def main() -> None:
                 f"long, {a.long_requests} x {a.long_prompt} + {a.long_new}",
                 "-",
                 r.summary()["tok_s"],
-                f"{roof / r.seconds:.1%} of roofline",
+                f"{roof / r.seconds:.1%} of roofline, {floor_s / r.seconds:.1%} of GEMM floor",
             ]
         )
 

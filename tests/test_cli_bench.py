@@ -267,7 +267,7 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
     """`tandem bench workloads --smoke`: every workload runs to completion through the CLI, each
     side by side with its feature off, and the JSON says what each run did: the oversubscribed
     runs preempt (by offload in one, recompute in the other), the prefix run with caching hits
-    and the one without does not, the mixed run's bound and step kinds add up, and the host
+    and the one without does not, the mixed run's bound, GEMM floor and step kinds add up, and the host
     profile names the mixed attention op among the launches' functions."""
     out = tmp_path / "workloads.json"
     tandem = Path(sys.executable).with_name("tandem")
@@ -289,6 +289,11 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
     by_rows = mixed["decode_by_rows"]
     assert sum(g["steps"] for g in by_rows.values()) == kinds["decode"]["steps"]
     assert 0 < mixed["device_busy"] <= 1 and all(0 < k["of_bound"] for k in kinds.values())
+    # the GEMM floor of each step: every kind's, together the run's
+    assert mixed["gemm_floor_s"] > 0
+    floor = mixed["gemm_floor_s"]
+    assert mixed["of_gemm_floor"] == pytest.approx(floor / mixed["seconds"], rel=0.01, abs=1e-3)
+    assert sum(k["floor_s"] for k in kinds.values()) == pytest.approx(floor, abs=5e-3)
     host = report["mixed_host_profile"]
     assert host["steps"] == kinds["mixed"]["steps"]  # the profiled run schedules as the timed one
     assert any("paged_mixed" in name for name in host["own_ms_per_step"])
