@@ -167,49 +167,51 @@ def decode_inputs(model: torch.nn.Module, lens_host: list[int], width: int,
     return DecodeInputs(caches, table, lens, q, (new_k, torch.randn_like(new_k), slots))
 
 
-def decode_kernel_sweep(model: torch.nn.Module, batch: int, context: int, bandwidth: float) -> list[dict]:
-    """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode step),
-    over both cache layouts, tile sizes, warps and split counts around the engine's (half, same,
-    double); the configuration the engine picks (for the NHD layout, its default) is marked."""
+KERNEL_CONFIGS = [  # (tile, pipeline stages, warps); 128-token tiles in 2 stages overflow shared memory
+    c for c in itertools.product((32, 64, 128), (1, 2), (4, 8)) if c[:2] != (128, 2)
+]
+
+
+def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
+                        layouts: tuple[str, ...] = ("NHD",)) -> list[dict]:
+    """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode
+    step) at the grid a captured step of `batch` rows uses (its table as wide as a 4,096-token
+    context), contexts `mixed` or fixed: each configuration (tile, pipeline stages, warps) per
+    cache layout, its time, share of the copy bandwidth and largest difference from the engine's
+    configuration's output (marked `chosen`)."""
     from tandem.service.engine.ops.triton_decode import (
-        NUM_STAGES,
-        NUM_WARPS,
+        KernelConfig,
+        kernel_config,
         num_splits_for,
         paged_decode_attention,
-        tile_for,
     )
 
     shape = CacheShape.of(model.config)
     block, dt = DECODE_BLOCK, next(model.parameters()).dtype
-    heads_kv, dim = shape.num_kv_heads, shape.head_dim
-    width = -(-context // block)
-    d = decode_inputs(model, [context] * batch, width, ("NHD", "HND"))
-    caches, table, lens, q, new_kv = d.caches, d.table, d.lens, d.q, d.new_kv
-    # every sequence here has `context` tokens: the count the engine's grid (a captured step's,
-    # sized by its table: ops/decode_op.py) gives each
+    lens_host = grid_contexts(kind, batch)
+    width = -(-max(4096, max(lens_host)) // block)
+    d = decode_inputs(model, lens_host, width, layouts)
+    table, lens, q, new_kv = d.table, d.lens, d.q, d.new_kv
     sms = num_sms(q.device.index or 0)
-    splits_default = num_splits_for(batch, heads_kv, sms, longest=width * block).of(context)
-    chosen = (tile_for(block), NUM_STAGES, NUM_WARPS, splits_default)
-    split_counts = sorted({max(1, splits_default // 2), *(min(32, f * splits_default) for f in (1, 2, 4))})
-    nbytes = 2 * batch * context * heads_kv * dim * dt.itemsize
+    splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
+    chosen = kernel_config(batch, width * block)
+    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
-    for layout, (k, v) in caches.items():
-        # 16-token tiles lost every point of an earlier sweep (docs/benchmarks.md): not tried again
-        for tile, stages, warps, splits in itertools.product((32, 64), (1, 2), (4, 8), split_counts):
-            def call(k=k, v=v, tile=tile, stages=stages, warps=warps, splits=splits) -> None:
-                paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv,
-                                       tile=tile, num_warps=warps, num_stages=stages)
-            config = {"layout": layout, "tile": tile, "stages": stages, "warps": warps,
-                      "splits": splits}
+    for layout, (k, v) in d.caches.items():
+        def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
+            return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config)
+        reference = run(chosen).float()
+        for config in (KernelConfig(*c) for c in KERNEL_CONFIGS):
+            row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
+                   "least": splits.least, "most": splits.most}
             try:
-                seconds = timed(call)
+                diff = (run(config).float() - reference).abs().max().item()
+                seconds = timed(lambda config=config: run(config))
             except Exception as exc:  # a configuration the compiler rejects: note it, go on
-                rows.append({**config, "error": str(exc)[:200]})
+                rows.append({**row, "error": str(exc)[:200]})
                 continue
-            share = round(nbytes / seconds / bandwidth, 3)
-            engine_pick = layout == "NHD" and (tile, stages, warps, splits) == chosen
-            rows.append({**config, "chosen": engine_pick, "us": round(1e6 * seconds, 1),
-                         "of_bandwidth": share})
+            rows.append({**row, "chosen": layout == "NHD" and config == chosen, "us": round(1e6 * seconds, 1),
+                         "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
     return rows
 
 
@@ -272,8 +274,10 @@ def main() -> None:
                          "in the asynchronous loop")
     ap.add_argument("--trace", default=None, help="Chrome trace of the profiled steps (default: a temp file)")
     ap.add_argument("--out", default=None, help="JSON result path")
-    ap.add_argument("--attention", default="", metavar="B:CTX,...",
-                    help="sweep the decode kernel's configurations at these batch:context points")
+    ap.add_argument("--attention", default="", metavar="B:CONTEXTS,...",
+                    help="sweep the decode kernel's configurations (tile, stages, warps) at "
+                         "these batch sizes, contexts `mixed` (the mixed workload's) or a length")
+    ap.add_argument("--layouts", default="NHD", help="cache layouts of the --attention sweep (NHD,HND)")
     ap.add_argument("--attention-grid", default="", metavar="B:CONTEXTS,...",
                     help="time the decode kernel's split grids at these batch sizes, contexts `mixed` "
                          "(the mixed workload's) or a length")
@@ -296,17 +300,17 @@ def main() -> None:
                            r["us_cublaslt"], f"{r['of_bandwidth_cublaslt']:.0%}"] for r in linears]))
     attention = {}
     for point in a.attention.split(",") if a.attention else []:
-        batch, context = (int(x) for x in point.split(":"))
-        rows = decode_kernel_sweep(model, batch, context, bandwidth)
+        batch, kind = point.split(":")
+        rows = decode_kernel_sweep(model, int(batch), kind, bandwidth, tuple(a.layouts.split(",")))
         attention[point] = rows
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        print(f"decode attention, batch {batch}, context {context}: best 5 per layout, the engine's choice")
-        shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:5]]
+        print(f"decode attention, batch {batch}, contexts {kind}: best 6 per layout, the engine's choice")
+        shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:6]]
         shown += [r for r in ok if r["chosen"] and r not in shown]
-        headers = ["layout", "tile", "warps", "splits", "chosen", "us (layer)", "of bandwidth"]
+        headers = ["layout", "tile", "stages", "warps", "chosen", "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
-                             [[r["layout"], r["tile"], r["warps"], r["splits"], r["chosen"],
-                               r["us"], f"{r['of_bandwidth']:.0%}"] for r in shown]))
+                             [[r["layout"], r["tile"], r["stages"], r["warps"], r["chosen"],
+                               r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:
             print(f"{len(failed)} configurations failed, e.g. {failed[0]}")

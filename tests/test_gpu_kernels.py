@@ -50,10 +50,11 @@ def _check_kernel(
     dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new, layout, rotary=None
 ):
     from tandem.service.engine.ops.triton_decode import (
+        ENGINE_CONFIGS,
+        KernelConfig,
         Splits,
         num_splits_for,
         paged_decode_attention,
-        tile_for,
     )
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + max_len)
@@ -98,18 +99,20 @@ def _check_kernel(
     # one count for all, and counts that follow each sequence's context (random lengths here)
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)  # a mixed step's grid
     table_sized = num_splits_for(batch, kv_heads, sms, longest=width * block_size)  # a captured step's
+    # every configuration the engine picks, and (bf16) a tile smaller than a block: tiles that
+    # split blocks
+    configs = {*ENGINE_CONFIGS} | ({KernelConfig(tile=16)} if dtype == torch.bfloat16 else set())
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5)}:
-        # the engine's tile, and (bf16) one smaller than a block: tiles that split blocks
-        for tile in {tile_for(block_size)} | ({16} if dtype == torch.bfloat16 else set()):
+        for config in configs:
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
             assert k_run.stride() == k_cache.stride()
             args = (q, k_run, v_run, table, lens, block_size, scale, splits)
-            out = paged_decode_attention(*args, new_kv, rotary, tile=tile)
+            out = paged_decode_attention(*args, new_kv, rotary, config=config)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            assert err < tol, f"splits={splits}, tile={tile}: relative error {err}"
-            assert torch.equal(v_run, ref_v), f"splits={splits}, tile={tile}"
+            assert err < tol, f"splits={splits}, {config}: relative error {err}"
+            assert torch.equal(v_run, ref_v), f"splits={splits}, {config}"
             if rotary is None:
-                assert torch.equal(k_run, ref_k), f"splits={splits}, tile={tile}"
+                assert torch.equal(k_run, ref_k), f"splits={splits}, {config}"
             else:  # the kernel rounds once (fp32 math), transformers' arithmetic after each op
                 torch.testing.assert_close(k_run, ref_k, atol=tol, rtol=tol)
     # a sequence that needs one split, in a grid of many: the merge gives it the one-split grid's bits
@@ -146,6 +149,52 @@ def test_grid_holds_every_split_of_the_longest_context():
             cap = max(least, min(MAX_SPLITS, 64 * sms // (batch * kv_heads)))
             for n in range(1, longest + 1, 7):  # each context: one split per SPLIT_TOKENS, to the cap
                 assert grid.of(n) == max(least, min(-(-n // SPLIT_TOKENS), cap))
+
+
+def test_every_configuration_the_engine_picks_is_among_those_tested():
+    """`kernel_config` picks only from ENGINE_CONFIGS (each of which `_check_kernel` runs): 32-token
+    tiles from 9 to 63 sequences, where 64-token ones measured slower, 64 elsewhere."""
+    from tandem.service.engine.ops.triton_decode import ENGINE_CONFIGS, kernel_config
+
+    picks = {kernel_config(batch, longest) for batch in range(1, 513) for longest in (16, 4096, 131072)}
+    assert picks == set(ENGINE_CONFIGS)
+    assert kernel_config(32, 4096).tile == 32
+    assert {kernel_config(batch, 4096).tile for batch in (1, 8, 64, 256)} == {64}
+
+
+def test_a_mixed_step_compiles_no_kernel_after_start_up():
+    """`compile_step_variants` (run as the engine starts) compiles every variant a mixed step's
+    decode rows launch: afterwards, any number of rows at any contexts (split counts from 1 to 32,
+    either tile) compiles nothing more, so no step waits for Triton while serving."""
+    from tandem.service.engine.ops.triton_decode import (
+        _decode_split_kernel,
+        _merge_kernel,
+        compile_step_variants,
+        num_splits_for,
+        paged_decode_attention,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kv_heads, heads, head_dim, block, width = 8, 32, 128, 16, 256  # tables as wide as 4,096 tokens
+    k, v = (torch.randn(2 * width * block, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=g) for _ in "kv")
+    compile_step_variants(k, v, block, heads, width)
+
+    def compiled() -> int:  # Triton's compiled variants of both kernels, over devices
+        kernels = (_decode_split_kernel, _merge_kernel)
+        return sum(len(cache[0]) for fn in kernels for cache in fn.device_caches.values())
+
+    before = compiled()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch in (1, 5, 9, 32, 63, 64, 130, 256):
+        table = torch.randint(0, 2 * width, (batch, width), device="cuda", dtype=torch.int32, generator=g)
+        for longest in (1, 700, width * block):
+            lens = torch.randint(1, longest + 1, (batch,), device="cuda", dtype=torch.int32, generator=g)
+            # the mixed op's query: rows picked from [H, T, D], then [B, H, D]
+            q = torch.randn(heads, batch, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            splits = num_splits_for(batch, kv_heads, sms, longest=int(lens.max()))
+            paged_decode_attention(q.transpose(0, 1), k, v, table, lens, block, 0.1, splits)
+    assert compiled() == before
 
 
 def test_kernel_addresses_blocks_past_two_billion_elements():

@@ -170,7 +170,14 @@ class ModelRunner:
         return self.prefill_forward is not self.model
 
     def capture_graphs(self) -> None:
-        """Capture the decode graphs (warm-up time, before the server reports SERVING)."""
+        """Capture the decode graphs and compile the mixed steps' decode kernels (warm-up time,
+        before the server reports SERVING)."""
+        if self.decode_kernel is not None:
+            from .ops.triton_decode import compile_step_variants
+
+            heads = self.model.config.get_text_config().num_attention_heads
+            compile_step_variants(self.cache.k[0], self.cache.v[0], self.block_size, heads,
+                                  self.slots[0].dev["block_table"].shape[1])
         if self.graphs is not None:
             self.graphs.capture()
 

@@ -50,7 +50,14 @@ def _splits_of(ctx_len, least, most, SPLIT_TOKENS: tl.constexpr):
     return tl.minimum(tl.maximum(tl.cdiv(ctx_len, SPLIT_TOKENS), least), most)
 
 
-@triton.jit
+# Triton compiles a variant per value class of its integer arguments (1, a multiple of 16, other):
+# the split counts and the strides that follow them change from step to step, so they are not
+# specialised on, and the variants a step can launch are few enough to compile before serving
+RUN_TIME_ARGS = dict(do_not_specialize=["least_splits", "num_splits"],
+                     do_not_specialize_on_alignment=["stride_mb", "stride_mh"])
+
+
+@triton.jit(**RUN_TIME_ARGS)
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -173,7 +180,7 @@ def _decode_split_kernel(
         tl.store(part_ml_ptr + ml_off + 1, lsum, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(**RUN_TIME_ARGS)
 def _merge_kernel(
     part_out_ptr,
     part_ml_ptr,
@@ -250,19 +257,31 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int) -> Spl
     return Splits(least, max(least, min(MAX_SPLITS, most)))
 
 
-NUM_STAGES = 1  # Triton's software-pipeline stages of the tile loop: 2 and 3 were slower on the H200
-NUM_WARPS = 4
+@dataclass(frozen=True)
+class KernelConfig:
+    """How the split kernel walks a context: tokens per loop iteration (any block size: each token
+    finds its block through the table), Triton's software-pipeline stages of that loop, and warps
+    per program."""
+
+    tile: int = 32
+    stages: int = 1
+    warps: int = 4
+
+
+WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)
+ENGINE_CONFIGS = (WIDE_TILES, NARROW_TILES)  # every configuration `kernel_config` picks (GPU tests run each)
+
+
+def kernel_config(batch: int, longest: int) -> KernelConfig:
+    """The configuration for a step of `batch` sequences whose grid holds `longest` tokens: fixed
+    per captured graph. 64-token tiles read more per loop iteration and were faster on the H200 at
+    every batch size measured but 32, where their larger programs leave one wave of the grid short
+    and 32-token tiles are (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    return NARROW_TILES if 8 < batch < 64 else WIDE_TILES
 
 
 def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-
-
-def tile_for(block_size: int) -> int:
-    """Tokens per loop iteration, whatever the block size: each token finds its block through the
-    table. 32 with one pipeline stage was the fastest on the H200 at batch 32 and 256, and within
-    7% of the best at batch 1 (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
-    return 32
 
 
 def paged_decode_attention(
@@ -276,9 +295,7 @@ def paged_decode_attention(
     num_splits: int | Splits,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rotary: DecodeRotary | None = None,
-    tile: int | None = None,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its paged context.
 
@@ -289,11 +306,13 @@ def paged_decode_attention(
     cache at `slot_mapping` by the kernel itself (the last context position of each sequence),
     instead of by a separate copy beforehand.
     `rotary`: q and the new key come unrotated; the kernel rotates them at position ctx_len - 1.
+    `config`: the engine's for this batch size and table width (`kernel_config`) unless given.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()  # any batch and head strides will do (no copy of the model's layout)
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
+    config = config or kernel_config(b, block_table.shape[1] * block_size)
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
@@ -349,14 +368,14 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
-        TILE=tile or tile_for(block_size),
+        TILE=config.tile,
         STORE_NEW=new_kv is not None,
         ROTARY=rotary is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches stay exact
         # 32-bit address arithmetic unless a cache's elements outgrow it
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=config.warps,
+        num_stages=config.stages,
     )
     if num_splits == 1:  # the split kernel wrote the output itself
         return out
@@ -380,6 +399,20 @@ def paged_decode_attention(
         HEAD_DIM=d,
     )
     return out
+
+
+def compile_step_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, heads: int,
+                          table_width: int) -> None:
+    """Compile, before serving, every variant a mixed step's decode rows may launch (each
+    configuration `kernel_config` picks, with and without a merge; no new K/V, no rotary), on one
+    row reading the cache's first block. Captured decode steps compile theirs as they are captured."""
+    dev = k_cache.device
+    q = torch.zeros(1, heads, k_cache.shape[-1], dtype=k_cache.dtype, device=dev)
+    table = torch.zeros(1, table_width, dtype=torch.int32, device=dev)  # the step buffers' width
+    lens = torch.ones(1, dtype=torch.int32, device=dev)
+    for config in ENGINE_CONFIGS:
+        for splits in (1, 2):
+            paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, 1.0, splits, config=config)
 
 
 @dataclass(frozen=True)
