@@ -5,8 +5,9 @@
    Triton element-wise, copies), against the wall time of the step and its bandwidth roofline;
 2. the GEMMs of a step alone at its batch size, with cuBLAS and cuBLASLt: achieved bandwidth of
    each weight read;
-3. the paged decode attention kernel alone (--attention B:CTX,...), per cache layout, tile, warps
-   and split count; and its split grids at mixed contexts (--attention-grid B:mixed,...).
+3. the paged decode attention kernel alone (--attention B:CONTEXTS,..., contexts `mixed` or a
+   length), per cache layout (--layouts), tile, pipeline stages and warps at the engine's grid;
+   and its split grids (--attention-grid B:CONTEXTS,...).
 
     python bench/profile_gpu.py [--shape 8b] [--requests 32] [--prompt 640] [--steps 8]
                                 [--engine compiled] [--trace steps.json] [--out results.json]
