@@ -195,7 +195,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     table, lens, q, new_kv = d.table, d.lens, d.q, d.new_kv
     sms = num_sms(q.device.index or 0)
     splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
-    chosen = kernel_config(batch, width * block)
+    chosen = kernel_config(batch)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
     for layout, (k, v) in d.caches.items():

@@ -272,11 +272,11 @@ WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)
 ENGINE_CONFIGS = (WIDE_TILES, NARROW_TILES)  # every configuration `kernel_config` picks (GPU tests run each)
 
 
-def kernel_config(batch: int, longest: int) -> KernelConfig:
-    """The configuration for a step of `batch` sequences whose grid holds `longest` tokens: fixed
-    per captured graph. 64-token tiles read more per loop iteration and were faster on the H200 at
-    every batch size measured but 32, where their larger programs leave one wave of the grid short
-    and 32-token tiles are (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+def kernel_config(batch: int) -> KernelConfig:
+    """The configuration for a step of `batch` sequences: fixed per captured graph. 64-token
+    tiles read more per loop iteration and were faster on the H200 at every batch size measured
+    but 32, where their larger programs leave one wave of the grid short and 32-token tiles are
+    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
     return NARROW_TILES if 8 < batch < 64 else WIDE_TILES
 
 
@@ -306,13 +306,13 @@ def paged_decode_attention(
     cache at `slot_mapping` by the kernel itself (the last context position of each sequence),
     instead of by a separate copy beforehand.
     `rotary`: q and the new key come unrotated; the kernel rotates them at position ctx_len - 1.
-    `config`: the engine's for this batch size and table width (`kernel_config`) unless given.
+    `config`: the engine's for this batch size (`kernel_config`) unless given.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()  # any batch and head strides will do (no copy of the model's layout)
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
-    config = config or kernel_config(b, block_table.shape[1] * block_size)
+    config = config or kernel_config(b)
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
