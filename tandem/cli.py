@@ -79,6 +79,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it
     "cpu": "cpu_throughput.py",
     "autoscale": "autoscale_sim.py",
     "workloads": "workloads.py",
+    "host": "host_step.py",
 }
 
 

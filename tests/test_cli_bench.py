@@ -307,3 +307,29 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
         assert shape["recomputed_tokens"] > 0 and shape["ratio_bound"] >= 1.0  # what offload can save
     assert report["long"]["new"] * report["long"]["requests"] == pytest.approx(
         report["long"]["tok_s"] * report["long"]["seconds"], rel=0.01)
+
+
+def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
+    """`tandem bench host --smoke`: the engine core's own loop with the forward replaced, at each
+    point the batch asked for (every sequence decoding, or decodes beside prompt chunks), and the
+    stages it reports are the step's time, split."""
+    out = tmp_path / "host.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run(
+        [str(tandem), "bench", "host", "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| decode |" in proc.stdout and "| mixed |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "host_step" and report["smoke"] is True
+    for p in report["points"]:
+        if p["kind"] == "decode":  # every sequence decodes in every timed step
+            assert p["decode_rows_mean"] == p["batch"] and p["prompt_tokens_mean"] == 0
+        else:  # prompt chunks beside the decodes, up to the step's token budget
+            assert p["decode_rows_mean"] == p["batch"] and p["prompt_tokens_mean"] > 0
+            assert p["decode_rows_mean"] + p["prompt_tokens_mean"] <= report["engine"]["max_num_batched_tokens"]
+        stages = p["stages_ms"]
+        assert all(stages[s] > 0 for s in ("schedule", "build", "upload", "process"))
+        assert stages["other"] >= 0 and sum(stages.values()) == pytest.approx(p["ms_mean"], abs=0.01)
+        assert p["ms_p50"] <= p["ms_p99"]

@@ -1,0 +1,211 @@
+"""The engine's host work per step, alone: scheduling, the batch build, staging, handing tokens back.
+
+    tandem bench host [--batches 32,64,128,256] [--contexts 256,1024,3072] [--steps 100]
+    tandem bench host --smoke      # small sizes: checks the logic
+
+The asynchronous loop keeps the device busy only while the host builds step N+1 faster than the
+device runs step N, so the host's work per step is a budget against the device's step time (the
+8B shape's decode steps of 129-256 rows take about 13 ms on the H200: `tandem bench workloads`,
+`decode_by_rows`). This runs the engine core's own loop (`EngineCore.run_once`, asynchronous, with
+prefix caching as the server runs it) with the forward replaced by a token fill, so every
+millisecond it reports is host work the real step also does. Each stage is timed by wrapping the
+engine's own functions: `schedule` (Scheduler.schedule), `build` (ModelRunner.prepare: the step's
+host tensors), `upload` (StepBuffers.upload: staging into the slot's buffers and the copies),
+`process` (EngineCore._process: the tokens handed to their sequences and the updates made) and
+`other` (the rest of the turn: the launch's bookkeeping, the wait, the step record).
+
+Two kinds of point, each with contexts spread uniformly over [C/2, 3C/2]:
+- `decode`: B sequences, every one decoding (a steady decode-only step);
+- `mixed`: B sequences decoding beside prompts of `--prompt` tokens that fill the rest of the
+  step's token budget (2,048), as a mixed step of a busy server.
+The host is the machine this runs on: run it on the GPU host to compare with its device steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import _repo  # noqa: F401  (must come before any tandem import)
+import torch
+from common import environment, markdown_table, write_json
+from gpu_sync import build_model
+
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
+from tandem.service.engine.engine_core import EngineCore
+from tandem.service.engine.sampler import SampleOutput
+from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
+
+BLOCK, MAX_NUM_SEQS, BUDGET = 16, 256, 2048  # the server's defaults
+STAGES = ("schedule", "build", "upload", "process")
+
+
+class StageClock:
+    """Wall time of each wrapped engine function, per step (instance attributes: the engine's
+    classes are untouched)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        # per step scheduled: decode rows, prompt tokens, the decode rows' context tokens
+        self.shapes: list[tuple[int, int, int]] = []
+        sched, runner = core.scheduler, core.runner
+        schedule = self._timed("schedule", sched.schedule)
+
+        def recorded() -> object:
+            out = schedule()
+            if out.chunks:
+                decode = [c.start + 1 for c in out.chunks if c.num_tokens == 1]
+                self.shapes.append((len(decode), out.num_tokens - len(decode), sum(decode)))
+            return out
+
+        sched.schedule = recorded
+        runner.prepare = self._timed("build", runner.prepare)
+        for slot in runner.slots:
+            slot.upload = self._timed("upload", slot.upload)
+        core._process = self._timed("process", core._process)
+
+    def _timed(self, name: str, fn: Callable) -> Callable:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - t
+
+        return wrapper
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = dict(self.spent), defaultdict(float)
+        return spent
+
+
+def no_forward(core: EngineCore) -> None:
+    """The step's forward and sampling replaced by writing a token into each sampled row."""
+    runner = core.runner
+
+    def fill(batch, dev, s, bucket, prev_tokens) -> SampleOutput:  # noqa: ANN001 (ModelRunner._compute's)
+        tokens = runner.slots[s].tokens[: len(batch.sample_chunks)]
+        return SampleOutput(tokens.fill_(11))
+
+    runner._compute = fill
+
+
+def point(core: EngineCore, clock: StageClock, kind: str, batch: int, context: int, prompt: int, steps: int,
+          vocab: int, seed: int) -> dict:
+    """`steps` timed turns of the loop at `batch` decoding sequences (and, mixed, prompts beside them)."""
+    rng = random.Random(seed)
+    warm = 4
+    # the first ones decode while the last ones prefill: none may finish before the timed steps end
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    for i in range(batch):
+        length = rng.randint(context // 2, context * 3 // 2)
+        core.add(GenerationRequest(f"d{i}", [rng.randrange(vocab) for _ in range(length)], params))
+    sched = core.scheduler
+    while sched.waiting or any(s.num_uncomputed > 1 for s in sched.running):  # prefill them all
+        core.run_once()
+    prompts = 0
+
+    def feed() -> None:  # keep a step's worth of prompts waiting: each step has its prompt chunks
+        nonlocal prompts
+        while kind == "mixed" and len(sched.waiting) < 2 * (BUDGET // prompt + 1):
+            tokens = [rng.randrange(vocab) for _ in range(prompt)]
+            core.add(GenerationRequest(f"p{prompts}", tokens, SamplingParams(max_tokens=1, ignore_eos=True)))
+            prompts += 1
+
+    for _ in range(warm):
+        feed()
+        core.run_once()
+    clock.take()
+    clock.shapes.clear()
+    totals, stages = [], defaultdict(list)
+    for _ in range(steps):
+        feed()
+        t = time.perf_counter()
+        core.run_once()
+        totals.append(time.perf_counter() - t)
+        for name, spent in clock.take().items():
+            stages[name].append(spent)
+    shapes = clock.shapes[:steps]
+    for seq in list(sched.running) + list(sched.waiting):
+        core.abort(seq.request_id)
+    while core.has_work:
+        core.run_once()
+    ms = sorted(1e3 * t for t in totals)
+    mean = {name: 1e3 * statistics.fmean(stages[name]) if stages[name] else 0.0 for name in STAGES}
+    return {
+        "kind": kind,
+        "batch": batch,
+        "context_mean": context,
+        "prompt": prompt if kind == "mixed" else 0,
+        "steps": steps,
+        "decode_rows_mean": round(statistics.fmean(d for d, _, _ in shapes), 1),
+        "prompt_tokens_mean": round(statistics.fmean(p for _, p, _ in shapes), 1),
+        "decode_context_mean": round(sum(c for _, _, c in shapes) / max(1, sum(d for d, _, _ in shapes))),
+        "ms_mean": round(statistics.fmean(ms), 3),
+        "ms_p50": round(ms[len(ms) // 2], 3),
+        "ms_p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
+        "stages_ms": {name: round(v, 3) for name, v in mean.items()}
+        | {"other": round(statistics.fmean(ms) - sum(mean.values()), 3)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="32,64,128,256", help="decoding sequences per step")
+    ap.add_argument("--contexts", default="256,1024,3072", help="mean context of the decoding sequences")
+    ap.add_argument("--mixed-batch", type=int, default=192, help="mixed points: decoding sequences")
+    ap.add_argument("--prompt", type=int, default=1024, help="mixed points: tokens of each prompt")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per point")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the server's engine process)")
+    ap.add_argument("--out", default="bench/results/host_step.json")
+    ap.add_argument("--smoke", action="store_true", help="small sizes and few steps: checks the logic")
+    a = ap.parse_args()
+    if a.smoke:
+        a.batches, a.contexts, a.mixed_batch, a.prompt, a.steps = "4,16", "64", 8, 96, 8
+    torch.set_num_threads(a.threads)
+    device = torch.device("cpu")
+    model = build_model("tiny", device, torch.float32)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    batches = [int(b) for b in a.batches.split(",")]
+    # the longest context: a prompt, its tokens decoded while the others prefill, the timed steps
+    most = max(batches + [a.mixed_batch])
+    longest = max(contexts) * 3 // 2 * (1 + most // BUDGET) + 2 * a.steps + 64
+    blocks = (most + 8) * (-(-longest // BLOCK)) + 4 * BUDGET // BLOCK
+    config = EngineConfig(
+        num_blocks=blocks, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET,
+        max_model_len=longest + BLOCK, step_loop="async", prefix_caching=True,
+    )
+    core = build_core(model, config)
+    no_forward(core)
+    clock = StageClock(core)
+    vocab = model.config.vocab_size
+    points = [("decode", b, c) for c in contexts for b in batches]
+    points += [("mixed", a.mixed_batch, c) for c in contexts]
+    results = []
+    for i, (kind, batch, context) in enumerate(points):
+        r = point(core, clock, kind, batch, context, a.prompt, a.steps, vocab, seed=i + 1)
+        results.append(r)
+        print(f"{kind} {batch} x {context}: {r['ms_mean']} ms/step", file=sys.stderr, flush=True)
+    report = {
+        "benchmark": "host_step",
+        "environment": environment(device),
+        "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": BUDGET, "block_size": BLOCK,
+                   "prefix_caching": True, "step_loop": "async"},
+        "smoke": a.smoke,
+        "points": results,
+    }
+    columns = ("kind", "decode_rows_mean", "prompt_tokens_mean", "decode_context_mean", "ms_mean", "ms_p99")
+    rows = [[*(r[c] for c in columns), *(r["stages_ms"][s] for s in (*STAGES, "other"))] for r in results]
+    headers = ["step", "decode rows", "prompt tokens", "context", "ms/step", "p99", *STAGES, "other"]
+    print(markdown_table(headers, rows))
+    print(f"wrote {write_json(a.out, report)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
