@@ -70,14 +70,14 @@ def test_a_preempted_sequence_keeps_its_kv_in_the_host_pool_and_gets_it_back():
     out = s.schedule()  # a needs a fourth block: b (the newest) goes to the pool
     assert out.preempted == [b] and b in s.waiting
     assert out.moves.out_device == b_blocks and out.moves.out_host == [0, 1, 2] == b.host_blocks
-    assert b.num_computed == 12 and b.block_ids == [] and s.host.num_free == 5
+    assert b.num_computed == 12 and list(b.block_ids) == [] and s.host.num_free == 5
     assert (s.preempted_offload, s.preempted_recompute, s.blocks_offloaded) == (1, 0, 3)
     s.finish_step(out, {0: 7})
     while b in s.waiting:  # a finishes; b comes back with its K/V, computing only its next token
         out = step(s)
     chunk = next(c for c in out.chunks if c.seq is b)
     assert (chunk.start, chunk.num_tokens) == (12, 1)
-    assert out.moves.in_host == [0, 1, 2] and out.moves.in_device == b.block_ids[:3]
+    assert out.moves.in_host == [0, 1, 2] and out.moves.in_device == list(b.block_ids[:3])
     assert b.host_blocks == [] and s.host.num_free == 8 and s.blocks_restored == 3
 
 

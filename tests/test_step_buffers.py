@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from array import array
+
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.service.engine.batch import build_host_batch
 from tandem.service.engine.block_manager import BlockManager
 from tandem.service.engine.sampling_params import SamplingParams
-from tandem.service.engine.scheduler import Scheduler
+from tandem.service.engine.scheduler import ScheduledChunk, Scheduler
 from tandem.service.engine.sequence import Sequence
 from tandem.service.engine.step_buffers import StepBuffers
 
@@ -38,7 +42,7 @@ def test_decode_step_padded_to_a_graph_bucket():
     assert d["block_table"][3, 0].item() == 32
     assert d["temperature"][:4].tolist() == [0.0, 0.699999988079071, 0.0, 0.0]  # padding is greedy
     for i, c in enumerate(chunks):  # each decode row reads its own blocks
-        assert d["block_table"][i, : len(c.seq.block_ids)].tolist() == c.seq.block_ids
+        assert d["block_table"][i, : len(c.seq.block_ids)].tolist() == list(c.seq.block_ids)
     assert dev.block_table.shape == (3, batch.decode_block_table.shape[1])
 
 
@@ -68,3 +72,64 @@ def test_staged_tensors_keep_their_buffers_and_grow_when_a_step_needs_more():
     assert big.tolist() == list(range(5000))
     small = buf.stage("index", torch.tensor([7, 8], dtype=torch.int64))
     assert small.data_ptr() == big.data_ptr() and small.tolist() == [7, 8]
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> tuple[list[ScheduledChunk], dict[int, int], int]:
+    """A step of decode rows and prompt chunks in any order: chunks that start and end anywhere in
+    a block, carried inputs, sequences whose blocks are scattered over the cache."""
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    free = list(range(12 * 113))  # enough for 12 chunks of block size 1
+    draw(st.randoms()).shuffle(free)
+    chunks, rows = [], {}
+    for i in range(draw(st.integers(1, 12))):
+        start = draw(st.integers(0, 80))
+        n = draw(st.sampled_from([1, 1, 2, 7, 16, 33]))
+        carried = draw(st.booleans())
+        known = start + n - carried  # the carried input is not on the host yet
+        seq = Sequence(f"s{i}", list(range(1000 * i, 1000 * i + known)), 1,
+                       SamplingParams(temperature=draw(st.sampled_from([0.0, 0.5]))), seed=i,
+                       max_total_len=1000)
+        seq.block_ids = array("i", [free.pop() for _ in range(-(-(start + n) // block_size))])
+        rows[id(seq)] = draw(st.integers(0, 255))
+        chunks.append(ScheduledChunk(seq, start, n, samples=draw(st.booleans()), carried=carried))
+    return chunks, rows, block_size
+
+
+@settings(max_examples=200, deadline=None)
+@given(_steps())
+def test_host_batch_is_each_tokens_definition_packed(step):
+    """build_host_batch against its definition, token by token: each chunk's inputs (a carried
+    one's placeholder and previous-step row), positions and cache slots (block of the position,
+    offset in it), in chunk order; decode rows' block tables (zero past their own blocks) and
+    contexts; prompt chunks' segments; the sampled rows."""
+    chunks, rows, bs = step
+    batch = build_host_batch(chunks, bs, prev_rows=rows)
+    ids, pos, slots, carry, table, lens, segments, logits = [], [], [], [], [], [], [], []
+    for c in chunks:
+        q = len(ids)
+        for p in range(c.start, c.start + c.num_tokens):
+            last_carried = c.carried and p == c.start + c.num_tokens - 1
+            ids.append(0 if last_carried else c.seq.token_ids[p])
+            carry.append(rows[id(c.seq)] if last_carried else -1)
+            pos.append(p)
+            slots.append(c.seq.block_ids[p // bs] * bs + p % bs)
+        if c.num_tokens == 1:
+            table.append(list(c.seq.block_ids))
+            lens.append(c.start + 1)
+        else:
+            blocks = None if c.start == 0 else list(c.seq.block_ids)
+            segments.append((q, c.num_tokens, c.start + c.num_tokens, blocks))
+        if c.samples:
+            logits.append(len(ids) - 1)
+    assert batch.input_ids.tolist() == ids and batch.positions.tolist() == pos
+    assert batch.slot_mapping.tolist() == slots
+    assert (batch.carry.tolist() if batch.carry is not None else [-1] * len(ids)) == carry
+    assert batch.logits_indices.tolist() == logits
+    assert [(q, n, ctx, None if b is None else list(b)) for q, n, ctx, b in batch.prefills] == segments
+    if table:
+        width = max(map(len, table))
+        assert batch.decode_block_table.tolist() == [t + [0] * (width - len(t)) for t in table]
+        assert batch.decode_ctx_lens.tolist() == lens
+    else:
+        assert batch.decode_block_table is None

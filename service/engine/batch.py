@@ -6,9 +6,11 @@ sequences run in one forward; the attention metadata tells each token where its 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .ops.attention_metadata import AttentionMetadata, PrefillSegment
@@ -56,9 +58,9 @@ class HostBatch:
     logits_indices: torch.Tensor  # [S] packed index of each sampling sequence's last token
     sample_chunks: list[int]  # chunk index (in the scheduler output) of each sampled row
     decode_token_idx: list[int]
-    decode_block_table: torch.Tensor | None  # [B, max_blocks]
+    decode_block_table: torch.Tensor | None  # [B, max_blocks] int32
     decode_ctx_lens: torch.Tensor | None  # [B]
-    prefills: list[tuple[int, int, int, list[int] | None]]  # (q_start, q_len, ctx_len, block ids)
+    prefills: list[tuple[int, int, int, array | None]]  # (q_start, q_len, ctx_len, block ids)
     sampling: SamplingTensors
     # async loop: per token, the row of the previous step's sampled tokens that is its input
     # (the host holds a placeholder there), or -1; None when nothing is carried
@@ -70,40 +72,49 @@ def build_host_batch(
     block_size: int,
     prev_rows: dict[int, int] | None = None,
 ) -> HostBatch:
-    """`prev_rows`: id(sequence) -> its row in the previous step's samples, for carried chunks."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
+    """`prev_rows`: id(sequence) -> its row in the previous step's samples, for carried chunks.
+
+    At 256 sequences this runs once per step on the host, inside the device's step time: a
+    decode row costs a few scalar writes, a prompt chunk and the block table are array copies."""
+    total = sum(c.num_tokens for c in chunks)
+    input_ids = np.empty(total, np.int64)
+    positions = np.empty(total, np.int64)
+    slots = np.empty(total, np.int64)
+    carry = np.full(total, -1, np.int64)
+    carried = False
     logits_indices: list[int] = []
     sample_chunks: list[int] = []
     decode_idx: list[int] = []
-    decode_tables: list[list[int]] = []
+    decode_tables: list[array] = []
     decode_lens: list[int] = []
-    prefills: list[tuple[int, int, int, list[int] | None]] = []
+    prefills: list[tuple[int, int, int, array | None]] = []
     temps, top_ps, top_ks, seeds, steps = [], [], [], [], []
     num_logprobs = -1
-    carry: list[int] = []
 
+    q = 0  # the chunk's first row in the packed step
     for ci, chunk in enumerate(chunks):
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-        q_start = len(input_ids)
-        input_ids.extend(seq.token_ids[start : start + n])
-        carry.extend([-1] * n)
-        if chunk.carried:  # its input is still on the device: placeholder + where to take it from
-            input_ids.append(0)
-            carry[-1] = prev_rows[id(seq)]
-        positions.extend(range(start, start + n))
         blocks = seq.block_ids
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         if n == 1:
-            decode_idx.append(q_start)
+            input_ids[q] = 0 if chunk.carried else seq.token_ids[start]
+            positions[q] = start
+            slots[q] = blocks[start // block_size] * block_size + start % block_size
+            decode_idx.append(q)
             decode_tables.append(blocks)
             decode_lens.append(start + 1)
         else:
-            prefills.append((q_start, n, start + n, None if start == 0 else list(blocks)))
+            known = seq.token_ids[start : start + n]  # n tokens, or n - 1 with the last in flight
+            input_ids[q : q + len(known)] = known
+            positions[q : q + n] = np.arange(start, start + n)
+            slots[q : q + n] = _chunk_slots(blocks, start, n, block_size)
+            prefills.append((q, n, start + n, None if start == 0 else blocks[:]))
+        if chunk.carried:  # its input is still on the device: placeholder + where to take it from
+            input_ids[q + n - 1] = 0
+            carry[q + n - 1] = prev_rows[id(seq)]
+            carried = True
         if chunk.samples:
             p = seq.params
-            logits_indices.append(q_start + n - 1)
+            logits_indices.append(q + n - 1)
             sample_chunks.append(ci)
             temps.append(p.temperature)
             top_ps.append(p.top_p)
@@ -112,12 +123,8 @@ def build_host_batch(
             steps.append(seq.num_output + seq.num_inflight - 1)  # this token's index in the output
             if p.logprobs:
                 num_logprobs = max(num_logprobs, p.top_logprobs)
+        q += n
 
-    table = lens = None
-    if decode_tables:
-        width = max(len(b) for b in decode_tables)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in decode_tables], dtype=torch.int64)
-        lens = torch.tensor(decode_lens, dtype=torch.int64)
     sampling = SamplingTensors(
         temperature=torch.tensor(temps, dtype=torch.float32),
         top_p=torch.tensor(top_ps, dtype=torch.float32),
@@ -129,18 +136,35 @@ def build_host_batch(
         num_logprobs=num_logprobs,
     )
     return HostBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sample_chunks=sample_chunks,
         decode_token_idx=decode_idx,
-        decode_block_table=table,
-        decode_ctx_lens=lens,
+        decode_block_table=_block_table(decode_tables) if decode_tables else None,
+        decode_ctx_lens=torch.tensor(decode_lens, dtype=torch.int64) if decode_tables else None,
         prefills=prefills,
         sampling=sampling,
-        carry=torch.tensor(carry, dtype=torch.int64) if any(c >= 0 for c in carry) else None,
+        carry=torch.from_numpy(carry) if carried else None,
     )
+
+
+def _chunk_slots(blocks: array, start: int, n: int, block_size: int) -> np.ndarray:
+    """Cache slots of positions start .. start + n - 1 of a sequence with these blocks."""
+    first, last = start // block_size, (start + n - 1) // block_size
+    ids = np.array(blocks[first : last + 1], np.int64)
+    offset = start % block_size
+    return (ids[:, None] * block_size + np.arange(block_size)).ravel()[offset : offset + n]
+
+
+def _block_table(tables: list[array]) -> torch.Tensor:
+    """[rows, longest] int32: each row's block ids, then zeros (the kernels read a row up to its
+    context length only)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    table = np.zeros((len(tables), int(lens.max())), np.int32)
+    table[np.arange(table.shape[1]) < lens[:, None]] = np.frombuffer(b"".join(tables), np.intc)
+    return torch.from_numpy(table)
 
 
 def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -199,7 +223,7 @@ def build_attention_metadata(
     if varlen is not None and batch.prefills and not sliding_window:
         segments = [
             (q_start, q_len, batch.slot_mapping[q_start : q_start + q_len] if blocks is None
-             else _slots_of(torch.tensor(blocks, dtype=torch.int64), ctx_len, block_size))
+             else _slots_of(torch.frombuffer(blocks, dtype=torch.int32).long(), ctx_len, block_size))
             for q_start, q_len, ctx_len, blocks in batch.prefills
         ]
         meta.varlen = VarlenPrefill.build(segments, varlen)
@@ -208,7 +232,7 @@ def build_attention_metadata(
         seg = PrefillSegment(q_start, q_len, ctx_len)
         fresh = blocks is None
         if not fresh:
-            table = upload(torch.tensor(blocks, dtype=torch.int64), device)
+            table = upload(torch.frombuffer(blocks, dtype=torch.int32).long(), device)
             seg.slots = _slots_of(table, ctx_len, block_size)
         if not fresh or (sliding_window and q_len > sliding_window):
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)

@@ -12,6 +12,8 @@ read that user's K/V, so the name must not be forgeable.
 from __future__ import annotations
 
 import hashlib
+import struct
+from array import array
 from collections import OrderedDict, deque
 
 from .sequence import Sequence
@@ -27,6 +29,7 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self._root = hashlib.sha256(f"tandem-prefix:{salt}".encode()).digest()
+        self._block_bytes = struct.Struct(f"<{block_size}q")  # a full block's tokens, as hashed
         self._free: deque[int] = deque(range(num_blocks))  # hold nothing worth keeping
         self._refs = [0] * num_blocks
         self._digest: dict[int, bytes] = {}  # cached block -> its digest
@@ -58,10 +61,12 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
     def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free
+        return n == 0 or n <= self.num_free  # most decode steps need no block
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         n = self.blocks_needed(seq, num_new_tokens)
+        if n == 0:
+            return
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
         for _ in range(n):
@@ -85,7 +90,7 @@ class BlockManager:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
-        seq.block_ids = []
+        seq.block_ids = array("i")
         seq.block_epoch += 1
         seq.blocks_cached = 0
 
@@ -97,11 +102,7 @@ class BlockManager:
             i = len(digests)
             parent = digests[-1] if digests else self._root
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            digests.append(
-                hashlib.sha256(
-                    parent + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
-                ).digest()
-            )
+            digests.append(hashlib.sha256(parent + self._block_bytes.pack(*tokens)).digest())
         return digests
 
     def match_prefix(self, seq: Sequence) -> int:
@@ -121,7 +122,7 @@ class BlockManager:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        seq.block_ids = blocks
+        seq.block_ids = array("i", blocks)
         seq.blocks_cached = len(blocks)
         seq.num_computed = len(blocks) * self.block_size
         self.queried_tokens += seq.length

@@ -143,36 +143,41 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([], [])
         chunks = out.chunks
+        blocks = self.blocks
         scheduled: set[int] = set()
+        preempted: set[int] = set()  # by this call (ids): they left `running`
 
         def take(seq: Sequence, n: int) -> None:
             nonlocal budget
-            self.blocks.allocate(seq, n)
-            samples = seq.num_computed + n == seq.length
-            chunks.append(
-                ScheduledChunk(seq, seq.num_computed, n, samples, seq.num_inflight > 0, seq.block_epoch)
-            )
-            seq.num_computed += n  # claimed now, so a step scheduled before this one ends sees it
+            blocks.allocate(seq, n)
+            start = seq.num_computed
+            samples = start + n == seq.length
+            chunks.append(ScheduledChunk(seq, start, n, samples, seq.num_inflight > 0, seq.block_epoch))
+            seq.num_computed = start + n  # claimed now, so a step scheduled before this one ends sees it
             seq.num_inflight += samples
             scheduled.add(id(seq))
             budget -= n
 
         def make_room(seq: Sequence, n: int) -> bool:
             """Preempt from the tail until `seq` has its blocks; False if `seq` itself had to go."""
-            while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+            while not blocks.can_allocate(blocks.blocks_needed(seq, n)):
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
                 self._preempt(victim, out)
+                preempted.add(id(victim))
                 if victim is seq:
                     return False
             return True
 
-        active = [s for s in self.running if not s.will_finish_by_length]
-        decoding = [s for s in active if s.num_uncomputed == 1]
-        prefilling = [s for s in active if s.num_uncomputed > 1]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            left = seq.num_uncomputed
+            if left and not seq.will_finish_by_length:
+                (decoding if left == 1 else prefilling).append(seq)
         for seq in decoding + prefilling:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if id(seq) in preempted:  # earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget)
             if make_room(seq, n):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
@@ -23,7 +24,8 @@ class Sequence:
     seed: int  # resolved seed: a request without one gets a random one at admission
     max_total_len: int  # prompt + generated tokens may not exceed this (context length)
     stop_ids: frozenset[int] = frozenset()
-    block_ids: list[int] = field(default_factory=list)
+    # its KV blocks, as C ints: a step's block table is these rows' bytes joined (batch.py)
+    block_ids: array = field(default_factory=lambda: array("i"))
     # digests of its first full blocks (prefix caching: block_manager.py), and how many times its
     # blocks were released (a step's chunk caches its blocks only if they are still the same ones)
     block_digests: list[bytes] = field(default_factory=list)
