@@ -328,7 +328,8 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
             assert p["decode_rows_mean"] == p["batch"] and p["prompt_tokens_mean"] == 0
         else:  # prompt chunks beside the decodes, up to the step's token budget
             assert p["decode_rows_mean"] == p["batch"] and p["prompt_tokens_mean"] > 0
-            assert p["decode_rows_mean"] + p["prompt_tokens_mean"] <= report["engine"]["max_num_batched_tokens"]
+            budget = report["engine"]["max_num_batched_tokens"]
+            assert p["decode_rows_mean"] + p["prompt_tokens_mean"] <= budget
         stages = p["stages_ms"]
         assert all(stages[s] > 0 for s in ("schedule", "build", "upload", "process"))
         assert stages["other"] >= 0 and sum(stages.values()) == pytest.approx(p["ms_mean"], abs=0.01)
