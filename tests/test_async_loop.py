@@ -42,7 +42,7 @@ def test_a_sequence_that_stops_in_step_n_drops_its_token_from_step_n_plus_1():
     s.add(a)
     step1 = s.schedule()
     step2 = s.schedule()  # launched before step 1's result
-    assert s.finish_step(step1, {0: 99}) == [a]  # step 1 sampled the stop token
+    assert s.finish_step(step1, {0: 99}) == [0]  # step 1 sampled the stop token: a took it
     assert a.finish_reason is FinishReason.STOP and s.blocks.num_free == 64
     assert s.finish_step(step2, {0: 5}) == []  # the extra token of step 2 is dropped
     assert a.token_ids[-1] == 99 and a.num_output == 1

@@ -104,7 +104,7 @@ def test_digests_are_sha256_of_the_chain_not_python_hash():
 # --- the scheduler ------------------------------------------------------------------------------
 
 
-def fake_step(s: Scheduler, token: int = 7) -> list[Sequence]:
+def fake_step(s: Scheduler, token: int = 7) -> list[int]:
     out = s.schedule()
     return s.finish_step(out, {i: token for i, c in enumerate(out.chunks) if c.samples})
 

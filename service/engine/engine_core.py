@@ -242,21 +242,20 @@ class EngineCore:
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
         sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
+        took = self.scheduler.finish_step(out, sampled)
+        rows = {ci: row for row, ci in enumerate(result.sample_chunks)} if result.logprobs is not None else {}
         updates = []
-        finished_before = {id(c.seq) for c in out.chunks if c.seq.finished}
-        self.scheduler.finish_step(out, sampled)
-        for row, ci in enumerate(result.sample_chunks):
+        for ci in took:
             seq = out.chunks[ci].seq
-            if id(seq) in finished_before:  # cancelled, or done in the step before: extra token dropped
-                continue
             lp = None
-            if result.logprobs is not None and seq.params.logprobs:
+            if rows and seq.params.logprobs:
+                row = rows[ci]
                 top = result.top[row][: seq.params.top_logprobs] if result.top else []
                 lp = [TokenLogprob(result.logprobs[row], top)]
             update = SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token)
             update.scheduled_at = seq.scheduled_at
             updates.append(update)
-            if seq.num_output == 1:
+            if seq.num_output == 1:  # its first token
                 self.prompt_tokens += seq.prompt_len
         self.generated_tokens += len(updates)
         return updates

@@ -240,27 +240,29 @@ class Scheduler:
             self.host.free(seq.host_blocks)
             seq.host_blocks = []
 
-    def finish_step(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Hand the step's new tokens (chunk index -> token) to their sequences. Returns finished.
+    def finish_step(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[int]:
+        """Hand the step's new tokens (chunk index -> token) to their sequences; returns the
+        indices of the chunks whose sequence took its token, in order (finished ones included).
 
         A sequence that finished in an earlier step but was already scheduled in this one (the
         asynchronous loop schedules ahead) gets nothing: its extra token is dropped.
         """
-        finished = []
+        took = []
         for i, chunk in enumerate(out.chunks):
             seq = chunk.seq
             if chunk.epoch == seq.block_epoch:  # its K/V are written and its blocks still its own
                 self.blocks.cache_computed(seq, chunk.start + chunk.num_tokens)
-            if i not in sampled or seq.finished:  # no token, or aborted / done meanwhile
+            token = sampled.get(i)
+            if token is None or seq.finish_reason is not None:  # no token, or aborted / done meanwhile
                 continue
             seq.num_inflight -= 1
-            seq.append(sampled[i])
+            seq.append(token)
+            took.append(i)
             if self.suspects and seq is self.suspects[0]:  # its lone step went through: cleared
                 self.suspects.popleft()
                 self.running.append(seq)
-            if seq.finished:
+            if seq.finish_reason is not None:
                 queue = self.running if seq in self.running else self.waiting
                 queue.remove(seq)
                 self._release(seq)
-                finished.append(seq)
-        return finished
+        return took
