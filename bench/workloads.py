@@ -15,6 +15,8 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
   prompt tokens' GEMM work (2 x linear parameters per token) at the dense bf16 GEMM rate measured in
   the same run. `of bound` = bound / measured time. Each step is also put in one of three kinds
   (decode only, prompt only, mixed) with its device time and its host preparation time.
+  `--budgets 2048,4096`: each seed again at each step token budget (the most tokens a step takes,
+  so the chunk size of long prompts), on the same engine.
 - `prefix`: `--prefixes` system prompts of `--prefix-len` tokens, each shared by the same number of
   requests (a distinct 64-token question each, in a random order), in a cache that holds only some
   of the prefixes beside the running requests, so cached blocks are evicted: prefix caching on vs off.
@@ -106,15 +108,18 @@ class Run:
 
 
 def fresh_scheduler(
-    core: EngineCore, config: EngineConfig, num_blocks: int, prefix_caching: bool, host_blocks: int
+    core: EngineCore, config: EngineConfig, num_blocks: int, prefix_caching: bool, host_blocks: int,
+    budget: int = BUDGET,
 ) -> None:
     """A new scheduler over the core's cache (built from `config`): its own block count (at most
-    the cache's), prefix caching on or off, a host pool (within the runner's) or none."""
-    assert num_blocks <= core.runner.cache.num_blocks
+    the cache's), prefix caching on or off, a host pool (within the runner's) or none, its own token
+    budget per step (at most the one the core's step buffers were sized for)."""
+    assert num_blocks <= core.runner.cache.num_blocks and budget <= config.max_num_batched_tokens
     pool = core.runner.offload
     assert host_blocks == 0 or (pool is not None and host_blocks <= pool.store.shape[0])
     mine = dataclasses.replace(
-        config, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_offload_blocks=host_blocks
+        config, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_offload_blocks=host_blocks,
+        max_num_batched_tokens=budget,
     )
     core.scheduler = build_scheduler(mine, core.runner.model)
 
@@ -444,6 +449,11 @@ def main() -> None:
     ap.add_argument("--shape", choices=["8b", "1b", "tiny"], default="8b")
     ap.add_argument("--workloads", default="mixed,prefix,oversubscribed,long")
     ap.add_argument("--seeds", default="1,2,3", help="mixed: one run per seed")
+    ap.add_argument(
+        "--budgets",
+        default=str(BUDGET),
+        help="mixed: one run per seed at each step token budget (chunk size), on the same engine",
+    )
     ap.add_argument("--requests", type=int, default=512, help="mixed: requests per run")
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--per-prefix", type=int, default=16)
@@ -484,6 +494,7 @@ def main() -> None:
         a.oversub = "12x48+24@2,6x16+64@3"
         a.long_requests, a.long_prompt, a.long_new = 2, 16, 64
         a.cache_gib, a.offload_gib = 0.05, 0.02
+    budgets = [int(b) for b in a.budgets.split(",")]
     device = torch.device("cpu" if a.smoke else "cuda")
     dtype = torch.float32 if a.smoke else torch.bfloat16
     model = build_model(a.shape, device, dtype)
@@ -497,7 +508,7 @@ def main() -> None:
         num_blocks=cache_blocks,
         block_size=BLOCK,
         max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=BUDGET,
+        max_num_batched_tokens=max(budgets),  # the step buffers hold the largest budget's steps
         max_model_len=max_len,
         prefix_caching=True,
         kv_offload_blocks=int(a.offload_gib * 2**30) // (kv * BLOCK),
@@ -518,7 +529,8 @@ def main() -> None:
         "shape": a.shape,
         "engine": {
             "max_num_seqs": MAX_NUM_SEQS,
-            "max_num_batched_tokens": BUDGET,
+            "max_num_batched_tokens": budgets[0],
+            "mixed_budgets": budgets,
             "block_size": BLOCK,
             "build_s": round(time.perf_counter() - built, 1),
             **({} if a.smoke else SERVER_CUDA),
@@ -539,8 +551,10 @@ def main() -> None:
         host: int,
         profile: tuple[int, int] | None = None,
         host_profile: bool = False,
+        budget: int | None = None,  # None: the first of --budgets, as every workload but mixed runs
     ) -> Run:
-        fresh_scheduler(core, config, num_blocks, prefix, host)
+        budget = budget or budgets[0]
+        fresh_scheduler(core, config, num_blocks, prefix, host, budget)
         result = run(core, work, name, profile, host_profile)
         print(f"{name}: {result.summary()}", file=sys.stderr, flush=True)
         return result
@@ -550,14 +564,15 @@ def main() -> None:
 
     if "mixed" in selected:
         report["mixed"] = []
-        for seed in [int(s) for s in a.seeds.split(",")]:
+        for seed, budget in [(int(s), b) for s in a.seeds.split(",") for b in budgets]:
             work = mixed(a.requests, vocab, 4096, seed)
-            r = timed(f"mixed{seed}", work, cache_blocks, True, 0)
+            r = timed(f"mixed{seed}_{budget}", work, cache_blocks, True, 0, budget=budget)
             bound = limits.additive_bound(r.steps)
             floor_s = gemm_floor(r.steps, floor)
             report["mixed"].append(
                 {
                     "seed": seed,
+                    "budget": budget,
                     "requests": a.requests,
                     "prompt_tokens": sum(map(len, work.prompts)),
                     "new_tokens": sum(work.new),
@@ -573,7 +588,7 @@ def main() -> None:
             )
             rows.append(
                 [
-                    f"mixed, seed {seed}",
+                    f"mixed, seed {seed}" + (f", budget {budget}" if len(budgets) > 1 else ""),
                     "-",
                     r.summary()["tok_s"],
                     f"{bound['seconds'] / r.seconds:.1%} of additive bound, "

@@ -267,17 +267,23 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
     """`tandem bench workloads --smoke`: every workload runs to completion through the CLI, each
     side by side with its feature off, and the JSON says what each run did: the oversubscribed
     runs preempt (by offload in one, recompute in the other), the prefix run with caching hits
-    and the one without does not, the mixed run's bound, GEMM floor and step kinds add up, and the host
-    profile names the mixed attention op among the launches' functions."""
+    and the one without does not, the mixed run's bound, GEMM floor and step kinds add up, a smaller
+    step budget chunks the same prompts into more steps, and the host profile names the mixed
+    attention op among the launches' functions."""
     out = tmp_path / "workloads.json"
     tandem = Path(sys.executable).with_name("tandem")
     proc = subprocess.run(
-        [str(tandem), "bench", "workloads", "--smoke", "--host-profile", "--out", str(out)],
+        [str(tandem), "bench", "workloads", "--smoke", "--host-profile", "--budgets", "2048,96",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    (mixed,) = report["mixed"]
+    mixed, small = report["mixed"]  # one seed at each budget, the first one's first
+    assert (mixed["budget"], small["budget"]) == (2048, 96) and mixed["seed"] == small["seed"]
+    for kind in small["step_kinds"].values():  # no step takes more tokens than its budget
+        assert kind["prompt_tokens_mean"] + kind["decode_rows_mean"] <= 96
+    assert small["steps"] > mixed["steps"]  # the same prompts in smaller chunks
     bound = mixed["additive_bound"]
     assert bound["seconds"] == pytest.approx(bound["decode_memory_s"] + bound["prompt_gemm_s"], abs=2e-3)
     assert mixed["of_bound"] == pytest.approx(bound["seconds"] / mixed["seconds"], rel=0.01, abs=1e-3)
