@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.service.engine.batch import build_host_batch
+from tandem.service.engine.batch import build_attention_metadata, build_host_batch
 from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import ScheduledChunk, Scheduler
 from tandem.service.engine.sequence import Sequence
@@ -102,7 +103,8 @@ def test_host_batch_is_each_tokens_definition_packed(step):
     """build_host_batch against its definition, token by token: each chunk's inputs (a carried
     one's placeholder and previous-step row), positions and cache slots (block of the position,
     offset in it), in chunk order; decode rows' block tables (zero past their own blocks) and
-    contexts; prompt chunks' segments; the sampled rows."""
+    contexts; prompt chunks' segments; the sampled rows; and the CUDA path's packed prompt chunks
+    (each chunk's query rows, the cache slots of its whole context, their offsets)."""
     chunks, rows, bs = step
     batch = build_host_batch(chunks, bs, prev_rows=rows)
     ids, pos, slots, carry, table, lens, segments, logits = [], [], [], [], [], [], [], []
@@ -133,3 +135,19 @@ def test_host_batch_is_each_tokens_definition_packed(step):
         assert batch.decode_ctx_lens.tolist() == lens
     else:
         assert batch.decode_block_table is None
+    if segments:  # the packed prompt chunks of the CUDA path (one flash-attention call), built here
+        cache = KVCache(CacheShape(1, 1, 2), 12 * 113, bs, torch.float32, torch.device("cpu"))
+        buf = StepBuffers(len(ids), len(chunks), 113, torch.device("cpu"), cache.scratch_block, bs)
+        meta = build_attention_metadata(batch, buf.upload(batch), cache, varlen=buf.stage)
+        packed = meta.varlen
+        q_rows = [q + i for q, n, _, _ in segments for i in range(n)]
+        context = [  # a fresh prompt's context is its own new tokens; a later chunk's, its blocks'
+            slots[q + i] if blocks is None else blocks[i // bs] * bs + i % bs
+            for q, n, ctx, blocks in segments for i in range(n if blocks is None else ctx)
+        ]
+        assert packed.q_index.tolist() == q_rows and packed.kv_slots.tolist() == context
+        q_lens = [n for _, n, _, _ in segments]
+        k_lens = [n if blocks is None else ctx for _, n, ctx, blocks in segments]
+        assert packed.cu_q.tolist() == [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+        assert packed.cu_k.tolist() == [sum(k_lens[:i]) for i in range(len(k_lens) + 1)]
+        assert (packed.max_q, packed.max_k) == (max(q_lens), max(k_lens))
