@@ -106,3 +106,23 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert s.abort("wait") is not None
     assert s.blocks.num_free == 10 and not s.has_work
     assert s.abort("unknown") is None
+
+
+def test_a_recomputed_sequence_waits_for_room_for_its_whole_context():
+    """Preempted by recompute, a sequence comes back with its whole context to compute again, in
+    chunks of the step budget. Admitted when only its first chunk fits, it is the newest running
+    sequence, so the next block shortage preempts it again before it is done, and its chunk's
+    work is lost, over and over. It is admitted only when all of it fits: every sequence is
+    preempted at most once in this cache, and no preempted sequence loses a prefill in progress."""
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=16)
+    seqs = [seq(f"r{i}", 24, max_tokens=40) for i in range(8)]  # 8 x 64 tokens: 2x the 256 slots
+    for x in seqs:
+        s.add(x)
+    lost_prefills = 0
+    while s.has_work:
+        out = s.schedule()
+        lost_prefills += sum(x.num_computed < x.length - 1 for x in out.preempted if x.num_preemptions > 1)
+        s.finish_step(out, {i: 7 for i, c in enumerate(out.chunks) if c.samples})
+    assert all(x.num_output == 40 for x in seqs)
+    assert s.preempted_recompute > 0 and max(x.num_preemptions for x in seqs) <= 1
+    assert lost_prefills == 0

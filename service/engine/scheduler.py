@@ -3,8 +3,9 @@
 Policy per step, under a token budget and a cap on running sequences:
 1. decode first: every running sequence with one token to compute gets it;
 2. then running sequences still in (chunked) prefill get what is left of the budget;
-3. then waiting sequences are admitted in FIFO order while budget and blocks last; with prefix
-   caching a sequence admitted starts from the cached blocks of its longest cached prefix.
+3. then waiting sequences are admitted in FIFO order while budget and blocks last (blocks for all
+   a sequence has left to compute, though a step computes a chunk of it); with prefix caching a
+   sequence admitted starts from the cached blocks of its longest cached prefix.
 When a running sequence needs a block and none is free, the most recently admitted sequence
 not yet scheduled this step is preempted: with a host pool that has room, its K/V are copied out
 to the pool (offloaded) and copied back before it runs again, at the head of the queue; otherwise
@@ -189,7 +190,9 @@ class Scheduler:
                 break
             matched = self.blocks.match_prefix(seq)  # nothing for an offloaded one: it has its K/V
             n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)):
+            # room for all it has to compute, not only this step's chunk: admitted without it, its
+            # prompt (or recomputed context) is preempted before it is done, again and again
+            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_uncomputed)):
                 if matched:
                     self.blocks.unmatch(seq, matched)
                 break  # FIFO: nobody overtakes the head of the queue
