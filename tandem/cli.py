@@ -80,6 +80,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it
     "autoscale": "autoscale_sim.py",
     "workloads": "workloads.py",
     "host": "host_step.py",
+    "offload-bound": "offload_bound.py",
 }
 
 

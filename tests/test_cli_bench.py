@@ -340,3 +340,27 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
         assert all(stages[s] > 0 for s in ("schedule", "build", "upload", "process"))
         assert stages["other"] >= 0 and sum(stages.values()) == pytest.approx(p["ms_mean"], abs=0.01)
         assert p["ms_p50"] <= p["ms_p99"]
+
+
+def test_tandem_bench_offload_bound_models_each_shapes_two_schedules(tmp_path):
+    """`tandem bench offload-bound --smoke`: each shape runs once with a host pool (every preempted
+    sequence offloaded, its prompt computed once) and once without (preempted ones recomputed, so
+    more prompt tokens), and the modelled ratio is the two modelled times' quotient."""
+    out = tmp_path / "offload.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run(
+        [str(tandem), "bench", "offload-bound", "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "offload_bound" and len(report["shapes"]) == 2
+    for shape in report["shapes"]:
+        off, rec = shape["offload"], shape["recompute"]
+        assert off["preemptions_offload"] > 0 and off["preemptions_recompute"] == 0
+        assert rec["preemptions_recompute"] > 0 and rec["preemptions_offload"] == 0
+        assert off["prompt_tokens"] == shape["requests"] * shape["prompt"]  # each prompt once
+        assert shape["recomputed_tokens"] == rec["prompt_tokens"] - off["prompt_tokens"] > 0
+        assert shape["modelled_ratio"] == pytest.approx(rec["modelled_s"] / off["modelled_s"], rel=1e-3)
+        assert shape["cache_tokens"] * shape["oversubscribed"] == pytest.approx(
+            shape["requests"] * (shape["prompt"] + shape["new"]), rel=0.05)
