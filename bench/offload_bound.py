@@ -41,7 +41,8 @@ from tandem.service.engine.ops.kv_cache import CacheShape
 SHAPES_DEFAULT = (
     "128x1024+512@2,48x256+2048@3,"  # the two shapes tandem bench workloads measures on the GPU
     "64x2048+2048@2,64x2048+2048@4,256x512+512@2,256x512+1024@4,"
-    "32x4096+4096@2,32x4096+4096@4,128x256+4096@4,16x8192+8192@4"
+    "32x4096+4096@2,32x4096+4096@4,128x256+4096@4,16x8192+8192@4,"
+    "256x1024+1024@4,256x256+2048@4,256x2048+512@2,512x512+512@4,256x128+1024@8"
 )
 
 

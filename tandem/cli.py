@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench",
         help="run a benchmark (gpu: engine vs transformers with the roofline; serve; soak; cpu; autoscale; "
         "workloads: mixed, shared-prefix, oversubscribed and long-generation workloads; host: the engine's "
-        "host work per step)",
+        "host work per step; offload-bound: what KV offload can gain over recompute)",
         description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them.",
     )
     bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")
