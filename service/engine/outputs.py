@@ -17,7 +17,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqUpdate:
     """What one step did for one request, handed to the front."""
 

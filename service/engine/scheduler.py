@@ -38,7 +38,7 @@ from .host_blocks import HostBlocks
 from .sequence import FinishReason, Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed in this step

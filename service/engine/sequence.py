@@ -15,7 +15,7 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by every generated token
