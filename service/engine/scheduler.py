@@ -169,18 +169,18 @@ class Scheduler:
                     return False
             return True
 
-        decoding: list[Sequence] = []
-        prefilling: list[Sequence] = []
+        decoding: list[tuple[Sequence, int]] = []  # (sequence, tokens it has left to compute)
+        prefilling: list[tuple[Sequence, int]] = []
         for seq in self.running:
             left = seq.num_uncomputed
             if left and not seq.will_finish_by_length:
-                (decoding if left == 1 else prefilling).append(seq)
-        for seq in decoding + prefilling:
+                (decoding if left == 1 else prefilling).append((seq, left))
+        for seq, left in decoding + prefilling:
             if budget == 0:
                 break
             if id(seq) in preempted:  # earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(left, budget)
             if make_room(seq, n):
                 take(seq, n)
 
