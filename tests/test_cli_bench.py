@@ -320,12 +320,7 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
     point the batch asked for (every sequence decoding, or decodes beside prompt chunks), and the
     stages it reports are the step's time, split."""
     out = tmp_path / "host.json"
-    tandem = Path(sys.executable).with_name("tandem")
-    proc = subprocess.run(
-        [str(tandem), "bench", "host", "--smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _bench(tmp_path, "host", "--smoke", "--out", str(out))
     assert "| decode |" in proc.stdout and "| mixed |" in proc.stdout
     report = json.loads(out.read_text())
     assert report["benchmark"] == "host_step" and report["smoke"] is True
@@ -347,12 +342,7 @@ def test_tandem_bench_offload_bound_models_each_shapes_two_schedules(tmp_path):
     sequence offloaded, its prompt computed once) and once without (preempted ones recomputed, so
     more prompt tokens), and the modelled ratio is the two modelled times' quotient."""
     out = tmp_path / "offload.json"
-    tandem = Path(sys.executable).with_name("tandem")
-    proc = subprocess.run(
-        [str(tandem), "bench", "offload-bound", "--smoke", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _bench(tmp_path, "offload-bound", "--smoke", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["benchmark"] == "offload_bound" and len(report["shapes"]) == 2
     for shape in report["shapes"]:
@@ -364,3 +354,13 @@ def test_tandem_bench_offload_bound_models_each_shapes_two_schedules(tmp_path):
         assert shape["modelled_ratio"] == pytest.approx(rec["modelled_s"] / off["modelled_s"], rel=1e-3)
         assert shape["cache_tokens"] * shape["oversubscribed"] == pytest.approx(
             shape["requests"] * (shape["prompt"] + shape["new"]), rel=0.05)
+
+
+def _bench(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`tandem bench ARGS` from the installed CLI, as a user runs it (the repository root not on
+    sys.path); asserts it exits 0."""
+    tandem = Path(sys.executable).with_name("tandem")
+    proc = subprocess.run([str(tandem), "bench", *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
