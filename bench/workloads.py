@@ -16,7 +16,9 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
   the same run. `of bound` = bound / measured time. Each step is also put in one of three kinds
   (decode only, prompt only, mixed) with its device time and its host preparation time.
   `--budgets 2048,4096`: each seed again at each step token budget (the most tokens a step takes,
-  so the chunk size of long prompts), on the same engine.
+  so the chunk size of long prompts), on the same engine. Every run reports TTFT, TPOT (per
+  request: its tokens' span over their number less one) and inter-token latency percentiles, as
+  the host receives the tokens: a larger budget trades inter-token latency for fewer steps.
 - `prefix`: `--prefixes` system prompts of `--prefix-len` tokens, each shared by the same number of
   requests (a distinct 64-token question each, in a random order), in a cache that holds only some
   of the prefixes beside the running requests, so cached blocks are evicted: prefix caching on vs off.
@@ -89,15 +91,19 @@ class Run:
     profile: dict | None = None
     host_profile: dict | None = None
     allocator: dict = field(default_factory=dict)  # CUDA caching allocator counters during the run
+    itl: list[float] = field(default_factory=list)  # every gap between a request's tokens
+    tpot: list[float] = field(default_factory=list)  # per request: (last token - first) / (tokens - 1)
 
     def summary(self) -> dict:
-        ttft = sorted(self.ttft)
         return {
             "seconds": round(self.seconds, 3),
             "tok_s": round(self.tokens / self.seconds, 1),
             "steps": len(self.steps),
-            "ttft_p50_ms": round(1e3 * ttft[len(ttft) // 2], 1),
-            "ttft_p99_ms": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
+            **{
+                f"{name}_{p}_ms": percentile_ms(values, q)
+                for name, values in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl))
+                for p, q in (("p50", 0.5), ("p99", 0.99))
+            },
             "preemptions_offload": self.preempted[0],
             "preemptions_recompute": self.preempted[1],
             "prefix_hit_rate": round(self.hit_tokens / self.queried_tokens, 4)
@@ -188,6 +194,8 @@ def run(
     ids = [f"{tag}{i}" for i in range(len(work.prompts))]
     outputs: dict[str, list[int]] = {r: [] for r in ids}
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    itl: list[float] = []
     sync(core.runner.device)
     counted = allocator_counters(core.runner.device)
     syncs = SyncCalls() if host_profile and core.runner.device.type == "cuda" else None
@@ -214,8 +222,12 @@ def run(
         for u in core.run_once():
             if u.error:
                 raise RuntimeError(f"{u.request_id}: {u.error}")
+            now = time.perf_counter() - start
             if u.request_id not in first:
-                first[u.request_id] = time.perf_counter() - start
+                first[u.request_id] = now
+            else:
+                itl.append(now - last[u.request_id])
+            last[u.request_id] = now
             outputs[u.request_id] += u.new_token_ids
     sync(core.runner.device)
     seconds = time.perf_counter() - start
@@ -249,7 +261,17 @@ def run(
         kernels,
         hosted,
         allocator,
+        itl,
+        [(last[r] - first[r]) / (len(outputs[r]) - 1) for r in ids if len(outputs[r]) > 1],
     )
+
+
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The q-quantile of `values` (seconds) in ms, the nearest rank below; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
 class SyncCalls:
@@ -592,7 +614,8 @@ def main() -> None:
                     "-",
                     r.summary()["tok_s"],
                     f"{bound['seconds'] / r.seconds:.1%} of additive bound, "
-                    f"{floor_s / r.seconds:.1%} of GEMM floor",
+                    f"{floor_s / r.seconds:.1%} of GEMM floor, "
+                    f"ITL p50 / p99 {r.summary()['itl_p50_ms']} / {r.summary()['itl_p99_ms']} ms",
                 ]
             )
         if a.profile:  # a run of its own: the profiler slows the steps it records

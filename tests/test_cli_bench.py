@@ -284,6 +284,8 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
     for kind in small["step_kinds"].values():  # no step takes more tokens than its budget
         assert kind["prompt_tokens_mean"] + kind["decode_rows_mean"] <= 96
     assert small["steps"] > mixed["steps"]  # the same prompts in smaller chunks
+    for latency in ("ttft", "tpot", "itl"):  # each run's latencies, as the host got the tokens
+        assert 0 < mixed[f"{latency}_p50_ms"] <= mixed[f"{latency}_p99_ms"]
     bound = mixed["additive_bound"]
     assert bound["seconds"] == pytest.approx(bound["decode_memory_s"] + bound["prompt_gemm_s"], abs=2e-3)
     assert mixed["of_bound"] == pytest.approx(bound["seconds"] / mixed["seconds"], rel=0.01, abs=1e-3)
