@@ -11,8 +11,10 @@ prefix caching as the server runs it) with the forward replaced by a token fill,
 millisecond it reports is host work the real step also does. Each stage is timed by wrapping the
 engine's own functions: `schedule` (Scheduler.schedule), `build` (ModelRunner.prepare: the step's
 host tensors), `upload` (StepBuffers.upload: staging into the slot's buffers and the copies),
-`process` (EngineCore._process: the tokens handed to their sequences and the updates made) and
-`other` (the rest of the turn: the launch's bookkeeping, the wait, the step record).
+`metadata` (a step with prompts: its attention metadata as the CUDA runner builds it, the prompt
+chunks packed for one flash-attention call), `process` (EngineCore._process: the tokens handed to
+their sequences and the updates made) and `other` (the rest of the turn: the launch's bookkeeping,
+the wait, the step record).
 
 Two kinds of point, each with contexts spread uniformly over [C/2, 3C/2]:
 - `decode`: B sequences, every one decoding (a steady decode-only step);
@@ -36,6 +38,7 @@ import torch
 from common import environment, markdown_table, write_json
 from gpu_sync import build_model
 
+from tandem.service.engine.batch import build_attention_metadata
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.engine_core import EngineCore
@@ -43,7 +46,7 @@ from tandem.service.engine.sampler import SampleOutput
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
 BLOCK, MAX_NUM_SEQS, BUDGET = 16, 256, 2048  # the server's defaults
-STAGES = ("schedule", "build", "upload", "process")
+STAGES = ("schedule", "build", "upload", "metadata", "process")
 
 
 class StageClock:
@@ -69,6 +72,10 @@ class StageClock:
         for slot in runner.slots:
             slot.upload = self._timed("upload", slot.upload)
         core._process = self._timed("process", core._process)
+        no_forward(core, self._metadata)
+
+    def _metadata(self, seconds: float) -> None:
+        self.spent["metadata"] += seconds
 
     def _timed(self, name: str, fn: Callable) -> Callable:
         def wrapper(*args: object, **kwargs: object) -> object:
@@ -85,11 +92,23 @@ class StageClock:
         return spent
 
 
-def no_forward(core: EngineCore) -> None:
-    """The step's forward and sampling replaced by writing a token into each sampled row."""
+def _in_place(*args: object) -> None:
+    """Stands for the CUDA decode kernel: with one, a step's decode rows need no gather mask."""
+
+
+def no_forward(core: EngineCore, metadata: Callable[[float], None] | None = None) -> None:
+    """The step's forward and sampling replaced by writing a token into each sampled row.
+    `metadata`: also build the step's attention metadata as the CUDA runner does for a step with
+    prompts (its chunks packed for one flash-attention call, their indexes staged through the
+    slot), and hand this callable the seconds it took."""
     runner = core.runner
 
     def fill(batch, dev, s, bucket, prev_tokens) -> SampleOutput:  # noqa: ANN001 (ModelRunner._compute's)
+        if metadata is not None and batch.prefills:
+            t = time.perf_counter()
+            build_attention_metadata(batch, dev, runner.cache, decode_kernel=_in_place,
+                                     varlen=runner.slots[s].stage)
+            metadata(time.perf_counter() - t)
         tokens = runner.slots[s].tokens[: len(batch.sample_chunks)]
         return SampleOutput(tokens.fill_(11))
 
@@ -182,8 +201,7 @@ def main() -> None:
         max_model_len=longest + BLOCK, step_loop="async", prefix_caching=True,
     )
     core = build_core(model, config)
-    no_forward(core)
-    clock = StageClock(core)
+    clock = StageClock(core)  # and the forward replaced
     vocab = model.config.vocab_size
     points = [("decode", b, c) for c in contexts for b in batches]
     points += [("mixed", a.mixed_batch, c) for c in contexts]

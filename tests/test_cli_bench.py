@@ -335,6 +335,7 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
             assert p["decode_rows_mean"] + p["prompt_tokens_mean"] <= budget
         stages = p["stages_ms"]
         assert all(stages[s] > 0 for s in ("schedule", "build", "upload", "process"))
+        assert (stages["metadata"] > 0) == (p["kind"] == "mixed")  # packed prompt chunks: mixed steps
         assert stages["other"] >= 0 and sum(stages.values()) == pytest.approx(p["ms_mean"], abs=0.01)
         assert p["ms_p50"] <= p["ms_p99"]
 
