@@ -237,7 +237,8 @@ def splits_by_batch_alone(batch: int, kv_heads: int, num_sms: int) -> Splits:
 def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
     """The engine's kernel configuration at one batch size over grids of more and more splits: the
     rule graph-captured steps use (their longest context: the block table's width) against the grid
-    sized by the batch alone and fixed grids, on one layer's cache."""
+    sized by the batch alone, fixed grids, and the rule with other tokens per split (more, shorter
+    splits or fewer, longer ones), on one layer's cache."""
     from tandem.service.engine.ops.triton_decode import Splits, num_splits_for, paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -253,13 +254,16 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     for most in (2, 4, 8, 16, 32):
         if most > by_batch.least:
             grids[f"most {most}"] = Splits(by_batch.least, most)
+    for tokens in (256, 1024):  # the engine's rule with other tokens per split (its 512), up to 128 splits
+        most = min(-(-width * block // tokens), 128, max(1, 64 * sms // (batch * shape.num_kv_heads)))
+        grids[f"engine, {tokens} tokens per split"] = Splits(engine.least, max(engine.least, most), tokens)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
     for name, splits in grids.items():
         def call(splits=splits) -> None:
             paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv)
         seconds = timed(call)
-        rows.append({"grid": name, "least": splits.least, "most": splits.most,
+        rows.append({"grid": name, "least": splits.least, "most": splits.most, "tokens": splits.tokens,
                      "us": round(1e6 * seconds, 1), "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
     return rows
 
@@ -320,9 +324,9 @@ def main() -> None:
         batch, kind = point.split(":")
         grids[point] = decode_grid_sweep(model, int(batch), kind, bandwidth)
         print(f"decode attention split grids, batch {batch}, contexts {kind}")
-        print(markdown_table(["grid", "least", "most", "us (layer)", "of bandwidth"],
-                             [[r["grid"], r["least"], r["most"], r["us"], f"{r['of_bandwidth']:.0%}"]
-                              for r in grids[point]]))
+        headers = ["grid", "least", "most", "tokens per split", "us (layer)", "of bandwidth"]
+        print(markdown_table(headers, [[r["grid"], r["least"], r["most"], r["tokens"], r["us"],
+                                        f"{r['of_bandwidth']:.0%}"] for r in grids[point]]))
     if a.no_step:
         write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
                    {"benchmark": "profile_gpu", "environment": env, "attention": attention,

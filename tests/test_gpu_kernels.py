@@ -102,7 +102,8 @@ def _check_kernel(
     # every configuration the engine picks, and (bf16) a tile smaller than a block: tiles that
     # split blocks
     configs = {*ENGINE_CONFIGS} | ({KernelConfig(tile=16)} if dtype == torch.bfloat16 else set())
-    for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5)}:
+    # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
+    for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:
         for config in configs:
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
             assert k_run.stride() == k_cache.stride()

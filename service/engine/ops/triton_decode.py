@@ -227,14 +227,15 @@ MAX_SPLITS = 32
 @dataclass(frozen=True)
 class Splits:
     """How many programs share each sequence's context: `least` for every sequence, one more per
-    SPLIT_TOKENS of its context, up to `most` (the grid's split dimension)."""
+    `tokens` of its context, up to `most` (the grid's split dimension)."""
 
     least: int
     most: int
+    tokens: int = SPLIT_TOKENS
 
     def of(self, ctx_len: int) -> int:
         """The splits of a sequence of `ctx_len` tokens (the kernel's `_splits_of`, on the host)."""
-        return min(max(-(-ctx_len // SPLIT_TOKENS), self.least), self.most)
+        return min(max(-(-ctx_len // self.tokens), self.least), self.most)
 
 
 def least_splits(batch: int, kv_heads: int, num_sms: int) -> int:
@@ -363,7 +364,7 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         DIRECT=num_splits == 1,
-        SPLIT_TOKENS=SPLIT_TOKENS,
+        SPLIT_TOKENS=splits.tokens,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
@@ -394,7 +395,7 @@ def paged_decode_attention(
         part_ml.stride(2),
         out.stride(0),
         out.stride(1),
-        SPLIT_TOKENS=SPLIT_TOKENS,
+        SPLIT_TOKENS=splits.tokens,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=d,
     )
