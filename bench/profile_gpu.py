@@ -7,7 +7,10 @@
    each weight read;
 3. the paged decode attention kernel alone (--attention B:CONTEXTS,..., contexts `mixed` or a
    length), per cache layout (--layouts), tile, pipeline stages and warps at the engine's grid;
-   and its split grids (--attention-grid B:CONTEXTS,...).
+   and its split grids (--attention-grid B:CONTEXTS,...);
+4. one layer's mixed attention op at a mixed step's composition (--mixed-op DECODES:PROMPT,...):
+   the decode rows first, each part a slice of the step's rows (the engine's layout), against
+   the same step gathered and scattered by index (the layout of a step whose rows interleave).
 
     python bench/profile_gpu.py [--shape 8b] [--requests 32] [--prompt 640] [--steps 8]
                                 [--engine compiled] [--trace steps.json] [--out results.json]
@@ -268,6 +271,62 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     return rows
 
 
+def mixed_op_sweep(model: torch.nn.Module, decodes: int, prompt: int, chunks: int = 3) -> dict:
+    """One layer's mixed attention op (write the step's K/V, the decode rows by the Triton kernel,
+    the prompt chunks by one flash-attention call) on a step of `decodes` decode rows (the mixed
+    workload's contexts) then `chunks` fresh prompts of `prompt` tokens in all, timed with the
+    parts as slices of the step's rows and with the same step gathered and scattered by index."""
+    from array import array
+
+    from tandem.service.engine.batch import build_attention_metadata, build_host_batch
+    from tandem.service.engine.ops.kv_cache import KVCache
+    from tandem.service.engine.ops.mixed_op import attending, paged_mixed
+    from tandem.service.engine.ops.triton_decode import DecodeKernel
+    from tandem.service.engine.sampling_params import SamplingParams
+    from tandem.service.engine.scheduler import ScheduledChunk
+    from tandem.service.engine.sequence import Sequence
+    from tandem.service.engine.step_buffers import StepBuffers
+
+    shape = CacheShape.of(model.config)
+    heads, block = model.config.num_attention_heads, DECODE_BLOCK
+    dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
+    contexts = grid_contexts("mixed", decodes)
+    lengths = [prompt // chunks + (i < prompt % chunks) for i in range(chunks)]
+    needs = [-(-n // block) for n in contexts + lengths]
+    cache = KVCache(CacheShape(1, shape.num_kv_heads, shape.head_dim), sum(needs) + 8, block, dt, dev)
+    free = torch.randperm(sum(needs) + 8).tolist()
+    step = []
+    for i, n in enumerate(contexts + lengths):
+        seq = Sequence(f"s{i}", [0] * n, n, SamplingParams(), seed=0, max_total_len=n + 1)
+        seq.block_ids = array("i", [free.pop() for _ in range(-(-n // block))])
+        step.append(ScheduledChunk(seq, n - 1, 1, samples=True) if i < decodes else
+                    ScheduledChunk(seq, 0, n, samples=True))
+    batch = build_host_batch(step, block)
+    width = max(needs)
+    buf = StepBuffers(decodes + prompt, decodes + chunks, width, dev, cache.scratch_block, block)
+    sms = num_sms(dev.index or 0)
+    kernel = DecodeKernel.for_batch(cache, decodes, sms, max(contexts)) if decodes else None
+    meta = build_attention_metadata(batch, buf.upload(batch), cache, None, kernel, varlen=buf.stage)
+    rows = decodes + prompt
+    q = torch.randn(1, rows, heads, shape.head_dim, dtype=dt, device=dev).transpose(1, 2)  # as the model's
+    k = torch.randn(1, rows, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev).transpose(1, 2)
+    v = torch.randn_like(k)
+
+    def run() -> torch.Tensor:
+        with attending(meta):
+            return paged_mixed(q, k, v, cache.k_store, cache.v_store, 0, False, 0.1)
+
+    assert meta.num_decode_first == decodes
+    sliced = run()
+    us_sliced = 1e6 * timed(run)
+    meta.num_decode_first = None  # the same step by index
+    indexed = run()
+    us_indexed = 1e6 * timed(run)
+    return {"decodes": decodes, "prompt_tokens": prompt, "chunks": chunks,
+            "us_sliced": round(us_sliced, 1), "us_indexed": round(us_indexed, 1),
+            "max_diff": (sliced.float() - indexed.float()).abs().max().item()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["8b", "1b"], default="8b")
@@ -286,6 +345,9 @@ def main() -> None:
     ap.add_argument("--attention-grid", default="", metavar="B:CONTEXTS,...",
                     help="time the decode kernel's split grids at these batch sizes, contexts `mixed` "
                          "(the mixed workload's) or a length")
+    ap.add_argument("--mixed-op", default="", metavar="DECODES:PROMPT,...",
+                    help="time one layer's mixed attention op at these mixed-step compositions, its parts "
+                         "as slices of the step's rows and by index")
     ap.add_argument("--no-step", action="store_true", help="only the linears and the kernel sweeps")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -327,10 +389,17 @@ def main() -> None:
         headers = ["grid", "least", "most", "tokens per split", "us (layer)", "of bandwidth"]
         print(markdown_table(headers, [[r["grid"], r["least"], r["most"], r["tokens"], r["us"],
                                         f"{r['of_bandwidth']:.0%}"] for r in grids[point]]))
+    mixed_ops = [mixed_op_sweep(model, *(int(x) for x in point.split(":")))
+                 for point in (a.mixed_op.split(",") if a.mixed_op else [])]
+    if mixed_ops:
+        print("one layer's mixed attention op: parts as slices of the step's rows, and by index")
+        print(markdown_table(["decode rows", "prompt tokens", "us sliced", "us by index", "max diff"],
+                             [[r["decodes"], r["prompt_tokens"], r["us_sliced"], r["us_indexed"],
+                               f"{r['max_diff']:.2g}"] for r in mixed_ops]))
     if a.no_step:
         write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
                    {"benchmark": "profile_gpu", "environment": env, "attention": attention,
-                    "decode_grids": grids})
+                    "decode_grids": grids, "mixed_op": mixed_ops})
         return
 
     g = torch.Generator().manual_seed(1)
@@ -355,7 +424,8 @@ def main() -> None:
                           for k in steps["top_kernels"]]))
     result = {"benchmark": "profile_gpu", "environment": env, "shape": a.shape, "engine": a.engine,
               "requests": a.requests, "context": context, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-              "linears": linears, "decode_attention": attention, "decode_grids": grids, "step": steps}
+              "linears": linears, "decode_attention": attention, "decode_grids": grids, "mixed_op": mixed_ops,
+              "step": steps}
     out = write_json(a.out or _repo.REPO / f"bench/results/profile_{a.shape}_{a.engine}_{a.requests}.json",
                      result)
     print(f"wrote {out}; trace {trace}")

@@ -208,6 +208,9 @@ def build_attention_metadata(
     if batch.decode_block_table is not None and not batch.prefills and not sliding_window:
         return decode_metadata(dev, cache, rotary)
     meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size, kv_cache=cache)
+    rows = batch.decode_token_idx  # increasing: the chunks' order
+    if not rows or rows[-1] == len(rows) - 1:  # the decode rows come first (as scheduled, nearly always)
+        meta.num_decode_first = len(rows)
     if batch.decode_block_table is not None:
         if decode_kernel is not None:
             meta.decode_kernel = decode_kernel

@@ -43,3 +43,6 @@ class AttentionMetadata:
     rotary: DecodeRotary | None = None
     # CUDA: every prompt chunk in one variable-length flash-attention call (then `prefills` is empty)
     varlen: VarlenPrefill | None = None
+    # a step with prompts whose decode rows are its first rows (the prompt chunks follow, in order,
+    # as the scheduler orders them): each part's queries and outputs are then slices of the step's
+    num_decode_first: int | None = None

@@ -19,7 +19,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
-from .attention_metadata import AttentionMetadata
+from .attention_metadata import AttentionMetadata, PrefillSegment
 from .attention_ref import gathered_decode_attention
 from .kv_cache import slot_major
 
@@ -56,36 +56,55 @@ def paged_mixed(
     new_v = value[0].transpose(0, 1)
     k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))
-
-    q = query[0]  # [H, T, D]
-    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    decodes = meta.num_decode_first
+    if decodes is not None:  # decode rows first, then the chunks in order: every part a slice
+        parts = []
+        if decodes:
+            parts.append(_decode_rows(meta, q[:decodes], k_cache, v_cache, scale))
+        if meta.varlen is not None:
+            parts.append(meta.varlen.attend(q[decodes:], k_cache, v_cache, scale))
+        parts += [_segment(seg, q, key, value, k_cache, v_cache, scale) for seg in meta.prefills]
+        return (torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()).unsqueeze(0)
+    out = torch.empty_like(q)  # [T, H, D]
     if meta.decode_token_idx is not None:
-        qd = q.index_select(1, meta.decode_token_idx).transpose(0, 1)  # [B, H, D]
-        if meta.decode_kernel is not None:  # CUDA: read K/V in place
-            od = meta.decode_kernel(
-                qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale
-            )
-        else:
-            od = gathered_decode_attention(
-                qd, k_cache, v_cache, meta.decode_blocks, meta.decode_mask, meta.block_size, scale
-            )
+        od = _decode_rows(meta, q.index_select(0, meta.decode_token_idx), k_cache, v_cache, scale)
         out.index_copy_(0, meta.decode_token_idx, od)
     if meta.varlen is not None:  # CUDA: every prompt chunk in one call
-        chunks = meta.varlen.attend(q.transpose(0, 1), k_cache, v_cache, scale)
+        chunks = meta.varlen.attend(q.index_select(0, meta.varlen.q_index), k_cache, v_cache, scale)
         out.index_copy_(0, meta.varlen.q_index, chunks)
     for seg in meta.prefills:
-        rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        qp = q[:, rows].unsqueeze(0)  # [1, H, n, D]
-        if seg.slots is None:  # fresh prompt: its own K/V are the whole context
-            kp, vp = key[:, :, rows], value[:, :, rows]
-        else:
-            kp = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
-        )
-        out[rows] = op[0].transpose(0, 1)
+        out[seg.q_start : seg.q_start + seg.q_len] = _segment(seg, q, key, value, k_cache, v_cache, scale)
     return out.unsqueeze(0)
+
+
+def _decode_rows(
+    meta: AttentionMetadata, qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """qd [B, H, D]: the decode rows' queries -> their outputs, each over its own context."""
+    if meta.decode_kernel is not None:  # CUDA: read K/V in place
+        return meta.decode_kernel(qd, k_cache, v_cache, meta.decode_block_table, meta.decode_ctx_lens, scale)
+    return gathered_decode_attention(
+        qd, k_cache, v_cache, meta.decode_blocks, meta.decode_mask, meta.block_size, scale
+    )
+
+
+def _segment(
+    seg: PrefillSegment, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One prompt chunk by SDPA (q [T, H, D] of the step) -> [n, H, D]."""
+    rows = slice(seg.q_start, seg.q_start + seg.q_len)
+    qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if seg.slots is None:  # fresh prompt: its own K/V are the whole context
+        kp, vp = key[:, :, rows], value[:, :, rows]
+    else:
+        kp = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+        vp = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+    op = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
+    )
+    return op[0].transpose(0, 1)
 
 
 @paged_mixed.register_fake

@@ -44,13 +44,12 @@ class VarlenPrefill:
                    max(k_lens))
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self, qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q [T, H, D] of the whole step -> [Tq, H, D] outputs of the chunks' queries."""
-        qp = q.index_select(0, self.q_index)
+        """qp [Tq, H, D]: the chunks' queries, packed in `q_index`'s order -> their outputs."""
         kp = k_cache.index_select(0, self.kv_slots)
         vp = v_cache.index_select(0, self.kv_slots)
-        return flash_varlen(qp, kp, vp, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
+        return flash_varlen(qp.contiguous(), kp, vp, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""The mixed attention op (ops/mixed_op.py) on the CPU: a step's decode rows and prompt chunks,
+each token attending to its own sequence's context, whatever the order of the step's rows."""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+import pytest
+import torch
+
+from tandem.service.engine.batch import build_attention_metadata, build_host_batch
+from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
+from tandem.service.engine.ops.mixed_op import attending, paged_mixed
+from tandem.service.engine.sampling_params import SamplingParams
+from tandem.service.engine.scheduler import ScheduledChunk
+from tandem.service.engine.sequence import Sequence
+from tandem.service.engine.step_buffers import StepBuffers
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+# (name, tokens computed before the step, tokens computed in it): decodes, a chunk after a cached
+# prefix, a fresh prompt
+SEQUENCES = [("a", 9, 1), ("b", 8, 5), ("c", 0, 6), ("d", 6, 1)]
+
+
+def _step(order: list[str], device: torch.device, dtype: torch.dtype, block: int):
+    """The step's chunks in this order, on fresh sequences over scattered blocks of a fresh cache
+    whose computed K/V are each position's own random values."""
+    cache = KVCache(CacheShape(1, KV_HEADS, DIM), 64, block, dtype, device)
+    g = torch.Generator().manual_seed(0)
+    free = torch.randperm(64, generator=g).tolist()
+    seqs = {}
+    for name, done, new in SEQUENCES:
+        seq = Sequence(name, list(range(done + new)), done + new, SamplingParams(), seed=0, max_total_len=99)
+        seq.block_ids = array("i", [free.pop() for _ in range(-(-(done + new) // block))])
+        seqs[name] = seq
+    for name, done, _ in SEQUENCES:  # what earlier steps wrote
+        for p in range(done):
+            slot = seqs[name].block_ids[p // block] * block + p % block
+            cache.k[0, slot], cache.v[0, slot] = _kv(name, p)  # cast to the cache's dtype
+    chunks = [ScheduledChunk(seqs[n], done, new, samples=True) for n in order
+              for name, done, new in SEQUENCES if name == n]
+    return cache, chunks
+
+
+def _kv(name: str, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * ord(name) + pos)
+    return torch.randn(KV_HEADS, DIM, generator=g), torch.randn(KV_HEADS, DIM, generator=g)
+
+
+def _q(name: str, pos: int) -> torch.Tensor:
+    return torch.randn(HEADS, DIM, generator=torch.Generator().manual_seed(7000 * ord(name) + pos))
+
+
+def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.float32, block: int = 4
+         ) -> tuple[dict[tuple[str, int], torch.Tensor], int | None]:
+    """Each (sequence, position)'s attention output in a step of this row order. On CUDA, as the
+    runner runs a mixed step: the decode rows by the Triton kernel in place, the prompt chunks by
+    one flash-attention call."""
+    cache, chunks = _step(order, device, dtype, block)
+    batch = build_host_batch(chunks, block)
+    buf = StepBuffers(64, 8, 8, device, cache.scratch_block, block)
+    kernel = varlen = None
+    if device.type == "cuda":
+        from tandem.service.engine.ops.decode_op import num_sms
+        from tandem.service.engine.ops.triton_decode import DecodeKernel
+
+        rows = len(batch.decode_token_idx)
+        if rows:
+            longest = int(batch.decode_ctx_lens.max())
+            kernel = DecodeKernel.for_batch(cache, rows, num_sms(device.index or 0), longest)
+        varlen = buf.stage
+    meta = build_attention_metadata(batch, buf.upload(batch), cache, None, kernel, varlen=varlen)
+    tokens = [(c.seq.request_id, p) for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+    q = torch.stack([_q(*t) for t in tokens], 1)[None].to(device, dtype)  # [1, H, T, D]
+    k = torch.stack([_kv(*t)[0] for t in tokens], 1)[None].to(device, dtype)  # [1, Hkv, T, D]
+    v = torch.stack([_kv(*t)[1] for t in tokens], 1)[None].to(device, dtype)
+    with attending(meta):
+        out = paged_mixed(q, k, v, cache.k_store, cache.v_store, 0, cache.head_major, DIM**-0.5)
+    assert (meta.varlen is not None) == (varlen is not None and bool(batch.prefills))
+    return {t: out[0, i].float().cpu() for i, t in enumerate(tokens)}, meta.num_decode_first
+
+
+def _reference(name: str, pos: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp32 attention of the inputs as the op got them (rounded to `dtype`)."""
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).float()
+
+    keys = rounded(torch.stack([_kv(name, p)[0] for p in range(pos + 1)]))  # [ctx, Hkv, D]
+    values = rounded(torch.stack([_kv(name, p)[1] for p in range(pos + 1)]))
+    group = HEADS // KV_HEADS
+    q = rounded(_q(name, pos))
+    out = []
+    for h in range(HEADS):
+        w = torch.softmax(keys[:, h // group] @ q[h] / math.sqrt(DIM), 0)
+        out.append(w @ values[:, h // group])
+    return torch.stack(out)
+
+
+ORDERS = pytest.mark.parametrize(
+    "order, decode_first",
+    [(["a", "d", "b", "c"], 2), (["b", "c"], 0), (["b", "a", "c", "d"], None), (["c", "d", "b"], None)],
+    ids=["decodes-first", "prompts-only", "interleaved", "decode-between"],
+)
+
+
+@ORDERS
+def test_each_token_attends_to_its_own_context_in_any_row_order(order, decode_first):
+    """Decode rows first (each part of the step a slice of its rows) or among the prompt chunks
+    (gathered and scattered by index): every token's output is its attention over its own
+    sequence's context, the step's new K/V included."""
+    got, first = _run(order, torch.device("cpu"))
+    assert first == decode_first  # which of the two paths ran
+    for (name, pos), out in got.items():
+        torch.testing.assert_close(out, _reference(name, pos), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@ORDERS
+def test_each_token_attends_to_its_own_context_on_cuda(order, decode_first):
+    """The same through the CUDA path of a mixed step (fp16, 16-token blocks): the decode kernel
+    reading K/V in place and one flash-attention call for the prompt chunks."""
+    got, first = _run(order, torch.device("cuda"), torch.float16, 16)
+    assert first == decode_first
+    for (name, pos), out in got.items():
+        torch.testing.assert_close(out, _reference(name, pos, torch.float16), atol=2e-3, rtol=2e-3)
