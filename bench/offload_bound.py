@@ -31,12 +31,10 @@ from common import environment, markdown_table, write_json
 from gpu_sync import build_model
 from host_step import no_forward
 from shapes import SHAPES
-from transformers import LlamaConfig, LlamaForCausalLM
-from workloads import BLOCK, Device, fixed, fresh_scheduler, linear_params, run
+from workloads import BLOCK, fixed, fresh_scheduler, modelled_device, modelled_seconds, run
 
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
-from tandem.service.engine.ops.kv_cache import CacheShape
 
 SHAPES_DEFAULT = (
     "128x1024+512@2,48x256+2048@3,"  # the two shapes tandem bench workloads measures on the GPU
@@ -44,23 +42,6 @@ SHAPES_DEFAULT = (
     "32x4096+4096@2,32x4096+4096@4,128x256+4096@4,16x8192+8192@4,"
     "256x1024+1024@4,256x256+2048@4,256x2048+512@2,512x512+512@4,256x128+1024@8"
 )
-
-
-def modelled_device(shape: str, bandwidth: float, gemm_flops: float) -> Device:
-    """The additive bound's constants of `shape` in bf16, from a model with no storage."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
-    return Device(
-        weight_bytes=2 * sum(p.numel() for p in model.parameters()),
-        linear_params=linear_params(model),
-        kv_per_token=CacheShape.of(model.config).bytes_per_token(torch.bfloat16),
-        bandwidth=bandwidth,
-        gemm_flops=gemm_flops,
-    )
-
-
-def modelled_seconds(steps: list[dict], device: Device) -> float:
-    return sum(device.decode_memory_s(s) + device.prompt_gemm_s(s["prompt"]) for s in steps)
 
 
 def main() -> None:
@@ -94,7 +75,7 @@ def main() -> None:
     )
     core = build_core(tiny, config)
     no_forward(core)
-    vocab = tiny.config.vocab_size
+    vocab = SHAPES[a.shape]["vocab_size"]  # the GPU run's token ids (the forward never reads them)
     results, rows = [], []
     for spec, count, prompt, new, ratio in specs:
         work = fixed(count, prompt, new, vocab, seed=11)

@@ -2,6 +2,7 @@
 
     tandem bench workloads [--shape 8b] [--workloads mixed,prefix,oversubscribed,long] [--seeds 1,2,3]
     tandem bench workloads --smoke      # tiny shape on CPU: checks the logic, numbers meaningless
+    tandem bench workloads --model --budgets 1024,2048,4096   # any host: exact schedules, modelled steps
 
 One engine core at the server's CUDA settings (compiled decode and prefill forwards, CUDA graphs,
 fused projections, cuBLASLt, rotary in the decode kernel, the asynchronous loop, the server's step
@@ -54,6 +55,8 @@ from gemm_floor import StepGemmFloor, linear_shapes
 from gemm_floor import timed as seconds_per_call
 from gpu_sync import SERVER_CUDA, build_model
 from serve_workload import jobs as make_jobs
+from shapes import SHAPES
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core, build_scheduler
@@ -369,6 +372,28 @@ class Device:
         }
 
 
+def modelled_device(shape: str, bandwidth: float, gemm_flops: float) -> Device:
+    """The additive bound's constants of `shape` in bf16, from a model with no storage (for the
+    schedule-only runs: `--model` here, `tandem bench offload-bound`)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+    return Device(
+        weight_bytes=2 * sum(p.numel() for p in model.parameters()),
+        linear_params=linear_params(model),
+        kv_per_token=CacheShape.of(model.config).bytes_per_token(torch.bfloat16),
+        bandwidth=bandwidth,
+        gemm_flops=gemm_flops,
+    )
+
+
+def modelled_step_s(step: dict, device: Device) -> float:
+    return device.decode_memory_s(step) + device.prompt_gemm_s(step["prompt"])
+
+
+def modelled_seconds(steps: list[dict], device: Device) -> float:
+    return sum(modelled_step_s(s, device) for s in steps)
+
+
 def linear_params(model: torch.nn.Module) -> int:
     shapes, _head = linear_shapes(model)  # the GEMM weights as the engine runs them, LM head apart
     return sum(out_f * in_f * count for (out_f, in_f), count in shapes.items())
@@ -466,6 +491,41 @@ def fixed(count: int, prompt: int, new: int, vocab: int, seed: int) -> Workload:
     return Workload([[rng.randrange(vocab) for _ in range(prompt)] for _ in range(count)], [new] * count)
 
 
+def schedule_model(shape: str, seeds: list[int], budgets: list[int], requests: int, cache_gib: float) -> dict:
+    """The mixed workload's exact schedules (the engine's scheduler, the forward replaced by a token
+    fill: `tandem bench host`'s) at each budget, each step at the additive bound of `shape` on the
+    H200's measured rates: what a budget changes in steps, bound and the longest gap a decoding
+    sequence sees, on any host, before a GPU run measures it."""
+    from host_step import no_forward
+
+    modelled = "8b" if shape == "tiny" else shape
+    device = modelled_device(modelled, 4.25e12, 735e12)
+    tiny = build_model("tiny", torch.device("cpu"), torch.float32)  # its forward never runs
+    blocks = int(cache_gib * 2**30) // (device.kv_per_token * BLOCK)
+    config = EngineConfig(num_blocks=blocks, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS,
+                          max_num_batched_tokens=max(budgets), max_model_len=4096 + BLOCK,
+                          step_loop="async", prefix_caching=True)
+    core = build_core(tiny, config)
+    no_forward(core)
+    rows = []
+    for seed, budget in [(s, b) for s in seeds for b in budgets]:
+        fresh_scheduler(core, config, blocks, True, 0, budget)
+        # the GPU run's vocabulary: the mixed workload draws its lengths and token ids from one stream
+        work = mixed(requests, SHAPES[modelled]["vocab_size"], 4096, seed)
+        r = run(core, work, f"model{seed}_{budget}")
+        with_decodes = [modelled_step_s(s, device) for s in r.steps if s["decode_rows"]]
+        rows.append({
+            "seed": seed, "budget": budget, "steps": len(r.steps),
+            "mixed_steps": sum(s["kind"] == "mixed" for s in r.steps),
+            "bound_s": round(modelled_seconds(r.steps, device), 3),
+            "decode_memory_s": round(sum(map(device.decode_memory_s, r.steps)), 3),
+            "longest_decode_step_ms": round(1e3 * max(with_decodes), 1),
+        })
+    return {"benchmark": "workloads_model", "environment": environment(torch.device("cpu")),
+            "modelled": {"shape": modelled, "bandwidth_TBps": 4.25, "gemm_TFLOPs": 735.0},
+            "mixed_model": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["8b", "1b", "tiny"], default="8b")
@@ -509,7 +569,22 @@ def main() -> None:
     ap.add_argument("--cache-gib", type=float, default=60.0, help="the device cache all runs share")
     ap.add_argument("--out", default="bench/results/workloads.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, few tokens: checks the logic")
+    ap.add_argument(
+        "--model",
+        action="store_true",
+        help="mixed only, any host: each seed's exact schedule at each budget (the forward replaced), its "
+        "steps at the additive bound of --shape on the H200's measured rates",
+    )
     a = ap.parse_args()
+    if a.model:
+        report = schedule_model(a.shape, [int(x) for x in a.seeds.split(",")],
+                                [int(b) for b in a.budgets.split(",")], a.requests, a.cache_gib)
+        print(markdown_table(
+            ["seed", "budget", "steps", "mixed steps", "bound (s)", "longest step with decodes (ms)"],
+            [[r["seed"], r["budget"], r["steps"], r["mixed_steps"], r["bound_s"], r["longest_decode_step_ms"]]
+             for r in report["mixed_model"]]))
+        print(f"wrote {write_json(a.out, report)}", file=sys.stderr)
+        return
     if a.smoke:
         a.shape, a.requests, a.seeds = "tiny", 24, "1"
         a.prefixes, a.per_prefix, a.prefix_len = 3, 4, 64

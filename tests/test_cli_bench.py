@@ -340,6 +340,21 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
         assert p["ms_p50"] <= p["ms_p99"]
 
 
+def test_tandem_bench_workloads_model_schedules_the_mixed_workload_at_each_budget(tmp_path):
+    """`tandem bench workloads --model`: the mixed workload's exact schedules on the CPU, one per seed
+    and budget: a larger budget takes the same prompts in fewer steps, with longer steps for the
+    sequences decoding beside them."""
+    out = tmp_path / "model.json"
+    _bench(tmp_path, "workloads", "--model", "--requests", "48", "--seeds", "1", "--budgets", "512,2048",
+           "--out", str(out))
+    small, large = json.loads(out.read_text())["mixed_model"]
+    assert (small["budget"], large["budget"]) == (512, 2048)
+    assert small["steps"] > large["steps"] and small["mixed_steps"] > large["mixed_steps"]
+    assert small["longest_decode_step_ms"] < large["longest_decode_step_ms"]
+    for r in (small, large):
+        assert r["decode_memory_s"] < r["bound_s"]  # and the prompts' GEMM work besides
+
+
 def test_tandem_bench_offload_bound_models_each_shapes_two_schedules(tmp_path):
     """`tandem bench offload-bound --smoke`: each shape runs once with a host pool (every preempted
     sequence offloaded, its prompt computed once) and once without (preempted ones recomputed, so
