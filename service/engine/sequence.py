@@ -51,14 +51,15 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.length - self.num_computed
+        return len(self.token_ids) + self.num_inflight - self.num_computed  # length - num_computed
 
     @property
     def will_finish_by_length(self) -> bool:
         """Its in-flight token already reaches max_tokens or the context: nothing more to schedule."""
-        return self.num_inflight > 0 and (
-            self.num_output + self.num_inflight >= self.params.max_tokens or self.length >= self.max_total_len
-        )
+        if not self.num_inflight:
+            return False
+        length = len(self.token_ids) + self.num_inflight  # per sequence per step: no nested properties
+        return length - self.prompt_len >= self.params.max_tokens or length >= self.max_total_len
 
     @property
     def finished(self) -> bool:
