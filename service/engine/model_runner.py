@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import DeviceBatch, HostBatch, build_attention_metadata, build_host_batch, carry_over
+from .batch import DeviceBatch, HostBatch, build_attention_metadata, carry_over
+from .batch_builder import HostBatchBuilder
 from .config import EngineConfig
 from .forward import forward_and_sample
 from .kv_offload import KVOffload
@@ -153,6 +154,7 @@ class ModelRunner:
             for _ in range(2)
         ]
         self._next_slot = 0
+        self.batches = HostBatchBuilder(bs)  # each step's host tensors
         self.streams = Streams(device) if device.type == "cuda" else None
         self.offload = None  # the host pool of preempted sequences' K/V (kv_offload.py)
         if config.kv_offload_blocks:
@@ -187,7 +189,7 @@ class ModelRunner:
         self.offload.queue(moves)
 
     def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> HostBatch:
-        return build_host_batch(chunks, self.block_size, prev_rows=prev_rows)
+        return self.batches.build(chunks, prev_rows)
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> LaunchedStep:
