@@ -174,6 +174,46 @@ def point(core: EngineCore, clock: StageClock, kind: str, batch: int, context: i
     }
 
 
+ROW_GROUPS = ((1, 16), (17, 64), (65, 128), (129, 256))  # decode-only steps, grouped as workloads.py does
+
+
+def mixed_workload(core: EngineCore, clock: StageClock, requests: int, seed: int) -> dict:
+    """The issue's mixed workload (tandem bench workloads' `mixed`, the same seed: the same steps as
+    its GPU run) through the loop: the host's work of each turn, by the kind of step it launched."""
+    from shapes import SHAPES
+    from workloads import mixed
+
+    work = mixed(requests, SHAPES["8b"]["vocab_size"], 4096, seed)  # the GPU run's token ids
+    for i, (prompt, new) in enumerate(zip(work.prompts, work.new, strict=True)):
+        core.add(GenerationRequest(f"w{i}", prompt, SamplingParams(max_tokens=new, ignore_eos=True)))
+    clock.take()
+    clock.shapes.clear()
+    turns: dict[str, list[tuple[float, dict[str, float]]]] = defaultdict(list)
+    while core.has_work:
+        launched = len(clock.shapes)
+        t = time.perf_counter()
+        core.run_once()
+        seconds, stages = time.perf_counter() - t, clock.take()
+        if len(clock.shapes) == launched:
+            continue  # a last turn that only finished the step in flight
+        decodes, prompt, _ = clock.shapes[-1]
+        kind = "mixed" if decodes and prompt else "prompt" if prompt else next(
+            f"decode {lo}-{hi} rows" for lo, hi in ROW_GROUPS if decodes <= hi)
+        turns[kind].append((seconds, stages))
+    groups = {}
+    for kind, got in sorted(turns.items()):
+        ms = sorted(1e3 * t for t, _ in got)
+        groups[kind] = {
+            "steps": len(got),
+            "ms_mean": round(statistics.fmean(ms), 3),
+            "ms_p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
+            "stages_ms": {name: round(1e3 * statistics.fmean(st.get(name, 0.0) for _, st in got), 3)
+                          for name in STAGES},
+        }
+    return {"seed": seed, "requests": requests, "steps": sum(g["steps"] for g in groups.values()),
+            "by_kind": groups}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="32,64,128,256", help="decoding sequences per step")
@@ -183,10 +223,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="timed steps per point")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the server's engine process)")
     ap.add_argument("--out", default="bench/results/host_step.json")
+    ap.add_argument("--workload-seeds", default="",
+                    help="also run tandem bench workloads' mixed workload at these seeds: host time per kind "
+                    "of step")
+    ap.add_argument("--workload-requests", type=int, default=512)
     ap.add_argument("--smoke", action="store_true", help="small sizes and few steps: checks the logic")
     a = ap.parse_args()
     if a.smoke:
         a.batches, a.contexts, a.mixed_batch, a.prompt, a.steps = "4,16", "64", 8, 96, 8
+        a.workload_requests = 24
     torch.set_num_threads(a.threads)
     device = torch.device("cpu")
     model = build_model("tiny", device, torch.float32)
@@ -195,6 +240,9 @@ def main() -> None:
     # the longest context: a prompt, its tokens decoded while the others prefill, the timed steps
     most = max(batches + [a.mixed_batch])
     longest = max(contexts) * 3 // 2 * (1 + most // BUDGET) + 2 * a.steps + 64
+    seeds = [int(x) for x in a.workload_seeds.split(",")] if a.workload_seeds else []
+    if seeds:  # the mixed workload's prompts and answers: up to 4,096 tokens, 256 sequences at once
+        longest, most = max(longest, 4096), MAX_NUM_SEQS
     blocks = (most + 8) * (-(-longest // BLOCK)) + 4 * BUDGET // BLOCK
     config = EngineConfig(
         num_blocks=blocks, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET,
@@ -210,6 +258,7 @@ def main() -> None:
         r = point(core, clock, kind, batch, context, a.prompt, a.steps, vocab, seed=i + 1)
         results.append(r)
         print(f"{kind} {batch} x {context}: {r['ms_mean']} ms/step", file=sys.stderr, flush=True)
+    workloads = [mixed_workload(core, clock, a.workload_requests, seed) for seed in seeds]
     report = {
         "benchmark": "host_step",
         "environment": environment(device),
@@ -217,7 +266,13 @@ def main() -> None:
                    "prefix_caching": True, "step_loop": "async"},
         "smoke": a.smoke,
         "points": results,
+        "mixed_workload": workloads,
     }
+    for w in workloads:
+        print(f"mixed workload, seed {w['seed']}: host work per step, by the kind of step launched")
+        print(markdown_table(["step", "steps", "ms/step", "p99", *STAGES],
+                             [[kind, g["steps"], g["ms_mean"], g["ms_p99"], *g["stages_ms"].values()]
+                              for kind, g in w["by_kind"].items()]))
     columns = ("kind", "decode_rows_mean", "prompt_tokens_mean", "decode_context_mean", "ms_mean", "ms_p99")
     rows = [[*(r[c] for c in columns), *(r["stages_ms"][s] for s in (*STAGES, "other"))] for r in results]
     headers = ["step", "decode rows", "prompt tokens", "context", "ms/step", "p99", *STAGES, "other"]

@@ -322,7 +322,7 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
     point the batch asked for (every sequence decoding, or decodes beside prompt chunks), and the
     stages it reports are the step's time, split."""
     out = tmp_path / "host.json"
-    proc = _bench(tmp_path, "host", "--smoke", "--out", str(out))
+    proc = _bench(tmp_path, "host", "--smoke", "--workload-seeds", "1", "--out", str(out))
     assert "| decode |" in proc.stdout and "| mixed |" in proc.stdout
     report = json.loads(out.read_text())
     assert report["benchmark"] == "host_step" and report["smoke"] is True
@@ -338,6 +338,11 @@ def test_tandem_bench_host_times_each_stage_of_the_engines_host_work(tmp_path):
         assert (stages["metadata"] > 0) == (p["kind"] == "mixed")  # packed prompt chunks: mixed steps
         assert stages["other"] >= 0 and sum(stages.values()) == pytest.approx(p["ms_mean"], abs=0.01)
         assert p["ms_p50"] <= p["ms_p99"]
+    (workload,) = report["mixed_workload"]  # the mixed workload's steps, every one counted once
+    kinds = workload["by_kind"]
+    assert "mixed" in kinds and any(k.startswith("decode") for k in kinds)
+    assert workload["steps"] == sum(g["steps"] for g in kinds.values()) > 0
+    assert all(0 < g["ms_mean"] <= g["ms_p99"] + 1e-9 for g in kinds.values())
 
 
 def test_tandem_bench_workloads_model_schedules_the_mixed_workload_at_each_budget(tmp_path):
