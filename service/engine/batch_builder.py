@@ -1,11 +1,12 @@
 """Each step's host batch; a steady decode step is derived from the step before it.
 
-Most steps of a busy server are steady decode steps: the same sequences as the step before, in the
-same order, each one token further, every input still on the device (carried). Such a step differs
-from the one before only by one position per row, a cache slot one further (or the first of a new
-block) and a sampled-token index one higher, so it is derived from the previous batch with a few
-array operations instead of being rebuilt row by row (`build_host_batch`), which at 256 sequences
-is a fair share of the host's work per step. Any other step is built whole.
+A stable batch of long generations runs steady decode steps: the same sequences as the step
+before, in the same order, each one token further, every input still on the device (carried).
+Such a step differs from the one before only by one position per row, a cache slot one further
+(or the first of a new block) and a sampled-token index one higher, so it is derived from the
+previous batch with a few array operations instead of being rebuilt row by row
+(`build_host_batch`), which at 256 sequences is a fair share of the host's work per step. Any
+other step is built whole.
 """
 
 from __future__ import annotations
