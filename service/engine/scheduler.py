@@ -181,8 +181,9 @@ class Scheduler:
             if id(seq) in preempted:  # earlier in this loop
                 continue
             n = min(left, budget)
-            if make_room(seq, n):
-                take(seq, n)
+            if blocks.blocks_needed(seq, n) and not make_room(seq, n):  # most decodes need no block
+                continue
+            take(seq, n)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
