@@ -174,14 +174,11 @@ def point(core: EngineCore, clock: StageClock, kind: str, batch: int, context: i
     }
 
 
-ROW_GROUPS = ((1, 16), (17, 64), (65, 128), (129, 256))  # decode-only steps, grouped as workloads.py does
-
-
 def mixed_workload(core: EngineCore, clock: StageClock, requests: int, seed: int) -> dict:
     """The issue's mixed workload (tandem bench workloads' `mixed`, the same seed: the same steps as
     its GPU run) through the loop: the host's work of each turn, by the kind of step it launched."""
     from shapes import SHAPES
-    from workloads import mixed
+    from workloads import DECODE_ROWS, mixed
 
     work = mixed(requests, SHAPES["8b"]["vocab_size"], 4096, seed)  # the GPU run's token ids
     for i, (prompt, new) in enumerate(zip(work.prompts, work.new, strict=True)):
@@ -198,7 +195,7 @@ def mixed_workload(core: EngineCore, clock: StageClock, requests: int, seed: int
             continue  # a last turn that only finished the step in flight
         decodes, prompt, _ = clock.shapes[-1]
         kind = "mixed" if decodes and prompt else "prompt" if prompt else next(
-            f"decode {lo}-{hi} rows" for lo, hi in ROW_GROUPS if decodes <= hi)
+            f"decode {lo}-{hi} rows" for lo, hi in DECODE_ROWS if decodes <= hi)
         turns[kind].append((seconds, stages))
     groups = {}
     for kind, got in sorted(turns.items()):

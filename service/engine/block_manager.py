@@ -61,7 +61,7 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
     def can_allocate(self, n: int) -> bool:
-        return n == 0 or n <= self.num_free  # most decode steps need no block
+        return n <= self.num_free
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         n = self.blocks_needed(seq, num_new_tokens)
