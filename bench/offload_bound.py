@@ -31,7 +31,15 @@ from common import environment, markdown_table, write_json
 from gpu_sync import build_model
 from host_step import no_forward
 from shapes import SHAPES
-from workloads import BLOCK, fixed, fresh_scheduler, modelled_device, modelled_seconds, run
+from workloads import (
+    BLOCK,
+    fixed,
+    fresh_scheduler,
+    modelled_device,
+    modelled_seconds,
+    oversubscribed_shape,
+    run,
+)
 
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
@@ -60,12 +68,7 @@ def main() -> None:
         a.shapes = "12x48+24@2,6x16+64@3"
     torch.set_num_threads(2)
     device = modelled_device(a.shape, a.bandwidth * 1e12, a.gemm_tflops * 1e12)
-    specs = []
-    for spec in a.shapes.split(","):
-        shape_, ratio = spec.split("@")
-        count, rest = shape_.split("x")
-        prompt, new = (int(x) for x in rest.split("+"))
-        specs.append((spec, int(count), prompt, new, float(ratio)))
+    specs = [(spec, *oversubscribed_shape(spec)) for spec in a.shapes.split(",")]
     longest = max(p + n for _, _, p, n, _ in specs)
     blocks = max(-(-c * (p + n) // BLOCK) for _, c, p, n, _ in specs)
     tiny = build_model("tiny", torch.device("cpu"), torch.float32)  # its forward never runs

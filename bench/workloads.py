@@ -471,6 +471,15 @@ def step_groups(groups: dict[str, list[dict]], limits: Device | None) -> dict:
 # -- workloads -------------------------------------------------------------------------------------
 
 
+def oversubscribed_shape(spec: str) -> tuple[int, int, int, float]:
+    """`--oversub`'s REQUESTSxPROMPT+NEW@R -> requests, prompt tokens, new tokens, R (live context
+    over what the cache holds)."""
+    shape, ratio = spec.split("@")
+    count, rest = shape.split("x")
+    prompt, new = (int(x) for x in rest.split("+"))
+    return int(count), prompt, new, float(ratio)
+
+
 def mixed(count: int, vocab: int, max_len: int, seed: int) -> Workload:
     js = make_jobs("mixed", count, vocab, max_len, seed)
     return Workload([j.prompt_ids for j in js], [j.max_tokens for j in js])
@@ -741,11 +750,9 @@ def main() -> None:
     if "oversubscribed" in selected:
         report["oversubscribed"] = []
         for spec in a.oversub.split(","):
-            shape_, ratio = spec.split("@")
-            count, rest = shape_.split("x")
-            prompt, new = (int(x) for x in rest.split("+"))
-            work = fixed(int(count), prompt, new, vocab, seed=11)
-            blocks = -(-int(work.live_tokens / float(ratio)) // BLOCK)
+            count, prompt, new, ratio = oversubscribed_shape(spec)
+            work = fixed(count, prompt, new, vocab, seed=11)
+            blocks = -(-int(work.live_tokens / ratio) // BLOCK)
             host = config.kv_offload_blocks
             off_, rec = (
                 timed(f"oversub_{spec}_{m}", work, blocks, True, host if m == "offload" else 0)
@@ -758,10 +765,10 @@ def main() -> None:
             bound = rec.seconds / max(1e-9, rec.seconds - recompute_s)
             report["oversubscribed"].append(
                 {
-                    "requests": int(count),
+                    "requests": count,
                     "prompt": prompt,
                     "new": new,
-                    "oversubscribed": float(ratio),
+                    "oversubscribed": ratio,
                     "live_tokens": work.live_tokens,
                     "cache_tokens": blocks * BLOCK,
                     "host_pool_GiB": a.offload_gib,
@@ -776,7 +783,7 @@ def main() -> None:
             )
             rows.append(
                 [
-                    f"oversubscribed {ratio}x: {count} x {prompt} + {new}",
+                    f"oversubscribed {ratio:g}x: {count} x {prompt} + {new}",
                     "offload / recompute",
                     f"{off_.summary()['tok_s']} / {rec.summary()['tok_s']}",
                     f"{rec.seconds / off_.seconds:.2f}x (bound {bound:.2f}x)",
