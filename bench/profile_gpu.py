@@ -10,7 +10,9 @@
    and its split grids (--attention-grid B:CONTEXTS,...);
 4. one layer's mixed attention op at a mixed step's composition (--mixed-op DECODES:PROMPT,...):
    the decode rows first, each part a slice of the step's rows (the engine's layout), against
-   the same step gathered and scattered by index (the layout of a step whose rows interleave).
+   the same step gathered and scattered by index (the layout of a step whose rows interleave);
+   and its write of the step's K/V: the index copies and the compiled model's rotary embedding
+   of before against the write kernel (storing only, and rotating Q and K as it stores).
 
     python bench/profile_gpu.py [--shape 8b] [--requests 32] [--prompt 640] [--steps 8]
                                 [--engine compiled] [--trace steps.json] [--out results.json]
@@ -39,6 +41,7 @@ from serve_workload import MIXED_OUTPUT, MIXED_PROMPT
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_op import num_sms
+from tandem.service.engine.ops.deferred_rotary import defer_rotary
 from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
@@ -306,7 +309,8 @@ def mixed_op_sweep(model: torch.nn.Module, decodes: int, prompt: int, chunks: in
     buf = StepBuffers(decodes + prompt, decodes + chunks, width, dev, cache.scratch_block, block)
     sms = num_sms(dev.index or 0)
     kernel = DecodeKernel.for_batch(cache, decodes, sms, max(contexts)) if decodes else None
-    meta = build_attention_metadata(batch, buf.upload(batch), cache, None, kernel, varlen=buf.stage)
+    dev_batch = buf.upload(batch)
+    meta = build_attention_metadata(batch, dev_batch, cache, None, kernel, varlen=buf.stage)
     rows = decodes + prompt
     q = torch.randn(1, rows, heads, shape.head_dim, dtype=dt, device=dev).transpose(1, 2)  # as the model's
     k = torch.randn(1, rows, shape.num_kv_heads, shape.head_dim, dtype=dt, device=dev).transpose(1, 2)
@@ -329,12 +333,56 @@ def mixed_op_sweep(model: torch.nn.Module, decodes: int, prompt: int, chunks: in
     assert meta.num_decode_first == decodes
     sliced = run()
     us_sliced = 1e6 * seconds()
+    _, rotary = defer_rotary(model, shape.head_dim)
+    meta.rotary, meta.positions = rotary, dev_batch.positions  # Q and K rotated by the op
+    us_sliced_rotating = 1e6 * seconds()
+    meta.rotary = meta.positions = None
     meta.num_decode_first = None  # the same step by index
     indexed = run()
     us_indexed = 1e6 * seconds()
     return {"decodes": decodes, "prompt_tokens": prompt, "chunks": chunks,
-            "us_sliced": round(us_sliced, 1), "us_indexed": round(us_indexed, 1),
-            "max_diff": (sliced.float() - indexed.float()).abs().max().item()}
+            "us_sliced": round(us_sliced, 1), "us_sliced_rotating": round(us_sliced_rotating, 1),
+            "us_indexed": round(us_indexed, 1),
+            "max_diff": (sliced.float() - indexed.float()).abs().max().item(),
+            **step_kv_write(model, q, k, v, cache, meta.slot_mapping, dev_batch.positions, rotary)}
+
+
+def step_kv_write(model: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: object,
+                  slots: torch.Tensor, positions: torch.Tensor, rotary: object) -> dict:
+    """One layer's write of a step's K/V, device time each way: the two index copies and the compiled
+    model's rotary embedding (cos and sin from positions, then transformers' apply, as Inductor fuses
+    them into the prefill graph) of before, against the write kernel storing K/V alone, and rotating
+    Q and K as it stores."""
+    import sys
+
+    from tandem.service.engine.ops.triton_kv_write import write_step_kv
+
+    k_cache, v_cache = cache.k[0], cache.v[0]
+    qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, heads, D]: the op's views
+    attention = next(m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj"))
+    family = sys.modules[type(attention).__module__]
+    rotary_emb = model.model.rotary_emb
+
+    @torch.compile(dynamic=True)
+    def model_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple:
+        cos, sin = rotary_emb(q, positions[None])
+        return family.apply_rotary_pos_emb(q, k, cos, sin)
+
+    def index_copies() -> None:
+        k_cache.index_copy_(0, slots, kt)
+        v_cache.index_copy_(0, slots, vt)
+
+    rotated_q, _ = model_rotary(q, k, positions)
+    out, _ = write_step_kv(qt, kt, vt, k_cache, v_cache, slots, positions, rotary)
+    return {
+        "us_write_index_copies": round(1e6 * timed(index_copies), 1),
+        "us_rotary_compiled": round(1e6 * timed(lambda: model_rotary(q, k, positions)), 1),
+        "us_write_kernel": round(1e6 * timed(lambda: write_step_kv(qt, kt, vt, k_cache, v_cache, slots,
+                                                                    None, None)), 1),
+        "us_write_kernel_rotating": round(1e6 * timed(lambda: write_step_kv(qt, kt, vt, k_cache, v_cache,
+                                                                             slots, positions, rotary)), 1),
+        "rotated_q_max_diff": (out.float() - rotated_q[0].transpose(0, 1).float()).abs().max().item(),
+    }
 
 
 def main() -> None:
@@ -402,10 +450,19 @@ def main() -> None:
     mixed_ops = [mixed_op_sweep(model, *(int(x) for x in point.split(":")))
                  for point in (a.mixed_op.split(",") if a.mixed_op else [])]
     if mixed_ops:
-        print("one layer's mixed attention op: parts as slices of the step's rows, and by index")
-        print(markdown_table(["decode rows", "prompt tokens", "us sliced", "us by index", "max diff"],
-                             [[r["decodes"], r["prompt_tokens"], r["us_sliced"], r["us_indexed"],
-                               f"{r['max_diff']:.2g}"] for r in mixed_ops]))
+        print("one layer's mixed attention op: parts as slices of the step's rows (Q and K rotated by "
+              "the model, and by the op), and by index")
+        print(markdown_table(["decode rows", "prompt tokens", "us sliced", "us sliced, rotating",
+                              "us by index", "max diff"],
+                             [[r["decodes"], r["prompt_tokens"], r["us_sliced"], r["us_sliced_rotating"],
+                               r["us_indexed"], f"{r['max_diff']:.2g}"] for r in mixed_ops]))
+        print("one layer's write of the step's K/V (device time): before (index copies, the compiled "
+              "model's rotary) and the write kernel")
+        print(markdown_table(["decode rows", "prompt tokens", "us index copies", "us compiled rotary",
+                              "us kernel, store", "us kernel, rotate + store", "rotated Q max diff"],
+                             [[r["decodes"], r["prompt_tokens"], r["us_write_index_copies"],
+                               r["us_rotary_compiled"], r["us_write_kernel"], r["us_write_kernel_rotating"],
+                               f"{r['rotated_q_max_diff']:.2g}"] for r in mixed_ops]))
     if a.no_step:
         write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
                    {"benchmark": "profile_gpu", "environment": env, "attention": attention,

@@ -52,7 +52,7 @@ def make_core(
     fuse_projections: bool = False,
     kv_layout: str = "NHD",
     blas_library: str = "default",
-    fold_rotary: bool = True,  # the decode model's path (the server's on CUDA) unless a test says not
+    fold_rotary: bool = True,  # the deferred model's path (the server's on CUDA) unless a test says not
     compile_prefill: bool = False,  # with compile_backend: prefill and mixed steps compiled too
     compile_decode: bool | None = None,  # default: whenever compile_backend is given
     prefix_caching: bool = False,

@@ -1,7 +1,9 @@
-"""Decode steps' rotary embedding applied by the decode op (deferred_rotary.py), on CPU.
+"""The rotary embedding applied by the attention ops (deferred_rotary.py), on CPU: the decode op
+for decode steps, the mixed op for steps with prompts.
 
-The GPU side (the Triton kernel rotating Q and the new K) is test_gpu_kernels.py's
-test_kernel_rotates_query_and_new_key; engines over every family on CUDA are test_gpu_engine.py.
+The GPU side (the Triton kernels rotating Q and the new K) is test_gpu_kernels.py's
+test_kernel_rotates_query_and_new_key and test_write_kernel_stores_the_steps_kv_and_rotates;
+engines over every family on CUDA are test_gpu_engine.py.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ def _llama(rope: dict) -> LlamaForCausalLM:
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_op_rotation_is_transformers_rotation(rope, dtype):
     """rotate() (the op's CPU path, the kernel's reference) gives transformers' rotated Q and K bit
-    for bit, for each RoPE type the decode model defers, attention scaling included (yarn)."""
+    for bit, for each RoPE type the deferred model defers, attention scaling included (yarn)."""
     model = _llama(ROPES[rope]).to(dtype)
     head_dim = 16
-    decode_model, rotary = defer_rotary(model, head_dim)
-    assert rotary is not None and decode_model is not model
+    deferred, rotary = defer_rotary(model, head_dim)
+    assert rotary is not None and deferred is not model
     positions = torch.tensor([0, 1, 17, 255, 1000, 2047])
     q = torch.randn(len(positions), 4, head_dim, dtype=dtype)  # [B, H, D], as the op sees them
     k = torch.randn(len(positions), 2, head_dim, dtype=dtype)
@@ -58,32 +60,33 @@ def test_op_rotation_is_transformers_rotation(rope, dtype):
     assert torch.equal(k_op, k_hf[0].transpose(0, 1))
 
 
-def test_decode_model_leaves_rotary_to_the_op_and_the_model_untouched():
+def test_deferred_model_leaves_rotary_to_the_ops_and_the_model_untouched():
     model = _llama(ROPES["default"])
-    decode_model, _ = defer_rotary(model, 16)
+    deferred, _ = defer_rotary(model, 16)
     x, positions = torch.randn(1, 3, 64), torch.tensor([[4, 5, 6]])
-    cos, sin = decode_model.model.rotary_emb(x, positions)
+    cos, sin = deferred.model.rotary_emb(x, positions)
     assert cos.shape == (1, 3, 0) and sin.shape == (1, 3, 0)
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
     assert modeling_llama.apply_rotary_pos_emb(q, k, cos, sin) == (q, k)  # passed through unrotated
     # the model itself, and every module but the rotary embedding, are shared and unchanged
     real_cos, _ = model.model.rotary_emb(x, positions)
     assert real_cos.shape == (1, 3, 16)
-    assert decode_model.model.layers is model.model.layers and decode_model.lm_head is model.lm_head
-    assert decode_model.model.embed_tokens.weight is model.model.embed_tokens.weight
+    assert deferred.model.layers is model.model.layers and deferred.lm_head is model.lm_head
+    assert deferred.model.embed_tokens.weight is model.model.embed_tokens.weight
 
 
 def test_dynamic_rope_stays_in_the_model():
     """A RoPE type whose frequencies follow the sequence length is not one the op reproduces."""
     model = _llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
-    decode_model, rotary = defer_rotary(model, 16)
-    assert rotary is None and decode_model is model
+    deferred, rotary = defer_rotary(model, 16)
+    assert rotary is None and deferred is model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_defers_and_matches_generate(tiny_model_dir, family):
-    """Each family's decode steps run with the rotary left to the op, and greedy tokens stay
-    transformers' own (with the rotation skipped and not done by the op they would not)."""
+    """Each family's steps run with the rotary left to the ops, prompt and decode steps alike, and
+    greedy tokens stay transformers' own (with the rotation skipped and not done by the ops they
+    would not)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family)).eval()
     with torch.no_grad():  # sharp attention: random init alone attends almost uniformly, position-blind
         for layer in model.model.layers:
@@ -95,7 +98,7 @@ def test_every_family_defers_and_matches_generate(tiny_model_dir, family):
                 for i, (n, at) in enumerate([(9, 0), (40, 0), (3, 2), (17, 5)])]
     for fold in (True, False):
         core = make_core(model, num_blocks=64, block_size=4, fold_rotary=fold)
-        assert (core.runner.decode_rotary is not None) == fold
+        assert (core.runner.rotary is not None) == fold
         result = run(core, arrivals)
         for a in arrivals:
             expected = hf_greedy(model, a.prompt_ids, 12, None)
@@ -107,4 +110,4 @@ def test_server_leaves_rotary_in_the_model_on_cpu(tiny_model_dir):
     model's own (docs/architecture.md), so the server's CPU engine keeps the model's."""
     loaded = load_model(str(tiny_model_dir("llama")), "tiny", torch.device("cpu"))
     settings = ServerSettings(num_kv_blocks=64, block_size=4, fold_rotary=True)
-    assert build_engine(loaded, settings)[0].runner.decode_rotary is None
+    assert build_engine(loaded, settings)[0].runner.rotary is None

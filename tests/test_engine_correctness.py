@@ -144,15 +144,15 @@ def test_compiled_prefill_matches_generate_without_recompiling(tiny_models, loop
 
 
 def test_compiled_decode_and_prefill_over_one_model_match_generate(tiny_models):
-    """Without the decode model (the rotary embedding left in the model, as for dynamic RoPE), both
-    compiled forwards wrap the same module and share Dynamo's cache of its code: each step kind
+    """Both compiled forwards wrap the same module and share Dynamo's cache of its code (here the
+    model itself: the rotary embedding left in the model, as for dynamic RoPE): each step kind
     must still run its own graphs."""
     model = tiny_models["llama"]
     vocab = model.config.vocab_size
     arrivals = _arrivals(vocab, [30, 1, 41, 9, 17, 26], [0, 0, 1, 1, 2, 4], max_new=16, seed=14)
     core = make_core(model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96,
                      step_loop="async", compile_backend="aot_eager", compile_prefill=True, fold_rotary=False)
-    assert core.runner.decode_rotary is None and core.runner.prefill_compiled
+    assert core.runner.rotary is None and core.runner.prefill_compiled
     result = run(core, arrivals)
     assert result.preemptions > 0
     _check(model, arrivals, result, eos=None)

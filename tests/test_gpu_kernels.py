@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.service.engine.ops.attention_ref import decode_attention
-from tandem.service.engine.ops.deferred_rotary import DecodeRotary, rotate
+from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,7 @@ def test_kernel_rotates_query_and_new_key(
     (context length - 1) as transformers would (the reference rotates them with its arithmetic)."""
     base = 500000.0 if head_dim == 128 else 10000.0
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
-    rotary = DecodeRotary(inv_freq, scaling)
+    rotary = DeferredRotary(inv_freq, scaling)
     _check_kernel(dtype, batch, heads, kv_heads, head_dim, block_size, max_len, True, "NHD", rotary)
 
 
@@ -123,6 +123,65 @@ def _check_kernel(
     alone = torch.tensor([wide.of(int(n)) == 1 for n in lens], device="cuda")  # batch > 1: length 1
     assert torch.equal(outs[0][alone], outs[1][alone])
     assert alone.any() or batch == 1
+
+
+WRITE_SHAPES = [(2048, 32, 8, 128), (37, 14, 2, 64), (5, 9, 3, 64), (300, 8, 8, 128), (1, 4, 1, 128)]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("rotary", [False, True], ids=["store-only", "rotates"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", WRITE_SHAPES)
+def test_write_kernel_stores_the_steps_kv_and_rotates(
+    tokens, heads, kv_heads, head_dim, dtype, rotary, layout
+):
+    """A step with prompts writes its new K/V with one kernel: every token's K (rotated at its
+    position where the model leaves the rotary to the op) and V land in its slot and nowhere else,
+    and the queries come back rotated and packed [T, H, D] (or untouched, without rotary). Q/K/V
+    are handed over as the compiled model does: strided slices of the fused projection's output."""
+    _check_write_kernel(tokens, heads, kv_heads, head_dim, dtype, rotary, layout)
+
+
+def _check_write_kernel(tokens, heads, kv_heads, head_dim, dtype, rotary, layout):
+    from tandem.service.engine.ops.triton_kv_write import write_step_kv
+
+    g = torch.Generator(device="cuda").manual_seed(tokens * 7 + heads)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=dtype, generator=g)
+    q, k, v = (part.view(tokens, -1, head_dim) for part in
+               qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    slots = 4 * tokens + 64
+    def cache() -> torch.Tensor:  # [slots, Hkv, D] over either storage
+        if layout == "NHD":
+            return torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=dtype, generator=g)
+        return torch.randn(kv_heads, slots, head_dim, device="cuda", dtype=dtype, generator=g).transpose(0, 1)
+
+    k_cache, v_cache = cache(), cache()
+    slot_mapping = torch.randperm(slots, device="cuda", generator=g)[:tokens]  # scattered, as after churn
+    positions = torch.randint(0, 40000, (tokens,), device="cuda", generator=g)
+    spec = None
+    ref_q, ref_k = q, k
+    if rotary:
+        inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
+        spec = DeferredRotary(inv_freq, 1.25)
+        ref_q, ref_k = rotate(positions, spec, q, k)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    ref_k_cache.index_copy_(0, slot_mapping, ref_k)
+    ref_v_cache.index_copy_(0, slot_mapping, v)
+    assert write_step_kv(q, k, v, k_cache.clone(), v_cache.clone(), slot_mapping, positions, spec)[1] is None
+    out, keys = write_step_kv(q, k, v, k_cache, v_cache, slot_mapping, positions, spec, keys=True)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert torch.equal(v_cache, ref_v_cache)
+    if rotary:  # the kernel rounds once (fp32 math), transformers' arithmetic after each op
+        assert out.shape == (tokens, heads, head_dim) and out.is_contiguous()
+        torch.testing.assert_close(out, ref_q, atol=tol, rtol=tol)
+        torch.testing.assert_close(k_cache, ref_k_cache, atol=tol, rtol=tol)
+        assert torch.equal(keys, k_cache[slot_mapping])  # the keys handed back are those stored
+        untouched = torch.ones(slots, dtype=torch.bool, device="cuda")
+        untouched[slot_mapping] = False
+        assert torch.equal(k_cache[untouched], ref_k_cache[untouched])
+    else:
+        assert out is q and keys is k
+        assert torch.equal(k_cache, ref_k_cache)
 
 
 def test_grid_holds_every_split_of_the_longest_context():

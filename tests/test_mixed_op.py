@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem.service.engine.batch import build_attention_metadata, build_host_batch
+from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 from tandem.service.engine.ops.mixed_op import attending, paged_mixed
 from tandem.service.engine.sampling_params import SamplingParams
@@ -21,6 +22,9 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 # (name, tokens computed before the step, tokens computed in it): decodes, a chunk after a cached
 # prefix, a fresh prompt
 SEQUENCES = [("a", 9, 1), ("b", 8, 5), ("c", 0, 6), ("d", 6, 1)]
+COMPUTED = {name: done for name, done, _ in SEQUENCES}
+# the deferred model's rotary embedding (Q and K come unrotated; the op rotates them)
+ROTARY = DeferredRotary(1.0 / 10000.0 ** (torch.arange(0, DIM, 2).float() / DIM), 1.0)
 
 
 def _step(order: list[str], device: torch.device, dtype: torch.dtype, block: int):
@@ -52,11 +56,12 @@ def _q(name: str, pos: int) -> torch.Tensor:
     return torch.randn(HEADS, DIM, generator=torch.Generator().manual_seed(7000 * ord(name) + pos))
 
 
-def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.float32, block: int = 4
-         ) -> tuple[dict[tuple[str, int], torch.Tensor], int | None]:
+def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.float32, block: int = 4,
+         rotary: DeferredRotary | None = None) -> tuple[dict[tuple[str, int], torch.Tensor], int | None]:
     """Each (sequence, position)'s attention output in a step of this row order. On CUDA, as the
-    runner runs a mixed step: the decode rows by the Triton kernel in place, the prompt chunks by
-    one flash-attention call."""
+    runner runs a mixed step: the step's K/V written by one kernel, the decode rows by the Triton
+    kernel in place, the prompt chunks by one flash-attention call. `rotary`: Q and the new K
+    handed over unrotated, as by the deferred model."""
     cache, chunks = _step(order, device, dtype, block)
     batch = build_host_batch(chunks, block)
     buf = StepBuffers(64, 8, 8, device, cache.scratch_block, block)
@@ -70,7 +75,10 @@ def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.floa
             longest = int(batch.decode_ctx_lens.max())
             kernel = DecodeKernel.for_batch(cache, rows, num_sms(device.index or 0), longest)
         varlen = buf.stage
-    meta = build_attention_metadata(batch, buf.upload(batch), cache, None, kernel, varlen=varlen)
+    if rotary is not None:
+        rotary = DeferredRotary(rotary.inv_freq.to(device), rotary.scaling)
+    meta = build_attention_metadata(batch, buf.upload(batch), cache, None, kernel, varlen=varlen,
+                                    rotary=rotary)
     tokens = [(c.seq.request_id, p) for c in chunks for p in range(c.start, c.start + c.num_tokens)]
     q = torch.stack([_q(*t) for t in tokens], 1)[None].to(device, dtype)  # [1, H, T, D]
     k = torch.stack([_kv(*t)[0] for t in tokens], 1)[None].to(device, dtype)  # [1, Hkv, T, D]
@@ -81,15 +89,20 @@ def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.floa
     return {t: out[0, i].float().cpu() for i, t in enumerate(tokens)}, meta.num_decode_first
 
 
-def _reference(name: str, pos: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """fp32 attention of the inputs as the op got them (rounded to `dtype`)."""
+def _reference(name: str, pos: int, dtype: torch.dtype = torch.float32, rotary: bool = False) -> torch.Tensor:
+    """fp32 attention of the inputs as the op got them (rounded to `dtype`); with `rotary`, the
+    query and the step's new keys rotated at their positions (the cached keys were, when written)."""
     def rounded(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).float()
 
-    keys = rounded(torch.stack([_kv(name, p)[0] for p in range(pos + 1)]))  # [ctx, Hkv, D]
+    def rotated(t: torch.Tensor, p: int) -> torch.Tensor:  # [heads, D] at position p
+        return rotate(torch.tensor([p]), ROTARY, rounded(t)[None])[0][0] if rotary else rounded(t)
+
+    keys = torch.stack([rotated(_kv(name, p)[0], p) if p >= COMPUTED[name] else rounded(_kv(name, p)[0])
+                        for p in range(pos + 1)])  # [ctx, Hkv, D]
     values = rounded(torch.stack([_kv(name, p)[1] for p in range(pos + 1)]))
     group = HEADS // KV_HEADS
-    q = rounded(_q(name, pos))
+    q = rotated(_q(name, pos), pos)
     out = []
     for h in range(HEADS):
         w = torch.softmax(keys[:, h // group] @ q[h] / math.sqrt(DIM), 0)
@@ -104,23 +117,30 @@ ORDERS = pytest.mark.parametrize(
 )
 
 
+ROTARIES = pytest.mark.parametrize("rotary", [False, True], ids=["rotated-by-model", "rotated-by-op"])
+
+
+@ROTARIES
 @ORDERS
-def test_each_token_attends_to_its_own_context_in_any_row_order(order, decode_first):
+def test_each_token_attends_to_its_own_context_in_any_row_order(order, decode_first, rotary):
     """Decode rows first (each part of the step a slice of its rows) or among the prompt chunks
     (gathered and scattered by index): every token's output is its attention over its own
-    sequence's context, the step's new K/V included."""
-    got, first = _run(order, torch.device("cpu"))
+    sequence's context, the step's new K/V included (rotated by the op at each token's position,
+    where the model leaves the rotary embedding to it)."""
+    got, first = _run(order, torch.device("cpu"), rotary=ROTARY if rotary else None)
     assert first == decode_first  # which of the two paths ran
     for (name, pos), out in got.items():
-        torch.testing.assert_close(out, _reference(name, pos), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, _reference(name, pos, rotary=rotary), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
+@ROTARIES
 @ORDERS
-def test_each_token_attends_to_its_own_context_on_cuda(order, decode_first):
-    """The same through the CUDA path of a mixed step (fp16, 16-token blocks): the decode kernel
-    reading K/V in place and one flash-attention call for the prompt chunks."""
-    got, first = _run(order, torch.device("cuda"), torch.float16, 16)
+def test_each_token_attends_to_its_own_context_on_cuda(order, decode_first, rotary):
+    """The same through the CUDA path of a mixed step (fp16, 16-token blocks): the step's K/V
+    written (and Q and K rotated) by one kernel, the decode kernel reading K/V in place and one
+    flash-attention call for the prompt chunks."""
+    got, first = _run(order, torch.device("cuda"), torch.float16, 16, ROTARY if rotary else None)
     assert first == decode_first
     for (name, pos), out in got.items():
-        torch.testing.assert_close(out, _reference(name, pos, torch.float16), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(out, _reference(name, pos, torch.float16, rotary), atol=2e-3, rtol=2e-3)

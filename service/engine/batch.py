@@ -15,7 +15,7 @@ import torch
 
 from .ops.attention_metadata import AttentionMetadata, PrefillSegment
 from .ops.attention_ref import causal_mask, decode_mask
-from .ops.deferred_rotary import DecodeRotary
+from .ops.deferred_rotary import DeferredRotary
 from .ops.kv_cache import KVCache
 from .ops.varlen_prefill import Stage, VarlenPrefill, upload
 from .scheduler import ScheduledChunk
@@ -174,10 +174,10 @@ def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.
     return slots.flatten(-2)[..., :length]
 
 
-def decode_metadata(dev: DeviceBatch, cache: KVCache, rotary: DecodeRotary | None) -> AttentionMetadata:
+def decode_metadata(dev: DeviceBatch, cache: KVCache, rotary: DeferredRotary | None) -> AttentionMetadata:
     """A decode-only step's metadata (rows are the decodes, in order): what the decode op reads,
     for the eager step and for the graph captured over a slot's buffers alike. `rotary`: the
-    decode model leaves the rotary embedding to the op."""
+    deferred model leaves the rotary embedding to the op."""
     return AttentionMetadata(
         slot_mapping=dev.slot_mapping,
         block_size=cache.block_size,
@@ -196,18 +196,20 @@ def build_attention_metadata(
     sliding_window: int | None = None,
     decode_kernel: Callable[..., torch.Tensor] | None = None,
     varlen: Stage | None = None,
-    rotary: DecodeRotary | None = None,
+    rotary: DeferredRotary | None = None,
 ) -> AttentionMetadata:
     """Attention metadata of an eagerly run step, from its uploaded inputs (`dev`).
 
     `varlen`: the prompt chunks go to one variable-length flash-attention call (CUDA, no sliding
     window), their indexes put on the device by this (the step slot's `stage`); otherwise each
-    chunk gets its own segment, attended by SDPA. `rotary`: a decode-only step's (decode_metadata)."""
+    chunk gets its own segment, attended by SDPA. `rotary`: the deferred model's (the ops rotate
+    Q and K)."""
     device = dev.input_ids.device
     block_size = cache.block_size
     if batch.decode_block_table is not None and not batch.prefills and not sliding_window:
         return decode_metadata(dev, cache, rotary)
-    meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size, kv_cache=cache)
+    meta = AttentionMetadata(slot_mapping=dev.slot_mapping, block_size=block_size, kv_cache=cache,
+                             rotary=rotary, positions=dev.positions if rotary is not None else None)
     rows = batch.decode_token_idx  # increasing: the chunks' order
     if not rows or rows[-1] == len(rows) - 1:  # the decode rows come first (as scheduled, nearly always)
         meta.num_decode_first = len(rows)

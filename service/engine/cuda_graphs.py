@@ -16,7 +16,7 @@ import torch
 
 from .batch import carry_over, decode_metadata
 from .forward import forward_and_sample
-from .ops.deferred_rotary import DecodeRotary
+from .ops.deferred_rotary import DeferredRotary
 from .ops.kv_cache import KVCache
 from .step_buffers import StepBuffers
 
@@ -35,10 +35,10 @@ class DecodeGraphs:
         cache: KVCache,
         slots: list[StepBuffers],
         max_batch: int,
-        rotary: DecodeRotary | None = None,
+        rotary: DeferredRotary | None = None,
     ) -> None:
-        self.forward = forward  # the decode model, or its torch.compile'd form
-        self.rotary = rotary  # where the decode model leaves the rotary embedding to the op
+        self.forward = forward  # the deferred model (or the model), or its torch.compile'd form
+        self.rotary = rotary  # where the deferred model leaves the rotary embedding to the op
         self.cache = cache
         self.slots = slots
         self.buckets = buckets_up_to(max_batch)

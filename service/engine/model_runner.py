@@ -129,24 +129,25 @@ class ModelRunner:
             from .ops.triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
 
             self.decode_kernel = DecodeKernel.for_batch
-        # decode-only steps run the decode model: the model, but for its rotary embedding, which
-        # the decode op applies where the model family allows it (deferred_rotary.py)
-        decode_model, self.decode_rotary = (
+        # steps run the deferred model: the model, but for its rotary embedding, which the
+        # attention ops apply where the model family allows it (deferred_rotary.py)
+        stepped, self.rotary = (
             defer_rotary(model, cache.shape.head_dim) if config.fold_rotary else (model, None)
         )
-        # ... compiled, where asked: norms, activations and residuals fused around the op
-        self.decode_forward = decode_model
+        # decode-only steps, compiled where asked: norms, activations and residuals fused around the op
+        self.decode_forward = stepped
         if config.compile_decode or config.compile_prefill:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if config.compile_decode:
-            self.decode_forward = torch.compile(decode_model, backend=config.compile_backend)
+            self.decode_forward = torch.compile(stepped, backend=config.compile_backend)
         # prefill and mixed steps, compiled where asked: one graph around the mixed attention op
         # (mixed_op.py), with a symbolic token count
-        self.prefill_forward = model
+        self.prefill_forward = stepped
+        self.prefill_compiled = config.compile_prefill
         if config.compile_prefill:
             for store in (cache.k_store, cache.v_store):  # fixed: no guard ties them to the step's sizes
                 torch._dynamo.mark_static(store)
-            self.prefill_forward = torch.compile(model, backend=config.compile_backend, dynamic=True)
+            self.prefill_forward = torch.compile(stepped, backend=config.compile_backend, dynamic=True)
         max_blocks = -(-config.max_model_len // bs)
         self.slots = [
             StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, device,
@@ -164,12 +165,8 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
-                self.decode_forward, cache, self.slots, config.max_num_seqs, self.decode_rotary
+                self.decode_forward, cache, self.slots, config.max_num_seqs, self.rotary
             )
-
-    @property
-    def prefill_compiled(self) -> bool:
-        return self.prefill_forward is not self.model
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs and compile the mixed steps' decode kernels (warm-up time,
@@ -258,7 +255,7 @@ class ModelRunner:
             kernel = self.decode_kernel(self.cache, len(batch.decode_token_idx), self.num_sms, longest)
         meta = build_attention_metadata(
             batch, dev, self.cache, self.sliding_window, kernel,
-            varlen=self.slots[s].stage if self.varlen_prefill else None, rotary=self.decode_rotary,
+            varlen=self.slots[s].stage if self.varlen_prefill else None, rotary=self.rotary,
         )
         input_ids = carry_over(dev.input_ids, dev.carry, prev_tokens)
         if input_ids is not dev.input_ids:  # in the slot's buffer, as without carries: one kind of

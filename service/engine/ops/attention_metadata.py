@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .deferred_rotary import DecodeRotary
+from .deferred_rotary import DeferredRotary
 from .varlen_prefill import VarlenPrefill
 
 
@@ -39,8 +39,10 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # [B] int32
     # no prefills: every token is a decode, rows in order (the decode op, CUDA graphs, compile)
     decode_only: bool = False
-    # decode-only steps of the decode model: Q and K come unrotated, the decode op rotates them
-    rotary: DecodeRotary | None = None
+    # the deferred model's steps: Q and K come unrotated, the attention ops rotate them (decode
+    # rows at their context length - 1, a step with prompts at `positions`)
+    rotary: DeferredRotary | None = None
+    positions: torch.Tensor | None = None  # [T] each token's position: a step with prompts, with `rotary`
     # CUDA: every prompt chunk in one variable-length flash-attention call (then `prefills` is empty)
     varlen: VarlenPrefill | None = None
     # a step with prompts whose decode rows are its first rows (the prompt chunks follow, in order,

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from .attention_ref import decode_mask, gathered_decode_attention
-from .deferred_rotary import DecodeRotary, rotate
+from .deferred_rotary import DeferredRotary, rotate
 from .kv_cache import slot_major
 
 
@@ -61,7 +61,7 @@ def paged_decode(
     k_cache, v_cache = slot_major(k_store, head_major)[layer], slot_major(v_store, head_major)[layer]
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
-    rotary = DecodeRotary(inv_freq, rope_scaling) if inv_freq is not None else None
+    rotary = DeferredRotary(inv_freq, rope_scaling) if inv_freq is not None else None
     if q.is_cuda and kernel_supports(block_size):
         from .triton_decode import num_splits_for, paged_decode_attention
 

@@ -1,16 +1,17 @@
-"""The rotary embedding of decode steps, applied by the decode attention op as it loads Q and K.
+"""The rotary embedding applied by the attention ops as they load Q and K, not by the model code.
 
-In a compiled decode step, each layer rotates its query and its new key in two small element-wise
-kernels of their own: 0.25 ms of an 8B step at batch 32 on the H200, for a few microseconds of
-work, the rest launch and latency. The decode op loads that query and key anyway, so it rotates
-them there, from the token's position (its context length - 1) and the model's own inverse
-frequencies.
+In a compiled step each layer rotates its query and new key in element-wise kernels of its own:
+two small ones per layer in a decode step (launch latency for a few microseconds of work), and in
+a step with prompts one that computes cos and sin again for every head of every token, far from
+the memory bandwidth (docs/benchmarks.md). The attention ops load that query and key anyway, so
+they rotate them there, from each token's position and the model's own inverse frequencies: the
+decode kernel as it attends, the mixed op as it writes the step's K/V into the cache.
 
-The model code stays transformers': decode steps run a *decode model*, a shallow copy that shares
+The model code stays transformers': the engine runs a *deferred model*, a shallow copy that shares
 every module of the model but its rotary embedding, which hands out empty cos/sin. The model
 family's `apply_rotary_pos_emb` (wrapped once per family) passes Q and K through unrotated when it
-is given those; with real cos/sin it does what it always did, so prefill steps, `generate()` and
-any other model of the family are untouched.
+is given those; with real cos/sin it does what it always did, so `generate()` and any other model
+of the family are untouched.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 @dataclass(frozen=True)
-class DecodeRotary:
-    """What the decode op needs to rotate Q and K as transformers would."""
+class DeferredRotary:
+    """What the attention ops need to rotate Q and K as transformers would."""
 
     inv_freq: torch.Tensor  # [head_dim // 2] float32
     scaling: float  # the RoPE type's attention scaling of cos and sin (1.0 for most)
 
 
 class _DeferredRotaryEmbedding(nn.Module):
-    """Stands in for the model's rotary embedding in the decode model: empty cos/sin."""
+    """Stands in for the model's rotary embedding in the deferred model: empty cos/sin."""
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         empty = x.new_empty(*position_ids.shape, 0)
@@ -55,7 +56,7 @@ def _passes_deferred(apply: Callable) -> Callable:
         *args: object,
         **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cos.shape[-1] == 0:  # the decode model: the decode op rotates Q and K itself
+        if cos.shape[-1] == 0:  # the deferred model: the attention ops rotate Q and K
             return q, k
         return apply(q, k, cos, sin, *args, **kwargs)
 
@@ -67,8 +68,8 @@ def _attention_module(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")), None)
 
 
-def defer_rotary(model: nn.Module, head_dim: int) -> tuple[nn.Module, DecodeRotary | None]:
-    """-> (decode model, what the decode op needs), or (the model itself, None) where the model's
+def defer_rotary(model: nn.Module, head_dim: int) -> tuple[nn.Module, DeferredRotary | None]:
+    """-> (deferred model, what the attention ops need), or (the model itself, None) where the model's
     rotary embedding is not one the op reproduces (its RoPE type, partial rotary, no family hook)."""
     inner = getattr(model, "model", None)
     rotary = getattr(inner, "rotary_emb", None)
@@ -87,14 +88,14 @@ def defer_rotary(model: nn.Module, head_dim: int) -> tuple[nn.Module, DecodeRota
         return model, None
     if not getattr(apply, "tandem_passes_deferred", False):
         family.apply_rotary_pos_emb = _passes_deferred(apply)
-    decode_inner = copy.copy(inner)
-    decode_inner._modules = {**inner._modules, "rotary_emb": _DeferredRotaryEmbedding()}
-    decode_model = copy.copy(model)
-    decode_model._modules = {**model._modules, "model": decode_inner}
-    return decode_model, DecodeRotary(inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)))
+    deferred_inner = copy.copy(inner)
+    deferred_inner._modules = {**inner._modules, "rotary_emb": _DeferredRotaryEmbedding()}
+    deferred = copy.copy(model)
+    deferred._modules = {**model._modules, "model": deferred_inner}
+    return deferred, DeferredRotary(inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)))
 
 
-def rotate(positions: torch.Tensor, rotary: DecodeRotary, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def rotate(positions: torch.Tensor, rotary: DeferredRotary, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each x [B, H, D] (one dtype) rotated at its row's position [B], with transformers'
     arithmetic: fp32 angles, cos/sin in x's dtype (computed once for all of them), then
     x * cos + rotate_half(x) * sin in x's dtype."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .attention_metadata import AttentionMetadata, PrefillSegment
 from .attention_ref import gathered_decode_attention
+from .deferred_rotary import rotate
 from .kv_cache import slot_major
 
 _step: ContextVar[AttentionMetadata | None] = ContextVar("tandem_step", default=None)
@@ -47,16 +48,14 @@ def paged_mixed(
     head_major: bool,
     scale: float,
 ) -> torch.Tensor:
-    """-> [1, T, H, D]: write the step's new K/V, then attend its decode rows and prompt chunks."""
+    """-> [1, T, H, D]: write the step's new K/V (Q and K rotated first where the model leaves the
+    rotary embedding to the op), then attend its decode rows and prompt chunks."""
     meta = _step.get()
     if meta is None:
         raise RuntimeError("tandem::paged_mixed runs only inside attending(meta)")
     k_cache, v_cache = slot_major(k_store, head_major)[layer], slot_major(v_store, head_major)[layer]
-    new_k = key[0].transpose(0, 1)  # [T, Hkv, D]
-    new_v = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))
-    q = query[0].transpose(0, 1)  # [T, H, D]
+    q, new_k, new_v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    q, new_k = _write_new_kv(meta, q, new_k, new_v, k_cache, v_cache)
     decodes = meta.num_decode_first
     if decodes is not None:  # decode rows first, then the chunks in order: every part a slice
         parts = []
@@ -64,7 +63,7 @@ def paged_mixed(
             parts.append(_decode_rows(meta, q[:decodes], k_cache, v_cache, scale))
         if meta.varlen is not None:
             parts.append(meta.varlen.attend(q[decodes:], k_cache, v_cache, scale))
-        parts += [_segment(seg, q, key, value, k_cache, v_cache, scale) for seg in meta.prefills]
+        parts += [_segment(seg, q, new_k, new_v, k_cache, v_cache, scale) for seg in meta.prefills]
         return (torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()).unsqueeze(0)
     out = torch.empty_like(q)  # [T, H, D]
     if meta.decode_token_idx is not None:
@@ -74,7 +73,7 @@ def paged_mixed(
         chunks = meta.varlen.attend(q.index_select(0, meta.varlen.q_index), k_cache, v_cache, scale)
         out.index_copy_(0, meta.varlen.q_index, chunks)
     for seg in meta.prefills:
-        out[seg.q_start : seg.q_start + seg.q_len] = _segment(seg, q, key, value, k_cache, v_cache, scale)
+        out[seg.q_start : seg.q_start + seg.q_len] = _segment(seg, q, new_k, new_v, k_cache, v_cache, scale)
     return out.unsqueeze(0)
 
 
@@ -89,15 +88,39 @@ def _decode_rows(
     )
 
 
+def _write_new_kv(
+    meta: AttentionMetadata, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Write the step's new K/V ([T, Hkv, D]) into the cache, Q and K rotated first where the model
+    leaves the rotary embedding to the op -> (the queries, the keys: None where only the cache is
+    read, as by the packed prompt chunks and the decode rows)."""
+    if q.is_cuda and write_kernel_supports(q.shape[-1]):  # one kernel
+        from .triton_kv_write import write_step_kv
+
+        return write_step_kv(q, new_k, new_v, k_cache, v_cache, meta.slot_mapping, meta.positions,
+                             meta.rotary, keys=bool(meta.prefills))
+    if meta.rotary is not None:
+        q, new_k = rotate(meta.positions, meta.rotary, q, new_k)
+    k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))
+    return q, new_k
+
+
+def write_kernel_supports(head_dim: int) -> bool:
+    """The write kernel's rows need a power-of-two head size (Triton's ranges)."""
+    return head_dim & (head_dim - 1) == 0
+
+
 def _segment(
-    seg: PrefillSegment, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+    seg: PrefillSegment, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """One prompt chunk by SDPA (q [T, H, D] of the step) -> [n, H, D]."""
+    """One prompt chunk by SDPA (q [T, H, D] and the new K/V [T, Hkv, D] of the step) -> [n, H, D]."""
     rows = slice(seg.q_start, seg.q_start + seg.q_len)
     qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if seg.slots is None:  # fresh prompt: its own K/V are the whole context
-        kp, vp = key[:, :, rows], value[:, :, rows]
+        kp, vp = new_k[rows].transpose(0, 1).unsqueeze(0), new_v[rows].transpose(0, 1).unsqueeze(0)
     else:
         kp = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)
         vp = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)

@@ -5,7 +5,7 @@ context one tile of tokens at a time (several cache blocks, found through the bl
 all the query heads that share the KV head (grouped-query attention reads each K/V tile once).
 A longer context gets more splits, within the grid's, so that few long sequences still keep every
 multiprocessor reading. In a decode step the kernel also writes the step's new K/V into the cache:
-one launch, not three; where the decode model leaves the rotary embedding to it, it rotates Q and
+one launch, not three; where the deferred model leaves the rotary embedding to it, it rotates Q and
 the new K as it loads them (deferred_rotary.py).
 A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
 No gather copy of K/V, no host sync: the launch depends only on the batch size and the block
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .deferred_rotary import DecodeRotary
+from .deferred_rotary import DeferredRotary
 
 
 @triton.jit
@@ -295,7 +295,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | Splits,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    rotary: DecodeRotary | None = None,
+    rotary: DeferredRotary | None = None,
     config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its paged context.
