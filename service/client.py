@@ -27,6 +27,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.max_tokens is not None:
         req.stopping.max_tokens = args.max_tokens
     req.stopping.stop.extend(args.stop)
+    if args.cache_salt is not None:
+        req.cache_salt = args.cache_salt
     return req
 
 
@@ -50,7 +52,8 @@ async def generate_to_terminal(args: argparse.Namespace) -> int:
                     sys.stdout.write("\n")
                     u = msg.usage
                     print(
-                        f"[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]",
+                        f"[{reason}; {u.prompt_tokens} prompt ({u.cached_prompt_tokens} cached) + "
+                        f"{u.completion_tokens} completion tokens]",
                         file=sys.stderr,
                     )
         except grpc.aio.AioRpcError as err:

@@ -134,6 +134,13 @@ class ServerSettings(BaseSettings):
         "tokens (automatic prefix caching): they skip the prefill of that prefix. Cached blocks nobody uses "
         "are evicted, least recently used first, only when no block is free.",
     )
+    prefix_cache_isolation: Literal["token", "shared"] = Field(
+        "token",
+        description="Who shares cached prefixes. token: only requests presenting the same bearer token "
+        "(auth_token_file; without it, every request), so one tenant can neither read another's cached "
+        "K/V nor time whether a prompt is cached; shared: every request. Either way a request's "
+        "`cache_salt` narrows its scope to requests with the same salt.",
+    )
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step (decodes + prefill chunks)."
     )

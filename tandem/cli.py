@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--cache-salt", default=None,
+                     help="share cached prompt prefixes only with requests of this salt (docs/api.md)")
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     _add_connection_flags(gen)
     gen.add_argument("--log-level", default="WARNING")

@@ -21,6 +21,7 @@ class Arrival:
     prompt_ids: list[int]
     params: SamplingParams
     at_step: int = 0
+    cache_scope: bytes = b""
 
 
 @dataclass
@@ -28,6 +29,7 @@ class RunResult:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens found cached, with the first token
     preemptions: int = 0
     steps: int = 0
     max_batch: int = 0
@@ -77,13 +79,15 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
     while (pending or core.has_work) and step < max_steps:
         while pending and pending[0].at_step <= step:
             a = pending.pop(0)
-            core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params))
+            core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params, a.cache_scope))
             result.tokens[a.request_id] = []
         for s in core.scheduler.waiting:
             seqs[s.request_id] = s
         result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))
         updates = core.run_once()
         for u in updates:
+            if not result.tokens[u.request_id]:
+                result.cached[u.request_id] = u.cached_tokens
             result.tokens[u.request_id] += u.new_token_ids
             if u.finish_reason is not None:
                 result.finish[u.request_id] = u.finish_reason.value

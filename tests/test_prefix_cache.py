@@ -53,6 +53,48 @@ def test_a_block_matches_only_behind_the_same_prefix():
     assert blocks.match_prefix(seq("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == 0
 
 
+def test_a_block_is_shared_only_within_its_cache_scope():
+    """Requests of different cache scopes (tenants, salts) never share a block, whatever their
+    tokens; requests of one scope do, and the shared scope (b"") keeps the digests it always had."""
+    blocks = BlockManager(32, 4, prefix_caching=True)
+    tokens = list(range(9))
+    shared, tenant = seq("shared", tokens), seq("tenant", tokens)
+    tenant.cache_scope = b"tenant-a"
+    computed(blocks, shared)
+    assert blocks.match_prefix(tenant) == 0  # the shared scope's blocks are not the tenant's
+    blocks.free(tenant)
+    computed(blocks, tenant)
+    assert shared.block_digests[0] != tenant.block_digests[0]
+    again = seq("again", tokens)
+    again.cache_scope = b"tenant-a"
+    assert blocks.match_prefix(again) == 8 and again.block_ids == tenant.block_ids[:2]
+    other = seq("other", tokens)
+    other.cache_scope = b"tenant-b"
+    assert blocks.match_prefix(other) == 0
+    plain = seq("plain", tokens)
+    assert blocks.match_prefix(plain) == 8 and plain.block_ids == shared.block_ids[:2]
+    # the shared scope's chain starts at the model's root, as before scopes existed
+    assert blocks._scope_root(b"") == blocks._root
+
+
+def test_a_request_reports_the_prompt_tokens_it_found_cached(llama):
+    """Each request's first token carries the prompt tokens its first admission found cached: the
+    prefix of a request of its own scope, nothing of another scope's."""
+    rng = random.Random(4)
+    system = [rng.randrange(llama.config.vocab_size) for _ in range(20)]  # 5 blocks of 4
+    params = SamplingParams(max_tokens=2)
+    arrivals = [
+        Arrival("first", system + [1, 2], params, 0),
+        Arrival("same-scope", system + [3], params, 4),
+        Arrival("other-scope", system + [3], params, 4, cache_scope=b"other"),
+        Arrival("other-again", system + [4, 5, 6], params, 8, cache_scope=b"other"),
+    ]
+    result = run(make_core(llama, num_blocks=64, block_size=4, prefix_caching=True), arrivals)
+    assert result.cached == {"first": 0, "same-scope": 20, "other-scope": 0, "other-again": 20}
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 2, None), a.request_id
+
+
 def test_released_blocks_stay_cached_and_the_least_recently_released_go_first():
     blocks = BlockManager(4, 2, prefix_caching=True)
     a, b = seq("a", [1, 2, 3]), seq("b", [7, 8, 9])

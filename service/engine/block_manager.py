@@ -2,11 +2,13 @@
 cached for other requests to share (automatic prefix caching).
 
 A full block is named by a digest of its tokens chained with the digest of every block before it
-(and a salt naming the model), so two requests share a block only when everything before it is
-the same too. Cached blocks are shared by reference count; a block no request references stays
-cached, evictable, and the least recently released is reused first when no block is free.
-Digests are SHA-256, not Python's hash: a prefix whose digest collides with another user's would
-read that user's K/V, so the name must not be forgeable.
+(and a salt naming the model, and the request's cache scope), so two requests share a block only
+when everything before it is the same too, and only within one scope: a caller of another scope
+can neither read those K/V nor tell from its own speed that they are cached. Cached blocks are
+shared by reference count; a block no request references stays cached, evictable, and the least
+recently released is reused first when no block is free. Digests are SHA-256, not Python's hash: a
+prefix whose digest collides with another user's would read that user's K/V, so the name must not
+be forgeable.
 """
 
 from __future__ import annotations
@@ -100,10 +102,14 @@ class BlockManager:
         digests, bs = seq.block_digests, self.block_size
         while len(digests) < count:
             i = len(digests)
-            parent = digests[-1] if digests else self._root
+            parent = digests[-1] if digests else self._scope_root(seq.cache_scope)
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             digests.append(hashlib.sha256(parent + self._block_bytes.pack(*tokens)).digest())
         return digests
+
+    def _scope_root(self, scope: bytes) -> bytes:
+        """The digest a scope's chains start from (the shared scope: the model's root itself)."""
+        return hashlib.sha256(self._root + scope).digest() if scope else self._root
 
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence with no blocks the cached blocks of its longest cached prefix, and mark

@@ -127,6 +127,7 @@ class EngineCore:
             seed=p.seed if p.seed is not None else random.getrandbits(63),
             max_total_len=self.max_model_len,
             stop_ids=stop_ids,
+            cache_scope=req.cache_scope,
         )
 
     def step(self) -> list[SeqUpdate]:
@@ -257,6 +258,7 @@ class EngineCore:
             updates.append(update)
             if seq.num_output == 1:  # its first token
                 self.prompt_tokens += seq.prompt_len
+                update.cached_tokens = seq.cached_tokens or 0
         self.generated_tokens += len(updates)
         return updates
 

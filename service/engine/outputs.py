@@ -29,6 +29,7 @@ class SeqUpdate:
     error: str | None = None  # the request failed: it ends here, with `error_kind`'s status
     error_kind: ErrorKind = ErrorKind.INTERNAL
     scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
+    cached_tokens: int = 0  # with its first token: prompt tokens found in the prefix cache (usage)
 
 
 @dataclass(frozen=True)

@@ -30,3 +30,6 @@ class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # who may share its cached prefix blocks: requests of the same scope only (b"" = every request
+    # of the shared scope); made by the front (server/cache_scope.py), opaque to the engine
+    cache_scope: bytes = b""

@@ -199,6 +199,8 @@ class Scheduler:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.cached_tokens is None:  # its first admission: what its usage reports
+                seq.cached_tokens = matched
             take(seq, n)
             if seq.host_blocks:
                 self._restore(seq, out.moves)

@@ -24,6 +24,8 @@ class Sequence:
     seed: int  # resolved seed: a request without one gets a random one at admission
     max_total_len: int  # prompt + generated tokens may not exceed this (context length)
     stop_ids: frozenset[int] = frozenset()
+    cache_scope: bytes = b""  # shares cached prefix blocks with sequences of this scope only
+    cached_tokens: int | None = None  # prompt tokens found cached when first admitted (its usage)
     # its KV blocks, as C ints: a step's block table is these rows' bytes joined (batch.py)
     block_ids: array = field(default_factory=lambda: array("i"))
     # digests of its first full blocks (prefix caching: block_manager.py), and how many times its

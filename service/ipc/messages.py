@@ -31,6 +31,7 @@ class Submit(msgspec.Struct, tag=True, array_like=True):
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float | None = None  # wall clock; a request still waiting then never starts
+    cache_scope: bytes = b""  # who may share its cached prefix blocks (server/cache_scope.py)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -68,7 +69,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
     request_ids: list[str]
     tokens: list[int]
-    started: list[tuple[int, float]] = msgspec.field(default_factory=list)  # (row, its first step began)
+    # (row, when its first step began, prompt tokens found in the prefix cache)
+    started: list[tuple[int, float, int]] = msgspec.field(default_factory=list)
     # (row, why, the stop token id if one ended it)
     finished: list[tuple[int, FinishReason, int | None]] = msgspec.field(default_factory=list)
     logprobs: list[tuple[int, TokenLogprob]] = msgspec.field(default_factory=list)

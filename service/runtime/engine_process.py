@@ -110,7 +110,7 @@ class EngineService:
             self.front_of[msg.request_id] = msg.front
             if msg.deadline is not None:
                 heapq.heappush(self.deadlines, (msg.deadline, msg.request_id))
-            core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params))
+            core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params, msg.cache_scope))
         elif isinstance(msg, m.Abort):
             for request_id in msg.request_ids:
                 if self.front_of.pop(request_id, None) is not None:
@@ -179,7 +179,7 @@ class EngineService:
             out.tokens.append(token)
             if rid not in started:
                 started.add(rid)
-                out.started.append((row, u.scheduled_at))
+                out.started.append((row, u.scheduled_at, u.cached_tokens))
             if u.logprobs:
                 out.logprobs.append((row, u.logprobs[0]))
             if u.finish_reason is not None:

@@ -76,7 +76,8 @@ def bearer_token(value: str | None) -> bytes | None:
     return None
 
 
-def _presented_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> bytes | None:
+def presented_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> bytes | None:
+    """The bearer token in a call's metadata, if any (the interceptor has checked it when auth is on)."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and (token := bearer_token(value)) is not None:
             return token
@@ -96,7 +97,7 @@ class RequireBearerToken(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_PREFIX):
             return handler
-        presented = _presented_token(details.invocation_metadata)
+        presented = presented_token(details.invocation_metadata)
         if presented is not None and self.tokens.accepts(presented):
             return handler
         why = "missing bearer token" if presented is None else "bearer token not accepted"

@@ -17,6 +17,7 @@ from ..engine.errors import ErrorKind, RequestError, invalid
 from ..engine.sampling_params import SamplingParams
 from ..engine.validation import Limits, validate_prompt
 from ..ipc.messages import ModelInfo
+from .cache_scope import cache_scope, check_salt
 from .engine_client import EngineClient
 from .request_stream import GenerationChunk
 
@@ -38,6 +39,7 @@ class ModelContext:
     is_ready: Callable[[], bool] = lambda: True  # health: engine warm, tokenizer loaded, not draining
     max_token_chars: int = 1024  # the longest text one token decodes to (longest_token_chars)
     request_timeout_s: float | None = None  # the server's bound on any request (settings)
+    isolate_tokens: bool = False  # a bearer token names its own prefix-cache scope (cache_scope.py)
 
     @property
     def name(self) -> str:
@@ -99,6 +101,11 @@ class ModelContext:
             raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
+    def cache_scope(self, token: bytes | None, salt: str | None) -> bytes:
+        """The prefix-cache scope of a request presenting `token` (verified by the auth layer, or
+        None) with `cache_salt` `salt` (INVALID_ARGUMENT if it is not a valid one)."""
+        return cache_scope(token if self.isolate_tokens else None, check_salt(salt))
+
     def _deadline(self, time_left: float | None) -> float | None:
         """The request's deadline (wall clock): the caller's time left or the server's bound."""
         bounds = [t for t in (time_left, self.request_timeout_s) if t is not None]
@@ -114,22 +121,24 @@ class ModelContext:
         prompt_ids: list[int],
         params: SamplingParams,
         time_left: float | None = None,
+        scope: bytes = b"",
     ) -> AsyncIterator[GenerationChunk]:
         """Admit a request (RequestError if it is not) and stream its chunks. `time_left`: seconds
-        the caller allows (None = no deadline of its own)."""
+        the caller allows (None = no deadline of its own); `scope`: its prefix-cache scope."""
         validate_prompt(prompt_ids, self.limits)
         deadline = self._deadline(time_left)
-        return self.engine.generate(prompt_ids, params, self.tokenizer, deadline)
+        return self.engine.generate(prompt_ids, params, self.tokenizer, deadline, scope)
 
     async def generate_all(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
         time_left: float | None = None,
+        scope: bytes = b"",
     ) -> GenerationChunk:
         validate_prompt(prompt_ids, self.limits)
         deadline = self._deadline(time_left)
-        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, deadline)
+        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, deadline, scope)
 
 
 class ContextHolder:

@@ -87,9 +87,10 @@ class EngineClient:
             stream = streams.get(rid)
             if stream is not None:
                 stream.token(token)
-        for row, at in out.started:
+        for row, at, cached in out.started:
             if (stream := streams.get(ids[row])) is not None:
                 stream.times.scheduled = at
+                stream.cached_tokens = cached
         for row, logprob in out.logprobs:
             if (stream := streams.get(ids[row])) is not None:
                 stream.logprob(logprob)
@@ -121,8 +122,10 @@ class EngineClient:
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
         deadline: float | None = None,
+        cache_scope: bytes = b"",
     ) -> AsyncIterator[GenerationChunk]:
-        """Send one validated request to the engine; its chunks as they come. `deadline`: wall clock.
+        """Send one validated request to the engine; its chunks as they come. `deadline`: wall clock;
+        `cache_scope`: who may share its cached prefix (cache_scope.py).
 
         The engine knows the request by the front's own id, unique in the pod: a client's
         `request_id` is only echoed, so independent clients that pick the same one never collide.
@@ -133,7 +136,7 @@ class EngineClient:
             next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, deadline
         )
         self.streams[stream.request_id] = stream
-        self._send(m.Submit(stream.request_id, self.front, list(prompt_ids), params, deadline))
+        self._send(m.Submit(stream.request_id, self.front, list(prompt_ids), params, deadline, cache_scope))
         return stream.chunks()
 
     def release(self, stream: RequestStream) -> None:
@@ -148,16 +151,18 @@ class EngineClient:
         params: SamplingParams,
         tokenizer: PreTrainedTokenizerBase,
         deadline: float | None = None,
+        cache_scope: bytes = b"",
     ) -> GenerationChunk:
         """Run to completion; one chunk with everything."""
         merged = GenerationChunk(text="", token_ids=[], logprobs=[] if params.logprobs else None)
-        async for chunk in self.generate(prompt_ids, params, tokenizer, deadline):
+        async for chunk in self.generate(prompt_ids, params, tokenizer, deadline, cache_scope):
             merged.text += chunk.text
             merged.token_ids += chunk.token_ids
             if merged.logprobs is not None and chunk.logprobs:
                 merged.logprobs += chunk.logprobs
             merged.finish_reason, merged.stop_reason = chunk.finish_reason, chunk.stop_reason
             merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+            merged.cached_tokens = chunk.cached_tokens
             merged.times = chunk.times
         return merged
 

@@ -173,8 +173,10 @@ class FrontServer:
         info = ready.model
         tokenizer, longest = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
         self.telemetry.model = info.name
+        s = self.settings
         self.holder.ctx = ModelContext(
-            self.client, tokenizer, ready.limits, info, self._ready, longest, self.settings.request_timeout_s
+            self.client, tokenizer, ready.limits, info, self._ready, longest, s.request_timeout_s,
+            isolate_tokens=s.prefix_cache_isolation == "token" and s.auth_token_file is not None,
         )
         self._tell_supervisor(m.FrontReady(self.index))
         await self.client.pod_ready  # SERVING on one front only once every front would answer as well

@@ -2,8 +2,10 @@
 
 Inputs: text_input (BYTES, a raw prompt, no chat template), max_tokens (INT32), stream (BOOL),
 sampling_parameters (BYTES, JSON: temperature, top_p, top_k, seed, stop, max_tokens),
-exclude_input_in_output (BOOL). Output: text_output (BYTES). ModelStreamInfer is decoupled: one
-response per chunk, the last one with the parameter triton_final_response=true.
+exclude_input_in_output (BOOL). Request parameters: timeout (Triton's, microseconds) and
+cache_salt (a string: shares cached prompt prefixes only with requests of the same salt).
+Output: text_output (BYTES). ModelStreamInfer is decoupled: one response per chunk, the last one
+with the parameter triton_final_response=true.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class LlmRequest:
     stream: bool
     exclude_input: bool
     timeout_s: float | None = None  # the request's `timeout` parameter (Triton's: microseconds)
+    cache_scope: bytes = b""  # from the caller's token and the `cache_salt` parameter (cache_scope.py)
 
 
 def _scalar(values: dict[str, list], name: str, default: object) -> object:
@@ -94,6 +97,16 @@ def _timeout(request: pb.ModelInferRequest) -> float | None:
     if value <= 0:
         raise invalid(f"parameter 'timeout' must be positive, got {value}")
     return value / 1e6
+
+
+def _salt(request: pb.ModelInferRequest) -> str | None:
+    """The request parameter `cache_salt` (None: not given)."""
+    if "cache_salt" not in request.parameters:
+        return None
+    param = request.parameters["cache_salt"]
+    if param.WhichOneof("parameter_choice") != "string_param":
+        raise invalid("parameter 'cache_salt' must be a string")
+    return param.string_param
 
 
 def _check_tensors(request: pb.ModelInferRequest) -> None:
@@ -191,9 +204,12 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------------
-    async def _parse(self, ctx: ModelContext, request: pb.ModelInferRequest) -> tuple[LlmRequest, list[int]]:
+    async def _parse(
+        self, ctx: ModelContext, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[LlmRequest, list[int]]:
         ctx.check_ready()
         _check_tensors(request)
+        scope = self.cache_scope(context, _salt(request))
         values = read_inputs(request)
         unknown = set(values) - {n for n, *_ in INPUTS}
         if unknown:
@@ -244,6 +260,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
             stream=bool(_scalar(values, "stream", False)),
             exclude_input=bool(_scalar(values, "exclude_input_in_output", False)),
             timeout_s=_timeout(request),
+            cache_scope=scope,
         )
         return req, prompt_ids
 
@@ -272,11 +289,11 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
-        req, prompt_ids = await self._parse(ctx, request)
+        req, prompt_ids = await self._parse(ctx, request, context)
         trace.admitted(request.id, len(prompt_ids), req.params, req.stream)
         # request.id only correlates responses on the client's stream (echoed in _response); it is not
         # unique across clients, so the engine gets its own id
-        stream = ctx.generate(prompt_ids, req.params, time_left=self._time_left(context, req))
+        stream = ctx.generate(prompt_ids, req.params, self._time_left(context, req), req.cache_scope)
         prefix = "" if req.exclude_input else req.prompt
         if req.stream:
             async for chunk in stream:
@@ -296,9 +313,10 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         try:
             with self._trace(context, "ModelInfer") as trace:
                 ctx = self._model(request.model_name)
-                req, prompt_ids = await self._parse(ctx, request)
+                req, prompt_ids = await self._parse(ctx, request, context)
                 trace.admitted(request.id, len(prompt_ids), req.params, stream=False)
-                done = await ctx.generate_all(prompt_ids, req.params, time_left=self._time_left(context, req))
+                done = await ctx.generate_all(prompt_ids, req.params, self._time_left(context, req),
+                                              req.cache_scope)
                 trace.chunk(done)
         except RequestError as err:
             await abort(context, err)

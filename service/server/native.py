@@ -59,12 +59,16 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             top_logprobs=lp.top_logprobs,
         )
 
-    async def _admit(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """Checks, prompt tokens and sampling parameters of a request (RequestError if bad)."""
+    async def _admit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[list[int], SamplingParams, bytes]:
+        """Checks, prompt tokens, sampling parameters and prefix-cache scope of a request
+        (RequestError if bad)."""
         self.ctx.check_ready()
         self.ctx.check_model(request.model)
+        scope = self.cache_scope(context, request.cache_salt if request.HasField("cache_salt") else None)
         prompt = await self._prompt(request)
-        return prompt, self._params(request, len(prompt))
+        return prompt, self._params(request, len(prompt)), scope
 
     def _trace(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
@@ -97,6 +101,7 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
         if chunk.finish_reason is not None:
             out.usage.prompt_tokens = chunk.prompt_tokens
             out.usage.completion_tokens = chunk.completion_tokens
+            out.usage.cached_prompt_tokens = chunk.cached_tokens
             if chunk.stop_reason is not None:
                 reason = chunk.stop_reason
                 out.stop_reason = reason if isinstance(reason, str) else self._token(reason)
@@ -108,9 +113,9 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
         request_id = request.request_id or uuid.uuid4().hex  # the proto: "echoed; generated when empty"
         try:
             with self._trace(request, context, "Generate") as trace:
-                prompt, params = await self._admit(request)
+                prompt, params, scope = await self._admit(request, context)
                 trace.admitted(request_id, len(prompt), params, stream=False)
-                merged = await self.ctx.generate_all(prompt, params, context.time_remaining())
+                merged = await self.ctx.generate_all(prompt, params, context.time_remaining(), scope)
                 trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
@@ -124,10 +129,10 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             with self._trace(request, context, "GenerateStream") as trace:
-                prompt, params = await self._admit(request)
+                prompt, params, scope = await self._admit(request, context)
                 trace.admitted(request_id, len(prompt), params, stream=True)
                 time_left = context.time_remaining()
-                stream = self.ctx.generate(prompt, params, time_left)
+                stream = self.ctx.generate(prompt, params, time_left, scope)
                 async for chunk in stream:
                     trace.chunk(chunk)
                     yield self._response(request_id, chunk)

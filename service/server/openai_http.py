@@ -222,18 +222,20 @@ class OpenAIApi:
         return rid
 
     async def _admit(
-        self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest
-    ) -> tuple[list[int], SamplingParams]:
-        """The prompt's tokens and the sampling parameters (RequestError if the request is not valid)."""
+        self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest, token: bytes | None
+    ) -> tuple[list[int], SamplingParams, bytes]:
+        """The prompt's tokens, the sampling parameters and the prefix-cache scope (from the caller's
+        bearer token `token` and the body's `cache_salt`); RequestError if the request is not valid."""
         ctx.check_ready()
         ctx.check_model(body.model or "")
         body.check()
+        scope = ctx.cache_scope(token, body.cache_salt)
         if isinstance(body, ChatCompletionRequest):
             prompt = await ctx.encode_chat(body.chat())
         else:
             single = body.single_prompt()
             prompt = await ctx.encode_text(single) if isinstance(single, str) else list(single)
-        return prompt, resolve_params(ctx.limits, len(prompt), **body.sampling())
+        return prompt, resolve_params(ctx.limits, len(prompt), **body.sampling()), scope
 
     def _response(
         self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest, rid: str
@@ -266,15 +268,16 @@ class OpenAIApi:
         trace = self.telemetry.http_request(request.headers, route, operation)
         out = self._response(ctx, body, rid)
         headers = {"x-request-id": rid}
+        token = bearer_token(request.headers.get("authorization"))  # checked by _authorize when auth is on
         if body.streams:
-            events = self._events(ctx, trace, body, out)
+            events = self._events(ctx, trace, body, out, token)
             first = await _unless_gone(request, events.__anext__())
             if first is None:
                 return Response(status_code=CLIENT_GONE)
             return StreamingResponse(
                 _prepend(first, events), media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers}
             )
-        done = await _unless_gone(request, self._complete(ctx, trace, body, out.id))
+        done = await _unless_gone(request, self._complete(ctx, trace, body, out.id, token))
         if done is None:
             return Response(status_code=CLIENT_GONE)
         return _json(out.whole(done), headers=headers)
@@ -285,11 +288,12 @@ class OpenAIApi:
         trace: RequestTrace,
         body: ChatCompletionRequest | CompletionRequest,
         response_id: str,
+        token: bytes | None,
     ) -> GenerationChunk:
         with trace:
-            prompt, params = await self._admit(ctx, body)
+            prompt, params, scope = await self._admit(ctx, body, token)
             trace.admitted(response_id, len(prompt), params, stream=False)
-            done = await ctx.generate_all(prompt, params)
+            done = await ctx.generate_all(prompt, params, scope=scope)
             trace.chunk(done)
         return done
 
@@ -299,6 +303,7 @@ class OpenAIApi:
         trace: RequestTrace,
         body: ChatCompletionRequest | CompletionRequest,
         out: ChatResponse | CompletionResponse,
+        token: bytes | None,
     ) -> AsyncIterator[bytes]:
         """The stream's events. An error before the first one raises (the handler answers with its
         status); after it, the stream ends with an error event, as vLLM's do."""
@@ -307,9 +312,9 @@ class OpenAIApi:
         usage = body.include_usage
         try:
             with trace:
-                prompt, params = await self._admit(ctx, body)
+                prompt, params, scope = await self._admit(ctx, body, token)
                 trace.admitted(out.id, len(prompt), params, stream=True)
-                async for chunk in ctx.generate(prompt, params):
+                async for chunk in ctx.generate(prompt, params, scope=scope):
                     trace.chunk(chunk)
                     last = chunk
                     yield sse.event(out.stream_chunk(chunk, usage))

@@ -71,7 +71,8 @@ def request_error(err: RequestError) -> tuple[int, dict]:
 
 def usage(chunk: GenerationChunk) -> dict:
     p, c = chunk.prompt_tokens, chunk.completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens}}
 
 
 class TokenTexts:

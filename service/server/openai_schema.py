@@ -3,9 +3,10 @@
 
 Unknown fields are ignored, as OpenAI ignores them. Known fields whose values Tandem cannot honour
 (n > 1, penalties, logit_bias, tools, echo, suffix, best_of > 1, non-text content) are refused with
-a message naming the field rather than dropped in silence. `top_k`, `ignore_eos`, `stop_token_ids`
-and `return_token_ids` are extensions, spelled as vLLM spells them. Values are checked strictly (a
-number given as a string is an error); their ranges are resolve_params's to check, as for gRPC.
+a message naming the field rather than dropped in silence. `top_k`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids` and `cache_salt` are extensions, spelled as vLLM spells them. Values are checked
+strictly (a number given as a string is an error); their ranges are resolve_params's to check, as
+for gRPC.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class _Request(_Body):
     ignore_eos: bool = False  # extension: generate max_tokens whatever the model says
     stop_token_ids: list[int] | None = None  # extension
     return_token_ids: bool = False  # extension: each choice carries its token ids
+    cache_salt: str | None = None  # extension: shares cached prompt prefixes only within this salt
 
     @property
     def streams(self) -> bool:

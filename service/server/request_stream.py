@@ -35,6 +35,7 @@ class GenerationChunk:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (known from the first token)
     times: RequestTimes | None = None  # when the front saw the request's milestones (telemetry)
 
 
@@ -68,6 +69,7 @@ class RequestStream:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stops = StopStringMatcher(params.stop)
         self.times = RequestTimes(arrival=time.time())
+        self.cached_tokens = 0  # set with the first token (engine_client.py)
         self._ids: list[int] = []  # arrived, not yet sent
         self._logprobs: list[TokenLogprob] = []
         self._finish: FinishReason | None = None
@@ -175,6 +177,7 @@ class RequestStream:
                     stop_reason=stop_reason,
                     prompt_tokens=self.prompt_len,
                     completion_tokens=completion,
+                    cached_tokens=self.cached_tokens,
                     times=self.times,
                 )
                 if finish is not None:
