@@ -66,7 +66,10 @@ class BlockManager:
         return n <= self.num_free
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        n = self.blocks_needed(seq, num_new_tokens)
+        self.grow(seq, self.blocks_needed(seq, num_new_tokens))
+
+    def grow(self, seq: Sequence, n: int) -> None:
+        """Give the sequence `n` more blocks (`blocks_needed`'s count, when the caller has it)."""
         if n == 0:
             return
         if n > self.num_free:

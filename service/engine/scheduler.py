@@ -148,9 +148,11 @@ class Scheduler:
         scheduled: set[int] = set()
         preempted: set[int] = set()  # by this call (ids): they left `running`
 
-        def take(seq: Sequence, n: int) -> None:
+        def take(seq: Sequence, n: int, need: int) -> None:
+            """Schedule `n` tokens of `seq`, which needs `need` more blocks for them (blocks_needed)."""
             nonlocal budget
-            blocks.allocate(seq, n)
+            if need:
+                blocks.grow(seq, need)
             start = seq.num_computed
             samples = start + n == seq.length
             chunks.append(ScheduledChunk(seq, start, n, samples, seq.num_inflight > 0, seq.block_epoch))
@@ -159,9 +161,10 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
-        def make_room(seq: Sequence, n: int) -> bool:
-            """Preempt from the tail until `seq` has its blocks; False if `seq` itself had to go."""
-            while not blocks.can_allocate(blocks.blocks_needed(seq, n)):
+        def make_room(seq: Sequence, need: int) -> bool:
+            """Preempt from the tail until `need` blocks are free for `seq`; False if `seq` itself
+            had to go."""
+            while not blocks.can_allocate(need):
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
                 self._preempt(victim, out)
                 preempted.add(id(victim))
@@ -181,9 +184,10 @@ class Scheduler:
             if id(seq) in preempted:  # earlier in this loop
                 continue
             n = min(left, budget)
-            if blocks.blocks_needed(seq, n) and not make_room(seq, n):  # most decodes need no block
+            need = blocks.blocks_needed(seq, n)  # most decodes need none
+            if need and not make_room(seq, need):
                 continue
-            take(seq, n)
+            take(seq, n, need)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -201,7 +205,7 @@ class Scheduler:
             self.running.append(seq)
             if seq.cached_tokens is None:  # its first admission: what its usage reports
                 seq.cached_tokens = matched
-            take(seq, n)
+            take(seq, n, self.blocks.blocks_needed(seq, n))
             if seq.host_blocks:
                 self._restore(seq, out.moves)
         return out
@@ -254,10 +258,14 @@ class Scheduler:
         asynchronous loop schedules ahead) gets nothing: its extra token is dropped.
         """
         took = []
+        blocks = self.blocks
+        block_size = blocks.block_size if blocks.prefix_caching else 0
         for i, chunk in enumerate(out.chunks):
             seq = chunk.seq
-            if chunk.epoch == seq.block_epoch:  # its K/V are written and its blocks still its own
-                self.blocks.cache_computed(seq, chunk.start + chunk.num_tokens)
+            upto = chunk.start + chunk.num_tokens
+            # its K/V are written and its blocks still its own; most decodes fill no block
+            if block_size and chunk.epoch == seq.block_epoch and upto // block_size > seq.blocks_cached:
+                blocks.cache_computed(seq, upto)
             token = sampled.get(i)
             if token is None or seq.finish_reason is not None:  # no token, or aborted / done meanwhile
                 continue

@@ -69,8 +69,9 @@ class Sequence:
 
     def append(self, token: int) -> None:
         """Add a sampled token and decide whether the sequence is done (stop strings are the front's)."""
-        self.token_ids.append(token)
+        tokens = self.token_ids
+        tokens.append(token)
         if token in self.stop_ids:
             self.finish_reason, self.stop_token = FinishReason.STOP, token
-        elif self.num_output >= self.params.max_tokens or len(self.token_ids) >= self.max_total_len:
+        elif len(tokens) - self.prompt_len >= self.params.max_tokens or len(tokens) >= self.max_total_len:
             self.finish_reason = FinishReason.LENGTH
