@@ -37,6 +37,7 @@ import _repo  # noqa: F401  (must come before any tandem import)
 import torch
 from common import environment, markdown_table, write_json
 from gpu_sync import build_model
+from serve_stats import percentile
 
 from tandem.service.engine.batch import build_attention_metadata
 from tandem.service.engine.config import EngineConfig
@@ -167,8 +168,8 @@ def point(core: EngineCore, clock: StageClock, kind: str, batch: int, context: i
         "prompt_tokens_mean": round(statistics.fmean(p for _, p, _ in shapes), 1),
         "decode_context_mean": round(sum(c for _, _, c in shapes) / max(1, sum(d for d, _, _ in shapes))),
         "ms_mean": round(statistics.fmean(ms), 3),
-        "ms_p50": round(ms[len(ms) // 2], 3),
-        "ms_p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
+        "ms_p50": round(percentile(ms, 50), 3),
+        "ms_p99": round(percentile(ms, 99), 3),
         "stages_ms": {name: round(v, 3) for name, v in mean.items()}
         | {"other": round(statistics.fmean(ms) - sum(mean.values()), 3)},
     }
@@ -203,7 +204,7 @@ def mixed_workload(core: EngineCore, clock: StageClock, requests: int, seed: int
         groups[kind] = {
             "steps": len(got),
             "ms_mean": round(statistics.fmean(ms), 3),
-            "ms_p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 3),
+            "ms_p99": round(percentile(ms, 99), 3),
             "stages_ms": {name: round(1e3 * statistics.fmean(st.get(name, 0.0) for _, st in got), 3)
                           for name in STAGES},
         }

@@ -49,7 +49,7 @@ from serve_server import (
     stop_server,
     tls_env,
 )
-from serve_stats import summarize
+from serve_stats import percentile, summarize
 from serve_workload import Job, describe, jobs, poisson_arrivals
 
 from tandem.health import wait_serving
@@ -99,8 +99,8 @@ class GaugeSampler:
     def during(self, name: str, start: float, end: float) -> float | None:
         """The median reading in the middle half of [start, end] (the window has filled by then)."""
         lo, hi = start + (end - start) / 4, end - (end - start) / 4
-        values = sorted(v for t, n, v in self.samples if n == name and lo <= t <= hi)
-        return round(values[len(values) // 2], 4) if values else None
+        median = percentile([v for t, n, v in self.samples if n == name and lo <= t <= hi], 50)
+        return None if median is None else round(median, 4)
 
 
 # -- the levels ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections import deque
 
 import _repo  # noqa: F401  (tandem.service from this checkout)
 from common import copy_bandwidth
+from serve_stats import percentile
 
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.factory import build_engine, configure_threads, resolve_device
@@ -78,12 +79,11 @@ def run_level(core: EngineCore, jobs: list[dict], concurrency: int | None) -> di
                 rec["end"] = now
                 running -= 1
     wall = time.time() - t0
-    step_ms.sort()
     for rec in records.values():
         del rec["_last"]
     return {
         "requests": list(records.values()),
-        "median_step_ms": round(step_ms[len(step_ms) // 2], 3) if step_ms else None,
+        "median_step_ms": round(percentile(step_ms, 50), 3) if step_ms else None,
         "steps": core.steps - steps0,
         "engine_idle": round(max(0.0, 1 - (core.busy_seconds - busy0) / wall), 4),
     }

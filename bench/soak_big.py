@@ -17,6 +17,7 @@ from collections import Counter
 
 import _repo  # noqa: F401  (tandem.v1 from this checkout)
 import grpc
+from serve_stats import percentile
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -74,7 +75,7 @@ def run_senders(address: str, senders: int, seconds: float, out: object) -> None
             "seconds": seconds,
             "statuses": dict(counts),
             "answer_ms_p50_by_bytes": {
-                str(n): round(1e3 * sorted(v)[len(v) // 2], 1) if v else None for n, v in latencies.items()
+                str(n): round(1e3 * percentile(v, 50), 1) if v else None for n, v in latencies.items()
             },
         }
     )

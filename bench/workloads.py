@@ -54,6 +54,7 @@ from common import copy_bandwidth, environment, markdown_table, sync, write_json
 from gemm_floor import StepGemmFloor, linear_shapes
 from gemm_floor import timed as seconds_per_call
 from gpu_sync import SERVER_CUDA, build_model
+from serve_stats import percentile
 from serve_workload import jobs as make_jobs
 from shapes import SHAPES
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -270,11 +271,10 @@ def run(
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
-    """The q-quantile of `values` (seconds) in ms, the nearest rank below; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+    """The q-quantile of `values` (seconds) in ms, interpolated as every bench's (serve_stats);
+    None when empty."""
+    value = percentile(values, 100 * q)
+    return None if value is None else round(1e3 * value, 1)
 
 
 class SyncCalls:
@@ -460,7 +460,7 @@ def step_groups(groups: dict[str, list[dict]], limits: Device | None) -> dict:
             **bound,
             "prepare_ms_mean": round(sum(s["prepare_ms"] for s in of) / len(of), 3),
             "launch_ms_mean": round(sum(s["launch_ms"] for s in of) / len(of), 3),
-            "launch_ms_p50": round(sorted(s["launch_ms"] for s in of)[len(of) // 2], 3),
+            "launch_ms_p50": round(percentile([s["launch_ms"] for s in of], 50), 3),
             "launch_ms_max": round(max(s["launch_ms"] for s in of), 3),
             "prompt_tokens_mean": round(sum(s["prompt"] for s in of) / len(of), 1),
             "decode_rows_mean": round(sum(s["decode_rows"] for s in of) / len(of), 1),
