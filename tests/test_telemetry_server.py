@@ -286,17 +286,29 @@ def test_prefix_cache_counters_count_the_prompts_and_what_was_found_cached(serve
     assert value(served.after, queries) == served.load.prompt_tokens
     assert value(served.after, hits) == 0
     before = scrape(served.metrics_url)
+    traces = ["5a1c0d1e00000000000000000000cafe", "5a1c0d1e00000000000000000000beef"]
     with grpc.insecure_channel(served.address) as channel:
         stub = pb_grpc.TandemStub(channel)
         req = pb.GenerateRequest(
             text="You are a careful assistant. Answer briefly and cite the manual. " * 6,
             stopping=pb.StoppingCriteria(max_tokens=2, ignore_eos=True),
         )
-        prompt = stub.Generate(req, timeout=60).usage.prompt_tokens
-        stub.Generate(req, timeout=60)
+        usages = [
+            stub.Generate(req, timeout=60, metadata=[("traceparent", f"00-{t}-{CALLER_SPAN}-01")]).usage
+            for t in traces
+        ]
     after = scrape(served.metrics_url)
+    prompt = usages[0].prompt_tokens
     assert value(after, queries) - value(before, queries) == 2 * prompt
-    assert value(after, hits) - value(before, hits) == (prompt - 1) // 16 * 16 > 0
+    hit = (prompt - 1) // 16 * 16
+    assert value(after, hits) - value(before, hits) == hit > 0
+    # each request's own share: in its usage and on its span (GenAI's cache-read attribute)
+    assert [u.cached_prompt_tokens for u in usages] == [0, hit]
+    for trace_id, found in zip(traces, (0, hit), strict=True):
+        def root(span: Span, trace_id: str = trace_id) -> bool:
+            return span.trace_id.hex() == trace_id and span.name == f"generate {MODEL}"
+
+        assert attrs(served.traces.wait_for(root)[0])["gen_ai.usage.cache_read.input_tokens"] == found
 
 
 def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Served):

@@ -102,6 +102,7 @@ class RequestTrace:
         )
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache (known with the first token)
         self.times: RequestTimes | None = None
         self.finish_reason: str | None = None
 
@@ -127,6 +128,7 @@ class RequestTrace:
         """A chunk about to be sent to the client (for unary calls: the merged result)."""
         self.times = chunk.times
         self.completion_tokens = chunk.completion_tokens
+        self.cached_tokens = chunk.cached_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason.value
 
@@ -148,6 +150,8 @@ class RequestTrace:
         self.telemetry.record(record)
         span = self.span
         span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
+        if self.times is not None and self.times.first_token is not None:  # its first admission was
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", self.cached_tokens)
         span.set_attribute("gen_ai.response.model", self.model)
         if self.finish_reason is not None:
             span.set_attribute("gen_ai.response.finish_reasons", [self.finish_reason])
