@@ -63,7 +63,7 @@ VARIANTS = {
     "compiled_sync": SERVER_CUDA,
     "compiled_unfused": {**SERVER_CUDA, "step_loop": "async", "fuse_projections": False},
     # over a head-major (HND) KV cache: each head's cache blocks contiguous
-    "compiled_hnd": {**SERVER_CUDA, "step_loop": "async", "kv_layout": "HND"},
+    "compiled_hnd": {**SERVER_CUDA, "step_loop": "async", "kv_cache_layout": "HND"},
     # with PyTorch's own pick of GEMM library (cuBLAS) instead of cuBLASLt
     "compiled_cublas": {**SERVER_CUDA, "step_loop": "async", "blas_library": "default"},
     # with the rotary embedding left in the model code (two element-wise kernels per layer)

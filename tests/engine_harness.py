@@ -52,7 +52,7 @@ def make_core(
     step_loop: str = "sync",
     compile_backend: str | None = None,
     fuse_projections: bool = False,
-    kv_layout: str = "NHD",
+    kv_cache_layout: str = "NHD",
     blas_library: str = "default",
     fold_rotary: bool = True,  # the deferred model's path (the server's on CUDA) unless a test says not
     compile_prefill: bool = False,  # with compile_backend: prefill and mixed steps compiled too
@@ -64,7 +64,7 @@ def make_core(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
         compile_decode=compile_backend is not None if compile_decode is None else compile_decode,
         compile_backend=compile_backend or "inductor",
-        fuse_projections=fuse_projections, kv_layout=kv_layout, blas_library=blas_library,
+        fuse_projections=fuse_projections, kv_cache_layout=kv_cache_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
         prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks,
     )

@@ -209,7 +209,7 @@ def test_head_major_kv_layout_matches_generate(tiny_models, loop, compiled):
     vocab = model.config.vocab_size
     arrivals = _arrivals(vocab, [30, 22, 41, 9, 17, 26], [0, 0, 1, 1, 2, 4], max_new=24, seed=4)
     core = make_core(model, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96,
-                     step_loop=loop, compile_backend="aot_eager" if compiled else None, kv_layout="HND")
+                     step_loop=loop, compile_backend="aot_eager" if compiled else None, kv_cache_layout="HND")
     assert core.runner.cache.k_store.shape[1] == model.config.num_key_value_heads
     result = run(core, arrivals)
     assert result.preemptions > 0
@@ -227,7 +227,7 @@ def test_engines_of_different_caches_in_one_process(tiny_models):
     arrivals = _arrivals(model.config.vocab_size, [5, 17, 1, 9], [0, 0, 2, 6], max_new=12, seed=8)
     for layout, block_size, num_blocks in [("NHD", 4, 128), ("HND", 4, 128), ("NHD", 8, 96)]:
         core = make_core(copy.deepcopy(model), num_blocks=num_blocks, block_size=block_size,
-                         compile_backend="inductor", kv_layout=layout)
+                         compile_backend="inductor", kv_cache_layout=layout)
         _check(model, arrivals, run(core, arrivals), eos=None)
 
 

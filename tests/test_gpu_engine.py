@@ -76,7 +76,7 @@ def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = No
           layout: str = "NHD", blas: str = "default", compile_prefill: bool = False):
     return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
                      max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend,
-                     fuse_projections=fuse, kv_layout=layout, blas_library=blas,
+                     fuse_projections=fuse, kv_cache_layout=layout, blas_library=blas,
                      compile_prefill=compile_prefill)
 
 
@@ -248,7 +248,7 @@ def test_cuda_kv_offload_matches_generate(layout, graphs, loop):
     ]
     core = make_core(
         model, num_blocks=16, block_size=16, max_num_batched_tokens=64, max_model_len=160, max_num_seqs=8,
-        cuda_graphs=graphs, step_loop=loop, kv_layout=layout, kv_offload_blocks=64,
+        cuda_graphs=graphs, step_loop=loop, kv_cache_layout=layout, kv_offload_blocks=64,
     )  # fmt: skip
     assert core.runner.offload is not None and core.runner.offload.store.is_pinned()
     result = run(core, arrivals)

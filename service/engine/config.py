@@ -1,6 +1,9 @@
 """The engine's configuration: one record, passed whole from the factory to the runner.
 
 Each field keeps one name from the server's setting (settings.py) down to the code that reads it.
+The fields whose names differ hold something the factory resolves from settings: `num_blocks` (from
+`num_kv_blocks` or the memory budgets), `kv_offload_blocks` (from `kv_offload_gib`), and
+`compile_decode` / `compile_prefill` (from `compile` and `compile_prefill`, on CUDA only).
 """
 
 from __future__ import annotations
@@ -18,24 +21,24 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
     step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
     # Q/K/V and gate/up as one GEMM each (changes the model in place). The server turns it on for
-    # CUDA (0.5 ms of an 8B step at batch 32 on the H200); on the CPU it is no faster
+    # CUDA, where it is faster (docs/benchmarks.md); on the CPU it is not
     fuse_projections: bool = False
     # "NHD" (each token's heads together) or "HND" (each head's tokens together): kv_cache.py
-    kv_layout: str = "NHD"
+    kv_cache_layout: str = "NHD"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
     # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");
     # a process-wide choice (torch.backends.cuda.preferred_blas_library), made when the core is built
     blas_library: str = "default"
-    # decode steps: the decode attention op applies the rotary embedding to Q and K as it loads them,
-    # instead of two element-wise kernels per layer (deferred_rotary.py; where the model allows).
-    # The server turns it on for CUDA (0.17 ms of an 8B step at batch 32 on the H200); on the CPU
-    # the op's eager rotation shows no gain (SmolLM2: within run-to-run noise, docs/architecture.md)
+    # the attention ops apply the rotary embedding to Q and K as they load them, instead of the
+    # model's element-wise kernels (deferred_rotary.py; where the model allows). The server turns it
+    # on for CUDA (docs/benchmarks.md); on the CPU the ops' eager rotation shows no gain
+    # (docs/architecture.md)
     fold_rotary: bool = False
     # prefill and mixed steps run a torch.compile'd forward too (symbolic token count, one graph
     # around the mixed attention op), compiled at start-up by a short warm-up. The server turns it on for CUDA
     compile_prefill: bool = False
-    idle_window_s: float = 60.0  # the sliding window of the engine's idle fraction
+    telemetry_window_s: float = 60.0  # the sliding window of the engine's idle fraction
     # full KV blocks stay cached for later requests with the same prefix (block_manager.py); the
     # server turns it on (TANDEM_PREFIX_CACHING)
     prefix_caching: bool = False

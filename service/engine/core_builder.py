@@ -60,13 +60,13 @@ def build_core(
             config.kv_offload_blocks,
             config.kv_offload_blocks * config.block_size * shape.bytes_per_token(dtype) / 2**30,
         )
-    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_layout)
+    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout)
     scheduler = build_scheduler(config, model)
     runner = ModelRunner(model, cache, dataclasses.replace(config, max_model_len=max_model_len))
     runner.capture_graphs()  # at start-up, before the server reports SERVING
     async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
     core = EngineCore(
-        runner, scheduler, max_model_len, eos_token_ids, async_loop, idle_window_s=config.idle_window_s
+        runner, scheduler, max_model_len, eos_token_ids, async_loop, idle_window_s=config.telemetry_window_s
     )
     if config.compile_prefill:
         compile_prefill_shapes(core)

@@ -83,9 +83,9 @@ def build_engine(
         compile_prefill=settings.compile and settings.compile_prefill and device.type == "cuda",
         fuse_projections=settings.fuse_projections and device.type == "cuda",
         fold_rotary=settings.fold_rotary and device.type == "cuda",
-        kv_layout=settings.kv_cache_layout,
+        kv_cache_layout=settings.kv_cache_layout,
         blas_library=settings.blas_library,
-        idle_window_s=settings.telemetry_window_s,
+        telemetry_window_s=settings.telemetry_window_s,
     )
     core = build_core(model, config, loaded.eos_token_ids, step_observer)
     limits = Limits(
