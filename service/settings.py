@@ -94,13 +94,13 @@ class ServerSettings(BaseSettings):
     compile: bool = Field(
         True,
         description="CUDA: decode steps run a torch.compile'd forward (fused norms, residuals, activations); "
-        "adds compile time to start-up (about 100 s for an 8B model).",
+        "adds compile time to start-up (minutes for an 8B model: docs/benchmarks.md).",
     )
     compile_prefill: bool = Field(
         True,
         description="CUDA, with --compile: prefill and mixed steps run a torch.compile'd forward as well "
         "(one graph for every token count, around one attention op), compiled during warm-up "
-        "(40-70 s more start-up for an 8B model).",
+        "(a longer start-up: docs/benchmarks.md).",
     )
     fuse_projections: bool = Field(
         True,
@@ -116,7 +116,7 @@ class ServerSettings(BaseSettings):
     blas_library: Literal["default", "cublas", "cublaslt"] = Field(
         "cublaslt",
         description="CUDA: the library PyTorch's GEMMs prefer (default = PyTorch's own pick, cuBLAS); "
-        "cuBLASLt took 0.24 ms off an 8B decode step at batch 32 on the H200.",
+        "cuBLASLt is the faster on the H200's decode steps (docs/benchmarks.md).",
     )
     step_loop: Literal["auto", "sync", "async"] = Field(
         "auto", description="async: prepare step N+1 while the device runs step N; auto = async on CUDA."
