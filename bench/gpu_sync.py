@@ -49,7 +49,7 @@ from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.kv_cache import CacheShape
 
 # the server's CUDA defaults over the benchmark's spec: compiled decode and prefill forwards, fused
-# projections, cuBLASLt preferred for the GEMMs, the rotary embedding in the decode kernel
+# projections, cuBLASLt preferred for the GEMMs, the rotary embedding in the attention ops
 SERVER_CUDA = {
     "compile_decode": True, "fuse_projections": True, "blas_library": "cublaslt", "fold_rotary": True,
     "compile_prefill": True,
@@ -66,7 +66,7 @@ VARIANTS = {
     "compiled_hnd": {**SERVER_CUDA, "step_loop": "async", "kv_cache_layout": "HND"},
     # with PyTorch's own pick of GEMM library (cuBLAS) instead of cuBLASLt
     "compiled_cublas": {**SERVER_CUDA, "step_loop": "async", "blas_library": "default"},
-    # with the rotary embedding left in the model code (two element-wise kernels per layer)
+    # with the rotary embedding left in the model code (element-wise kernels of the model per layer)
     "compiled_rotary_unfolded": {**SERVER_CUDA, "step_loop": "async", "fold_rotary": False},
     # with prefill and mixed steps run by the model eagerly (the decode steps compiled as above)
     "compiled_eager_prefill": {**SERVER_CUDA, "step_loop": "async", "compile_prefill": False},
