@@ -21,6 +21,8 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as tc
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from serverproc import free_port, running_server
 
 from tandem.service.server.cache_scope import SHARED, cache_scope
@@ -177,6 +179,20 @@ def test_a_bad_salt_is_refused_with_a_clear_status(server, salt):
         error = json.loads(answer.read())["error"]
         conn.close()
         assert answer.status == 400 and "cache_salt" in error["message"], (bad, error)
+
+
+_TOKENS = st.none() | st.binary(max_size=12)
+_SALTS = st.none() | st.text(max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_TOKENS, _SALTS, _TOKENS, _SALTS)
+def test_two_callers_share_a_scope_only_when_token_and_salt_are_the_same(t1, s1, t2, s2):
+    """Whatever the bytes of a token and the characters of a salt (a token that ends as another's
+    salt begins, say), two requests are of one scope exactly when they present the same token and
+    the same salt (no salt and an empty one being the same)."""
+    same = (t1, s1 or None) == (t2, s2 or None)
+    assert (cache_scope(t1, s1) == cache_scope(t2, s2)) == same
 
 
 def test_scopes_name_token_and_salt_unambiguously():

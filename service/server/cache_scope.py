@@ -21,13 +21,13 @@ SHARED = b""  # the scope of a request with no token to isolate and no salt
 
 def cache_scope(token: bytes | None, salt: str | None) -> bytes:
     """The scope of a request presenting `token` (None: not isolated by token) and `salt` (None
-    or empty: none): SHARED, or a SHA-256 digest of both, each part length-prefixed so that no two
-    different pairs name one scope."""
+    or empty: none): SHARED, or a SHA-256 digest of both, each part marked present or absent and
+    length-prefixed, so that no two different pairs name one scope."""
     if token is None and not salt:
         return SHARED
     digest = hashlib.sha256(b"tandem-cache-scope")
-    for part in (token or b"", (salt or "").encode()):
-        digest.update(len(part).to_bytes(8, "little") + part)
+    for part in (token, salt.encode() if salt else None):
+        digest.update(b"\0" if part is None else b"\1" + len(part).to_bytes(8, "little") + part)
     return digest.digest()
 
 
