@@ -73,11 +73,12 @@ def _arrivals(params: SamplingParams, seed: int = 1) -> list[Arrival]:
 
 
 def _core(model: torch.nn.Module, graphs: bool, compile_backend: str | None = None, fuse: bool = False,
-          layout: str = "NHD", blas: str = "default", compile_prefill: bool = False):
+          layout: str = "NHD", blas: str = "default", compile_prefill: bool = False,
+          fold_rotary: bool = True):
     return make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=160,
                      max_num_seqs=8, cuda_graphs=graphs, step_loop="async", compile_backend=compile_backend,
                      fuse_projections=fuse, kv_cache_layout=layout, blas_library=blas,
-                     compile_prefill=compile_prefill)
+                     compile_prefill=compile_prefill, fold_rotary=fold_rotary)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
@@ -92,12 +93,14 @@ def test_cuda_compiled_graphs_match_generate(family, fuse):
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_cuda_compiled_prefill_matches_generate(family):
+@pytest.mark.parametrize("family, fold_rotary", [("llama", True), ("qwen3", True), ("llama", False)],
+                         ids=["llama", "qwen3", "llama-rotary-in-model"])
+def test_cuda_compiled_prefill_matches_generate(family, fold_rotary):
     """The server's CUDA engine: prefill and mixed steps through Inductor too (symbolic token
     count, eager attention; their K/V written and Q and K rotated by the write kernel), compiled
     by the start-up warm-up; no step of the run compiles again, neither a frame nor a Triton
-    variant of the write kernel."""
+    variant of the write kernel. With `--no-fold-rotary` (the rotary left in the model code) the
+    kernel only writes K/V."""
     from torch._dynamo.utils import counters
 
     from tandem.service.engine.ops.triton_kv_write import _write_step_kv_kernel
@@ -107,8 +110,9 @@ def test_cuda_compiled_prefill_matches_generate(family):
 
     model, twin = _tiny_cuda(family), _tiny_cuda(family)
     arrivals = _arrivals(SamplingParams(max_tokens=24))
-    core = _core(model, graphs=True, compile_backend="inductor", fuse=True, compile_prefill=True)
-    assert core.runner.prefill_compiled and core.runner.rotary is not None
+    core = _core(model, graphs=True, compile_backend="inductor", fuse=True, compile_prefill=True,
+                 fold_rotary=fold_rotary)
+    assert core.runner.prefill_compiled and (core.runner.rotary is not None) == fold_rotary
     warmed, warmed_variants = counters["frames"]["ok"], write_variants()
     assert warmed_variants > 0
     result = run(core, arrivals)
