@@ -36,7 +36,6 @@ from workloads import (
     fixed,
     fresh_scheduler,
     modelled_device,
-    modelled_seconds,
     oversubscribed_shape,
     run,
 )
@@ -94,7 +93,7 @@ def main() -> None:
                 "preemptions_offload": sched.preempted_offload,
                 "preemptions_recompute": sched.preempted_recompute,
                 "blocks_offloaded": sched.blocks_offloaded,
-                "modelled_s": round(modelled_seconds(r.steps, device), 3),
+                "modelled_s": round(device.bound_s(r.steps), 3),
             }
         off, rec = runs["offload"], runs["recompute"]
         recomputed = rec["prompt_tokens"] - off["prompt_tokens"]

@@ -362,6 +362,14 @@ class Device:
         """The GEMM work of `tokens` prompt tokens at the measured GEMM rate."""
         return 2 * self.linear_params * tokens / self.gemm_flops
 
+    def step_bound_s(self, step: dict) -> float:
+        """One step at the additive bound: its decode rows' memory traffic plus its prompt GEMMs."""
+        return self.decode_memory_s(step) + self.prompt_gemm_s(step["prompt"])
+
+    def bound_s(self, steps: list[dict]) -> float:
+        """Steps at the additive bound, summed step by step."""
+        return sum(map(self.step_bound_s, steps))
+
     def additive_bound(self, steps: list[dict]) -> dict:
         decode = sum(map(self.decode_memory_s, steps))
         prompt = sum(self.prompt_gemm_s(s["prompt"]) for s in steps)
@@ -384,14 +392,6 @@ def modelled_device(shape: str, bandwidth: float, gemm_flops: float) -> Device:
         bandwidth=bandwidth,
         gemm_flops=gemm_flops,
     )
-
-
-def modelled_step_s(step: dict, device: Device) -> float:
-    return device.decode_memory_s(step) + device.prompt_gemm_s(step["prompt"])
-
-
-def modelled_seconds(steps: list[dict], device: Device) -> float:
-    return sum(modelled_step_s(s, device) for s in steps)
 
 
 def linear_params(model: torch.nn.Module) -> int:
@@ -449,7 +449,7 @@ def step_groups(groups: dict[str, list[dict]], limits: Device | None) -> dict:
         device = [s["device_ms"] for s in of if "device_ms" in s]
         bound = {}
         if limits is not None and device:
-            seconds = sum(limits.decode_memory_s(s) + limits.prompt_gemm_s(s["prompt"]) for s in of)
+            seconds = limits.bound_s(of)
             bound = {"bound_s": round(seconds, 3), "of_bound": round(1e3 * seconds / sum(device), 4)}
         if device and all("floor_ms" in s for s in of):
             floor = sum(s["floor_ms"] for s in of)
@@ -522,11 +522,11 @@ def schedule_model(shape: str, seeds: list[int], budgets: list[int], requests: i
         # the GPU run's vocabulary: the mixed workload draws its lengths and token ids from one stream
         work = mixed(requests, SHAPES[modelled]["vocab_size"], 4096, seed)
         r = run(core, work, f"model{seed}_{budget}")
-        with_decodes = [modelled_step_s(s, device) for s in r.steps if s["decode_rows"]]
+        with_decodes = [device.step_bound_s(s) for s in r.steps if s["decode_rows"]]
         rows.append({
             "seed": seed, "budget": budget, "steps": len(r.steps),
             "mixed_steps": sum(s["kind"] == "mixed" for s in r.steps),
-            "bound_s": round(modelled_seconds(r.steps, device), 3),
+            "bound_s": round(device.bound_s(r.steps), 3),
             "decode_memory_s": round(sum(map(device.decode_memory_s, r.steps)), 3),
             "longest_decode_step_ms": round(1e3 * max(with_decodes), 1),
         })
