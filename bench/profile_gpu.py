@@ -41,7 +41,7 @@ from serve_workload import MIXED_OUTPUT, MIXED_PROMPT
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_op import num_sms
-from tandem.service.engine.ops.deferred_rotary import defer_rotary
+from tandem.service.engine.ops.deferred_rotary import defer_rotary, model_family
 from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
@@ -353,14 +353,11 @@ def step_kv_write(model: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: t
     model's rotary embedding (cos and sin from positions, then transformers' apply, as Inductor fuses
     them into the prefill graph) of before, against the write kernel storing K/V alone, and rotating
     Q and K as it stores."""
-    import sys
-
     from tandem.service.engine.ops.triton_kv_write import write_step_kv
 
     k_cache, v_cache = cache.k[0], cache.v[0]
     qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, heads, D]: the op's views
-    attention = next(m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj"))
-    family = sys.modules[type(attention).__module__]
+    family = model_family(model)
     rotary_emb = model.model.rotary_emb
 
     @torch.compile(dynamic=True)

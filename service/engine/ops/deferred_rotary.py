@@ -21,6 +21,7 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -64,8 +65,11 @@ def _passes_deferred(apply: Callable) -> Callable:
     return apply_unless_deferred
 
 
-def _attention_module(model: nn.Module) -> nn.Module | None:
-    return next((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")), None)
+def model_family(model: nn.Module) -> ModuleType | None:
+    """The transformers module of the model's attention layers (where its family's
+    `apply_rotary_pos_emb` lives), or None for a model without such layers."""
+    attention = next((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")), None)
+    return None if attention is None else sys.modules[type(attention).__module__]
 
 
 def defer_rotary(model: nn.Module, head_dim: int) -> tuple[nn.Module, DeferredRotary | None]:
@@ -73,16 +77,15 @@ def defer_rotary(model: nn.Module, head_dim: int) -> tuple[nn.Module, DeferredRo
     rotary embedding is not one the op reproduces (its RoPE type, partial rotary, no family hook)."""
     inner = getattr(model, "model", None)
     rotary = getattr(inner, "rotary_emb", None)
-    attention = _attention_module(model)
+    family = model_family(model)
     inv_freq = getattr(rotary, "inv_freq", None)
     if (
-        attention is None
+        family is None
         or getattr(rotary, "rope_type", None) not in STATIC_ROPE_TYPES
         or not isinstance(inv_freq, torch.Tensor)
         or 2 * inv_freq.numel() != head_dim
     ):
         return model, None
-    family = sys.modules[type(attention).__module__]
     apply = getattr(family, "apply_rotary_pos_emb", None)
     if apply is None:
         return model, None
