@@ -184,12 +184,14 @@ class OpenAIApi:
         return _json(error_body(f"internal error: {exc}", "server_error", None, "internal_error"), 500)
 
     # -- admission --------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> bytes | None:
+        """The request's accepted bearer token (None without a token file: nothing to present); 401
+        (ApiError) without one the file holds."""
         if self.tokens is None:
-            return
+            return None
         presented = bearer_token(request.headers.get("authorization"))
         if presented is not None and self.tokens.accepts(presented):
-            return
+            return presented
         why = "missing bearer token" if presented is None else "bearer token not accepted"
         self._log_refused(request.url.path, why)  # never the token itself
         raise ApiError(401, why, "invalid_request_error", "invalid_api_key")
@@ -251,24 +253,25 @@ class OpenAIApi:
 
     # -- generation -------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
+        token = self._authorize(request)
         body = ChatCompletionRequest.model_validate_json(await self._body(request))
-        return await self._generate(request, body, "/v1/chat/completions", "chat")
+        return await self._generate(request, body, "/v1/chat/completions", "chat", token)
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        token = self._authorize(request)
         body = CompletionRequest.model_validate_json(await self._body(request))
-        return await self._generate(request, body, "/v1/completions", "text_completion")
+        return await self._generate(request, body, "/v1/completions", "text_completion", token)
 
     async def _generate(
-        self, request: Request, body: ChatCompletionRequest | CompletionRequest, route: str, operation: str
+        self, request: Request, body: ChatCompletionRequest | CompletionRequest, route: str, operation: str,
+        token: bytes | None,
     ) -> Response:
+        """`token`: the caller's accepted bearer token (its prefix-cache scope), or None."""
         rid = self._request_id(request)
         ctx = self.holder.get()
         trace = self.telemetry.http_request(request.headers, route, operation)
         out = self._response(ctx, body, rid)
         headers = {"x-request-id": rid}
-        token = bearer_token(request.headers.get("authorization"))  # checked by _authorize when auth is on
         if body.streams:
             events = self._events(ctx, trace, body, out, token)
             first = await _unless_gone(request, events.__anext__())
