@@ -261,8 +261,8 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
         if most > by_batch.least:
             grids[f"most {most}"] = Splits(by_batch.least, most)
     for tokens in (256, 1024):  # the engine's rule with other tokens per split (its 512), up to 128 splits
-        most = min(-(-width * block // tokens), 128, max(1, 64 * sms // (batch * shape.num_kv_heads)))
-        grids[f"engine, {tokens} tokens per split"] = Splits(engine.least, max(engine.least, most), tokens)
+        grids[f"engine, {tokens} tokens per split"] = num_splits_for(
+            batch, shape.num_kv_heads, sms, width * block, tokens=tokens, cap=128)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
     rows = []
     for name, splits in grids.items():

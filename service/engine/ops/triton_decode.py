@@ -244,7 +244,8 @@ def least_splits(batch: int, kv_heads: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, -(-2 * num_sms // (batch * kv_heads))))
 
 
-def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int) -> Splits:
+def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens: int = SPLIT_TOKENS,
+                   cap: int = MAX_SPLITS) -> Splits:
     """Fixed per batch size and `longest` (graph-friendly); each sequence's count follows its
     context in the kernel.
 
@@ -252,10 +253,11 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int) -> Spl
     longest any sequence may have (a captured decode step: its block table's width). The grid
     holds every split that context takes, whatever the batch size (up to about 64 programs per
     multiprocessor), so one long sequence among many short ones is not read by one program while
-    the others wait; the programs a shorter context does not need return at once."""
+    the others wait; the programs a shorter context does not need return at once. `tokens` (a
+    split per so many tokens) and `cap` (the most splits) are the engine's unless a sweep asks."""
     least = least_splits(batch, kv_heads, num_sms)
-    most = min(-(-longest // SPLIT_TOKENS), max(1, 64 * num_sms // (batch * kv_heads)))
-    return Splits(least, max(least, min(MAX_SPLITS, most)))
+    most = min(-(-longest // tokens), max(1, 64 * num_sms // (batch * kv_heads)))
+    return Splits(least, max(least, min(cap, most)), tokens)
 
 
 @dataclass(frozen=True)
