@@ -18,7 +18,7 @@ from tandem.service.engine.scheduler import ScheduledChunk
 from tandem.service.engine.sequence import Sequence
 from tandem.service.engine.step_buffers import StepBuffers
 
-HEADS, KV_HEADS, DIM = 4, 2, 8
+HEADS, KV_HEADS, DIM = 4, 2, 16  # the CUDA kernels take heads of 16 dimensions or more
 # (name, tokens computed before the step, tokens computed in it): decodes, a chunk after a cached
 # prefix, a fresh prompt
 SEQUENCES = [("a", 9, 1), ("b", 8, 5), ("c", 0, 6), ("d", 6, 1)]

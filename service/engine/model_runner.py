@@ -114,10 +114,12 @@ class ModelRunner:
             # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
             # planning (milliseconds of CPU) would cost more than the attention itself
             torch.backends.cuda.enable_cudnn_sdp(False)
-        # CUDA decodes read K/V in place with the Triton kernel: no sliding window, and cache
-        # blocks of at least 16 tokens (a power of two) for its matrix tiles
+        # CUDA decodes read K/V in place with the Triton kernel: no sliding window, and blocks
+        # and heads its matrix tiles take
         bs = cache.block_size
-        self.in_place_decode = device.type == "cuda" and not self.sliding_window and kernel_supports(bs)
+        self.in_place_decode = (
+            device.type == "cuda" and not self.sliding_window and kernel_supports(bs, cache.shape.head_dim)
+        )
         self.num_sms = num_sms(device.index or 0) if device.type == "cuda" else 0
         # prompt chunks of a step in one flash-attention call, where this PyTorch and device can
         self.varlen_prefill = not self.sliding_window and varlen_supported(

@@ -25,9 +25,10 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def kernel_supports(block_size: int) -> bool:
-    """The Triton kernel's tiles need blocks of at least 16 tokens, a power of two."""
-    return block_size >= 16 and block_size & (block_size - 1) == 0
+def kernel_supports(block_size: int, head_dim: int) -> bool:
+    """The Triton kernel's tiles need blocks of at least 16 tokens and heads of at least 16
+    dimensions (its matrix products' least size), each a power of two (Triton's ranges)."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (block_size, head_dim))
 
 
 @torch.library.custom_op("tandem::paged_decode", mutates_args=("k_store", "v_store"))
@@ -62,7 +63,7 @@ def paged_decode(
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     rotary = DeferredRotary(inv_freq, rope_scaling) if inv_freq is not None else None
-    if q.is_cuda and kernel_supports(block_size):
+    if q.is_cuda and kernel_supports(block_size, q.shape[-1]):
         from .triton_decode import num_splits_for, paged_decode_attention
 
         # the grid depends only on the batch size and the table's width (the longest context a

@@ -407,14 +407,17 @@ def paged_decode_attention(
 def compile_step_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, heads: int,
                           table_width: int) -> None:
     """Compile, before serving, every variant a mixed step's decode rows may launch (each
-    configuration `kernel_config` picks, with and without a merge; no new K/V, no rotary), on one
-    row reading the cache's first block. Captured decode steps compile theirs as they are captured."""
+    configuration `kernel_config` picks, with and without a merge, and the merge at each padded
+    split count up to MAX_SPLITS: a few rows take many splits; no new K/V, no rotary), on one row
+    reading the cache's first block. Captured decode steps compile theirs as they are captured."""
     dev = k_cache.device
     q = torch.zeros(1, heads, k_cache.shape[-1], dtype=k_cache.dtype, device=dev)
     table = torch.zeros(1, table_width, dtype=torch.int32, device=dev)  # the step buffers' width
     lens = torch.ones(1, dtype=torch.int32, device=dev)
+    # one count per power of two the merge pads to (SPLITS_PAD)
+    split_counts = sorted({min(2**i, MAX_SPLITS) for i in range((MAX_SPLITS - 1).bit_length() + 1)})
     for config in ENGINE_CONFIGS:
-        for splits in (1, 2):
+        for splits in split_counts:
             paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, 1.0, splits, config=config)
 
 
