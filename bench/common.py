@@ -22,6 +22,7 @@ from machine import machine
 from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
 
 from tandem.service.engine.engine_core import EngineCore
+from tandem.service.engine.gc_pauses import freeze_start_up_heap
 from tandem.service.engine.ops.attention import register
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
@@ -210,8 +211,9 @@ class ForeignLoad:
 
 
 def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[str, RunStats]:
-    """Warm each run up once (allocations, kernels, graph capture), then time `repeat` rounds of all runs,
-    interleaved so that a drifting machine (clock, neighbours) treats them alike; the fastest of each wins."""
+    """Warm each run up once (allocations, kernels, graph capture; the heap then frozen, as the server
+    does), then time `repeat` rounds of all runs, interleaved so that a drifting machine (clock,
+    neighbours) treats them alike; the fastest of each wins."""
     best: dict[str, RunStats] = {}
     warmup: dict[str, float] = {}
     runs_of: dict[str, list[dict]] = {}
@@ -219,6 +221,7 @@ def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[st
         start = time.perf_counter()
         run()
         warmup[name] = round(time.perf_counter() - start, 2)
+    freeze_start_up_heap()  # as the server's engine process serves (gc_pauses.py)
     for _ in range(repeat):
         for name, run in runs.items():
             with ForeignLoad() as load:

@@ -74,6 +74,11 @@ PANELS = [
         (f"max(tandem_kv_offload_usage_ratio{{{SEL}}})", "host pool used (max over pods)"),
     ], 8, "Requests preempted per second when the KV cache ran out, by mode (offload = K/V copied to the "
      "host pool and back, recompute = prefilled again), and the share of the host pool in use."),
+    ("Engine garbage-collection pauses", "percentunit", [
+        (f"max by (generation) (rate(tandem_engine_gc_pause_seconds_total{{{SEL}}}[5m]))",
+         "generation {{generation}} (max over pods)"),
+    ], 8, "Share of the engine process's time its step loop stood still in Python garbage collections, "
+     "by generation (2 = full). Its start-up objects are frozen out of the walks, so this stays near 0."),
     # the operator's own metrics (docs/operator.md): what the autoscaler decided, and why
     ("Autoscaler: replicas", "short", [
         (f"sum by (modelserver) (tandem_operator_replicas{{{OP}}})", "{{modelserver}} replicas"),

@@ -352,6 +352,18 @@ def test_engine_gauges_under_load(served: Served):
     assert value(served.after, "tandem_kv_cache_usage_ratio") == 0  # every request finished
 
 
+def test_the_engine_serves_with_its_start_up_heap_frozen_and_counts_its_collections(served: Served):
+    """The engine process froze its start-up objects (model, torch, transformers) out of the garbage
+    collector's walks before serving, and reports each collection it made since, by generation."""
+    assert value(served.quiet, "tandem_engine_gc_frozen_objects") > 50_000
+    collections, pause = "tandem_engine_gc_collections_total", "tandem_engine_gc_pause_seconds_total"
+    # the load's steps and requests made garbage: young collections ran, and took time
+    assert value(served.after, collections, generation="0") > value(served.quiet, collections, generation="0")
+    assert value(served.after, pause, generation="0") > value(served.quiet, pause, generation="0")
+    for generation in "012":
+        assert value(served.after, collections, generation=generation) >= 0
+
+
 def test_latency_histograms_use_the_genai_buckets(served: Served):
     load, after, quiet = served.load, served.after, served.quiet
     ttft = "gen_ai_server_time_to_first_token_seconds"

@@ -5,10 +5,11 @@
     supervisor ──PodReady / EngineGone──▶ front k,  ──Shutdown──▶ engine
     engine     ──EngineReady / StepReport──▶  supervisor,   front ──FrontReady / RequestRecord──▶  supervisor
 
-The engine's own records (SamplingParams, EngineStats, StepTiming, Limits) travel as they are: msgspec
-encodes and decodes dataclasses, so the engine needs no wire types of its own. A step's outputs, the
-one message sent hundreds of times a second, travel in columns instead (`StepOutputs`). Every message
-is array-like (fields by position, no names on the wire; msgspec decodes a union of one kind only).
+The engine's own records (SamplingParams, EngineStats, StepTiming, GcTotals, Limits) travel as they
+are: msgspec encodes and decodes dataclasses, so the engine needs no wire types of its own. A step's
+outputs, the one message sent hundreds of times a second, travel in columns instead (`StepOutputs`).
+Every message is array-like (fields by position, no names on the wire; msgspec decodes a union of
+one kind only).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Union
 import msgspec
 
 from ..engine.errors import ErrorKind
+from ..engine.gc_pauses import GcTotals
 from ..engine.outputs import EngineStats, TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
@@ -103,6 +105,7 @@ class StepReport(msgspec.Struct, tag=True, array_like=True):
     generated_tokens: int
     prompt_tokens: int
     stats: EngineStats
+    gc: GcTotals  # the engine process's garbage collections since it began serving
 
 
 class RequestRecord(msgspec.Struct, tag=True, array_like=True):

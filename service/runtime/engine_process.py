@@ -17,6 +17,7 @@ import zmq
 from ..engine.engine_core import EngineCore
 from ..engine.errors import ErrorKind
 from ..engine.factory import build_engine, configure_threads, resolve_device
+from ..engine.gc_pauses import GcPauses, freeze_start_up_heap
 from ..engine.outputs import SeqUpdate
 from ..engine.sampling_params import GenerationRequest
 from ..engine.timing import StepTiming
@@ -64,8 +65,10 @@ class EngineService:
         inbox: zmq.Socket,
         fronts: list[zmq.Socket],
         supervisor: zmq.Socket,
+        gc_pauses: GcPauses,
     ) -> None:
         self.core = core
+        self.gc_pauses = gc_pauses
         self.timings = timings  # the core's step observer appends to it
         self.max_waiting = max_waiting
         self.inbox = inbox
@@ -205,6 +208,7 @@ class EngineService:
             counted[0] - self._reported[0],
             counted[1] - self._reported[1],
             core.stats(),
+            self.gc_pauses.totals(),
         )
         self.timings.clear()
         self._reported, self._last_report = counted, now
@@ -234,11 +238,16 @@ def engine_main(
         warm_up(core, limits)
     timings.clear()  # the warm-up is not traffic
     core.reset_counters()
+    frozen = freeze_start_up_heap()
+    log.info("%d objects of the start-up frozen out of the garbage collector's walks", frozen)
     ready = m.EngineReady(_model_info(loaded, str(device)), limits)
     for sock in (*fronts, supervisor):
         EngineService._send(sock, ready)
     log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)
-    EngineService(core, timings, settings.max_waiting_requests, inbox, fronts, supervisor).run()
+    with GcPauses(frozen) as gc_pauses:
+        EngineService(
+            core, timings, settings.max_waiting_requests, inbox, fronts, supervisor, gc_pauses
+        ).run()
     for sock in (inbox, *fronts, supervisor):
         sock.close(linger=0)  # the fronts are gone: nothing left to deliver
     ctx.term()

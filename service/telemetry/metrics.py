@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from ..engine.gc_pauses import GcTotals
 from ..engine.outputs import EngineStats
 from ..ipc.messages import RequestRecord
 from .cost import TokenWindow, cost_per_million_tokens
@@ -49,6 +50,7 @@ class ServerMetrics:
         self.num_gpus = num_gpus
         # what the gauges read when collected: the engine's latest report (None before the first)
         self.engine_stats: Callable[[], EngineStats | None] = lambda: None
+        self.engine_gc: Callable[[], GcTotals | None] = lambda: None  # the engine process's collections
         # (capacity in generated tokens/s, the share the traffic uses); None until the fit can say
         self.capacity: Callable[[], tuple[float, float] | None] = lambda: None
         self.generation_tokens = meter.create_counter(
@@ -133,6 +135,27 @@ class ServerMetrics:
             "Share of the host pool of preempted requests' K/V in use (0 without a pool).",
             "kv_offload_usage",
         )
+        meter.create_observable_counter(
+            "tandem_engine_gc_collections",
+            callbacks=[lambda _: self._observe_gc("collections")],
+            unit="{collection}",
+            description="Python garbage collections in the engine process since it began serving, by "
+            "generation (2 = a full collection).",
+        )
+        meter.create_observable_counter(
+            "tandem_engine_gc_pause",
+            callbacks=[lambda _: self._observe_gc("seconds")],
+            unit="s",
+            description="Time the engine process's step loop stood still in Python garbage collections "
+            "since it began serving, by generation.",
+        )
+        meter.create_observable_gauge(
+            "tandem_engine_gc_frozen_objects",
+            callbacks=[self._observe_frozen],
+            unit="{object}",
+            description="Objects of the engine's start-up (model, compiled code, graphs) frozen out of the "
+            "garbage collector's walks.",
+        )
         meter.create_observable_gauge(
             "tandem_capacity_tokens_per_second",
             callbacks=[lambda _: self._observe_capacity(0)],
@@ -174,6 +197,16 @@ class ServerMetrics:
             return [Observation(getattr(stats, f), {label: value}) for f, value in fields.items()]
 
         return observe
+
+    def _observe_gc(self, field: str) -> Iterable[Observation]:
+        totals = self.engine_gc()
+        if totals is None:
+            return []
+        return [Observation(n, {"generation": str(g)}) for g, n in enumerate(getattr(totals, field))]
+
+    def _observe_frozen(self, _: CallbackOptions) -> Iterable[Observation]:
+        totals = self.engine_gc()
+        return [] if totals is None else [Observation(totals.frozen_objects)]
 
     def _gauge(self, meter: Meter, name: str, unit: str, description: str, field: str) -> None:
         observe = self._observer(field)

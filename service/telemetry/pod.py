@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
+from ..engine.gc_pauses import GcTotals
 from ..engine.outputs import EngineStats
 from ..engine.timing import StepTiming
 from ..ipc import messages as m
@@ -31,15 +32,20 @@ class PodTelemetry:
             self.meter_provider.get_meter(SCOPE), self.tokens, settings.price_per_gpu_hour, settings.num_gpus
         )
         self.metrics.engine_stats = self._engine_stats
+        self.metrics.engine_gc = self._engine_gc
         self.steps = StepRecorder(tracer, self.metrics.step_duration, settings.step_trace_sample_rate)
         self.block_size = settings.block_size
         self.capacity = CapacityModel(settings.max_num_seqs, kv_tokens=0)  # sized by the first report
         self.metrics.capacity = self._capacity
         self.stats: EngineStats | None = None  # the engine's latest report
+        self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
         self.engine_ready = False
 
     def _engine_stats(self) -> EngineStats | None:
         return self.stats
+
+    def _engine_gc(self) -> GcTotals | None:
+        return self.gc
 
     def _capacity(self) -> tuple[float, float] | None:
         """(capacity in generated tokens/s, the share of it the window's traffic used)."""
@@ -67,7 +73,7 @@ class PodTelemetry:
                 self.metrics.generation_tokens.add(msg.generated_tokens)
             if msg.prompt_tokens:
                 self.metrics.prompt_tokens.add(msg.prompt_tokens)
-            self.stats = msg.stats
+            self.stats, self.gc = msg.stats, msg.gc
             self.capacity.kv_tokens = msg.stats.kv_blocks_total * self.block_size
         elif isinstance(msg, m.RequestRecord):
             self.metrics.record_request(msg)
