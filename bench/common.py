@@ -22,7 +22,7 @@ from machine import machine
 from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
 
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.gc_pauses import freeze_start_up_heap
+from tandem.service.engine.gc_pauses import GcPauses, freeze_start_up_heap
 from tandem.service.engine.ops.attention import register
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 
@@ -210,6 +210,42 @@ class ForeignLoad:
         self.steal = round((cpu[1] - self._cpu[1]) / capacity, 3)
 
 
+class StallWatch:
+    """What can hold up a timed run's steps besides the work: Python's garbage collections (full
+    ones walk every object), Dynamo compiling a frame, Triton compiling a variant of the engine's
+    kernels. Each timed run reports them beside its slowest step."""
+
+    def __enter__(self) -> StallWatch:
+        self.pauses = GcPauses().__enter__()
+        self.frames, self.variants = _frames_compiled(), _kernel_variants()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pauses.__exit__()
+        gc = self.pauses.totals()
+        self.seen = {
+            "gc_full_collections": gc.collections[2],
+            "gc_full_s": round(gc.seconds[2], 3),
+            "gc_s": round(sum(gc.seconds), 3),
+            "frames_compiled": _frames_compiled() - self.frames,
+            "kernel_variants_compiled": _kernel_variants() - self.variants,
+        }
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
+
+
+def _kernel_variants() -> int:
+    if not torch.cuda.is_available():  # the engine's Triton kernels run on CUDA only
+        return 0
+    from tandem.service.engine.ops.triton_variants import compiled_variants
+
+    return compiled_variants()
+
+
 def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[str, RunStats]:
     """Warm each run up once (allocations, kernels, graph capture; the heap then frozen, as the server
     does), then time `repeat` rounds of all runs, interleaved so that a drifting machine (clock,
@@ -224,13 +260,13 @@ def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[st
     freeze_start_up_heap()  # as the server's engine process serves (gc_pauses.py)
     for _ in range(repeat):
         for name, run in runs.items():
-            with ForeignLoad() as load:
+            with ForeignLoad() as load, StallWatch() as stalls:
                 stats = run()
             stats.name = name
             stats.foreign_cpu, stats.cpu_steal = load.share, load.steal
             runs_of.setdefault(name, []).append(
                 {"seconds": round(stats.seconds, 3), "foreign_cpu": load.share, "cpu_steal": load.steal,
-                 **({"step_ms_max": stats.step_ms["max"]} if stats.step_ms else {})})
+                 **({"step_ms_max": stats.step_ms["max"]} if stats.step_ms else {}), **stalls.seen})
             if name not in best or stats.seconds < best[name].seconds:
                 best[name] = stats
     for name, stats in best.items():

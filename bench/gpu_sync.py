@@ -360,6 +360,13 @@ def main() -> None:
               f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")
     if vram:
         print(f"decode graph memory (max batch {spec.max_num_seqs}): {vram}")
+    for name, r in results.items():  # what could have held up the slowest step (common.StallWatch)
+        for i, timed in enumerate(r.all_runs):
+            if "step_ms_max" in timed:
+                print(f"{name}, timed run {i + 1}: slowest step {timed['step_ms_max']} ms; full garbage "
+                      f"collections {timed['gc_full_collections']} ({timed['gc_full_s']} s), frames "
+                      f"compiled {timed['frames_compiled']}, kernel variants compiled "
+                      f"{timed['kernel_variants_compiled']}")
     if leaked:
         print(f"WARNING: imported {leaked}: this would fail on a host without the server's dependencies")
     print(f"wrote {out_path}")

@@ -39,6 +39,11 @@ def test_tandem_bench_gpu_smoke_writes_table_json_and_timeline(tmp_path):
     assert floor["of_roofline"] == pytest.approx(roof["seconds"] / floor["seconds"], rel=0.01, abs=1e-4)
     assert tandem["fraction_of_gemm_floor"] == pytest.approx(floor["seconds"] / tandem["seconds"], rel=0.05)
     assert tandem["engine"]["step_loop"] == "sync"  # each engine reports its own settings
+    # each timed run: its slowest step beside what could have held it up (garbage collections, compiles)
+    for timed in tandem["all_runs"]:
+        assert timed["step_ms_max"] > 0 and timed["gc_full_collections"] >= 0 and timed["gc_s"] >= 0
+        assert timed["frames_compiled"] == timed["kernel_variants_compiled"] == 0  # warmed up, nothing new
+    assert "tandem, timed run 1: slowest step" in proc.stdout
     assert result["imported_server_only_modules"] == []
     overhead = result["tracing_overhead"]
     assert set(overhead) == {"engine", "tracing_off", "steps_traced_1pct", "steps_traced_100pct"}

@@ -99,25 +99,22 @@ def test_cuda_compiled_prefill_matches_generate(family, fold_rotary):
     """The server's CUDA engine: prefill and mixed steps through Inductor too (symbolic token
     count, eager attention; their K/V written and Q and K rotated by the write kernel), compiled
     by the start-up warm-up; no step of the run compiles again, neither a frame nor a Triton
-    variant of the write kernel. With `--no-fold-rotary` (the rotary left in the model code) the
-    kernel only writes K/V."""
+    variant of the engine's kernels (write, decode, merge). With `--no-fold-rotary` (the rotary
+    left in the model code) the write kernel only writes K/V."""
     from torch._dynamo.utils import counters
 
-    from tandem.service.engine.ops.triton_kv_write import _write_step_kv_kernel
-
-    def write_variants() -> int:
-        return sum(len(cache[0]) for cache in _write_step_kv_kernel.device_caches.values())
+    from tandem.service.engine.ops.triton_variants import compiled_variants
 
     model, twin = _tiny_cuda(family), _tiny_cuda(family)
     arrivals = _arrivals(SamplingParams(max_tokens=24))
     core = _core(model, graphs=True, compile_backend="inductor", fuse=True, compile_prefill=True,
                  fold_rotary=fold_rotary)
     assert core.runner.prefill_compiled and (core.runner.rotary is not None) == fold_rotary
-    warmed, warmed_variants = counters["frames"]["ok"], write_variants()
+    warmed, warmed_variants = counters["frames"]["ok"], compiled_variants()
     assert warmed_variants > 0
     result = run(core, arrivals)
     assert counters["frames"]["ok"] == warmed
-    assert write_variants() == warmed_variants
+    assert compiled_variants() == warmed_variants
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(twin, a.prompt_ids, 24, None), a.request_id
 

@@ -227,12 +227,11 @@ def test_a_mixed_step_compiles_no_kernel_after_start_up():
     decode rows launch: afterwards, any number of rows at any contexts (split counts from 1 to 32,
     either tile) compiles nothing more, so no step waits for Triton while serving."""
     from tandem.service.engine.ops.triton_decode import (
-        _decode_split_kernel,
-        _merge_kernel,
         compile_step_variants,
         num_splits_for,
         paged_decode_attention,
     )
+    from tandem.service.engine.ops.triton_variants import compiled_variants
 
     g = torch.Generator(device="cuda").manual_seed(3)
     kv_heads, heads, head_dim, block, width = 8, 32, 128, 16, 256  # tables as wide as 4,096 tokens
@@ -240,11 +239,7 @@ def test_a_mixed_step_compiles_no_kernel_after_start_up():
                         generator=g) for _ in "kv")
     compile_step_variants(k, v, block, heads, width)
 
-    def compiled() -> int:  # Triton's compiled variants of both kernels, over devices
-        kernels = (_decode_split_kernel, _merge_kernel)
-        return sum(len(cache[0]) for fn in kernels for cache in fn.device_caches.values())
-
-    before = compiled()
+    before = compiled_variants()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in (1, 5, 9, 32, 63, 64, 130, 256):
         table = torch.randint(0, 2 * width, (batch, width), device="cuda", dtype=torch.int32, generator=g)
@@ -254,7 +249,7 @@ def test_a_mixed_step_compiles_no_kernel_after_start_up():
             q = torch.randn(heads, batch, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
             splits = num_splits_for(batch, kv_heads, sms, longest=int(lens.max()))
             paged_decode_attention(q.transpose(0, 1), k, v, table, lens, block, 0.1, splits)
-    assert compiled() == before
+    assert compiled_variants() == before
 
 
 def test_kernel_addresses_blocks_past_two_billion_elements():
