@@ -50,7 +50,7 @@ from pathlib import Path
 
 import _repo  # noqa: F401  (must come before any tandem import)
 import torch
-from common import copy_bandwidth, environment, markdown_table, sync, write_json
+from common import StallWatch, copy_bandwidth, environment, markdown_table, sync, write_json
 from gemm_floor import StepGemmFloor, linear_shapes
 from gemm_floor import timed as seconds_per_call
 from gpu_sync import SERVER_CUDA, build_model
@@ -98,6 +98,7 @@ class Run:
     allocator: dict = field(default_factory=dict)  # CUDA caching allocator counters during the run
     itl: list[float] = field(default_factory=list)  # every gap between a request's tokens
     tpot: list[float] = field(default_factory=list)  # per request: (last token - first) / (tokens - 1)
+    stalls: dict = field(default_factory=dict)  # collections and compiles during the run (StallWatch)
 
     def summary(self) -> dict:
         return {
@@ -115,6 +116,7 @@ class Run:
             if self.queried_tokens
             else 0.0,
             **({"allocator": self.allocator} if self.allocator else {}),
+            **({"stalls": self.stalls} if self.stalls else {}),
         }
 
 
@@ -662,7 +664,9 @@ def main() -> None:
     ) -> Run:
         budget = budget or budgets[0]
         fresh_scheduler(core, config, num_blocks, prefix, host, budget)
-        result = run(core, work, name, profile, host_profile)
+        with StallWatch() as stalls:
+            result = run(core, work, name, profile, host_profile)
+        result.stalls = stalls.seen
         print(f"{name}: {result.summary()}", file=sys.stderr, flush=True)
         return result
 

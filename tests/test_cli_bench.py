@@ -297,6 +297,8 @@ def test_tandem_bench_workloads_smoke_runs_each_workload_beside_its_feature_off(
     kinds = mixed["step_kinds"]
     assert sum(k["steps"] for k in kinds.values()) == mixed["steps"] and kinds["mixed"]["steps"] > 0
     assert kinds["mixed"]["launch_ms_p50"] <= kinds["mixed"]["launch_ms_max"]
+    # what could have held up a step: the collector's full walks, compiles (the CPU engine: none)
+    assert mixed["stalls"]["gc_full_collections"] >= 0 and mixed["stalls"]["kernel_variants_compiled"] == 0
     # each kind's own bound: together the run's; the decode-only steps by batch size: all of them
     assert sum(k["bound_s"] for k in kinds.values()) == pytest.approx(bound["seconds"], abs=5e-3)
     by_rows = mixed["decode_by_rows"]
