@@ -135,20 +135,18 @@ class ServerMetrics:
             "Share of the host pool of preempted requests' K/V in use (0 without a pool).",
             "kv_offload_usage",
         )
-        meter.create_observable_counter(
-            "tandem_engine_gc_collections",
-            callbacks=[lambda _: self._observe_gc("collections")],
-            unit="{collection}",
-            description="Python garbage collections in the engine process since it began serving, by "
-            "generation (2 = a full collection).",
-        )
-        meter.create_observable_counter(
-            "tandem_engine_gc_pause",
-            callbacks=[lambda _: self._observe_gc("seconds")],
-            unit="s",
-            description="Time the engine process's step loop stood still in Python garbage collections "
-            "since it began serving, by generation.",
-        )
+        for name, field, unit, what in (
+            ("tandem_engine_gc_collections", "collections", "{collection}",
+             "Python garbage collections in the engine process"),
+            ("tandem_engine_gc_pause", "seconds", "s",
+             "Time the engine process's step loop stood still in Python garbage collections"),
+        ):  # fmt: skip
+            meter.create_observable_counter(
+                name,
+                callbacks=[self._gc_observer(field)],
+                unit=unit,
+                description=f"{what} since it began serving, by generation (2 = a full collection).",
+            )
         meter.create_observable_gauge(
             "tandem_engine_gc_frozen_objects",
             callbacks=[self._observe_frozen],
@@ -198,11 +196,16 @@ class ServerMetrics:
 
         return observe
 
-    def _observe_gc(self, field: str) -> Iterable[Observation]:
-        totals = self.engine_gc()
-        if totals is None:
-            return []
-        return [Observation(n, {"generation": str(g)}) for g, n in enumerate(getattr(totals, field))]
+    def _gc_observer(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """A callback reading one per-generation field of the engine process's collections."""
+
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            totals = self.engine_gc()
+            if totals is None:
+                return []
+            return [Observation(n, {"generation": str(g)}) for g, n in enumerate(getattr(totals, field))]
+
+        return observe
 
     def _observe_frozen(self, _: CallbackOptions) -> Iterable[Observation]:
         totals = self.engine_gc()
