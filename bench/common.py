@@ -19,6 +19,7 @@ import _repo  # noqa: F401  (must come before any tandem import)
 import torch
 import transformers
 from machine import machine
+from serve_stats import percentile
 from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
 
 from tandem.service.engine.engine_core import EngineCore
@@ -103,9 +104,8 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     stats = _checked("tandem", seconds, [outputs[r] for r in ids], new_tokens, core.steps - first_step)
     # the engine's own idle fraction over the run: 1 - device time of its steps / wall time
     stats.engine_idle = round(max(0.0, 1 - (core.busy_seconds - busy_before) / seconds), 4)
-    step_times.sort()
-    stats.step_ms = {k: round(step_times[int(q * (len(step_times) - 1))], 2)
-                     for k, q in (("median", 0.5), ("p90", 0.9), ("max", 1.0))}
+    stats.step_ms = {k: round(percentile(step_times, q), 2)
+                     for k, q in (("median", 50), ("p90", 90), ("max", 100))}
     return stats
 
 
