@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .deferred_rotary import DeferredRotary
+from .triton_rotary import rotary_cos_sin
 
 
 @triton.jit
@@ -29,19 +30,6 @@ def _slots(block, pos, BLOCK_SIZE: tl.constexpr, OFFSET_I64: tl.constexpr):
     if OFFSET_I64:
         block = block.to(tl.int64)
     return block * BLOCK_SIZE + pos % BLOCK_SIZE
-
-
-@triton.jit
-def _rotary(inv_freq_ptr, rope_scaling, pos, d, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
-    """cos and sin of each dimension at `pos` as transformers computes them (fp32 angle, rounded to
-    the model's dtype), and rotate-half's partner dimension and sign: x * cos + sign * x[pair] * sin."""
-    half: tl.constexpr = HEAD_DIM // 2
-    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % half)
-    cos = (tl.cos(angle) * rope_scaling).to(DTYPE).to(tl.float32)
-    sin = (tl.sin(angle) * rope_scaling).to(DTYPE).to(tl.float32)
-    pair = (d + half) % HEAD_DIM
-    sign = tl.where(d < half, -1.0, 1.0)
-    return cos, sin, pair, sign
 
 
 @triton.jit
@@ -126,7 +114,7 @@ def _decode_split_kernel(
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
     if ROTARY:  # Q (and below, the new K) rotated at the new token's position
         dtype = q_ptr.dtype.element_ty
-        cos, sin, pair, sign = _rotary(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
+        cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
         q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
         q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
     if STORE_NEW:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .deferred_rotary import DeferredRotary
-from .triton_decode import _rotary
+from .triton_rotary import rotary_cos_sin
 
 
 @triton.jit
@@ -62,7 +62,8 @@ def _write_step_kv_kernel(
     v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :], mask=kv_ok, other=0.0)
     if ROTARY:  # the token's cos and sin once, for Q's heads and K's
         dtype = q_ptr.dtype.element_ty
-        cos, sin, pair, sign = _rotary(inv_freq_ptr, rope_scaling, tl.load(pos_ptr + t), d, HEAD_DIM, dtype)
+        pos = tl.load(pos_ptr + t)
+        cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, pos, d, HEAD_DIM, dtype)
         k_pair = tl.load(k_rows + pair[None, :], mask=kv_ok, other=0.0)
         k = (k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin).to(dtype)  # rounded as the model's
         if KEYS_OUT:
