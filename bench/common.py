@@ -21,6 +21,7 @@ import transformers
 from machine import machine
 from serve_stats import percentile
 from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
+from slow_steps import STEPS
 
 from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.gc_pauses import GcPauses, freeze_start_up_heap
@@ -91,7 +92,9 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     step_times = []
     while core.has_work:
         before, step_start = core.steps, time.perf_counter()
+        STEPS.began()
         updates = core.run_once()
+        STEPS.ended()
         for update in updates:
             if update.error:
                 raise RuntimeError(f"{update.request_id}: {update.error}")
@@ -213,15 +216,18 @@ class ForeignLoad:
 class StallWatch:
     """What can hold up a timed run's steps besides the work: Python's garbage collections (full
     ones walk every object), Dynamo compiling a frame, Triton compiling a variant of the engine's
-    kernels. Each timed run reports them beside its slowest step."""
+    kernels; and where steps that ran long spent their time (slow_steps.py). Each timed run reports
+    them beside its slowest step."""
 
     def __enter__(self) -> StallWatch:
         self.pauses = GcPauses().__enter__()
+        STEPS.start()
         self.frames, self.variants = _frames_compiled(), _kernel_variants()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.pauses.__exit__()
+        slow_step_stacks = STEPS.stop()
         gc = self.pauses.totals()
         self.seen = {
             "gc_full_collections": gc.collections[2],
@@ -229,6 +235,7 @@ class StallWatch:
             "gc_s": round(sum(gc.seconds), 3),
             "frames_compiled": _frames_compiled() - self.frames,
             "kernel_variants_compiled": _kernel_variants() - self.variants,
+            "slow_step_stacks": slow_step_stacks,
         }
 
 

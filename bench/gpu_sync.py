@@ -367,6 +367,8 @@ def main() -> None:
                       f"collections {timed['gc_full_collections']} ({timed['gc_full_s']} s), frames "
                       f"compiled {timed['frames_compiled']}, kernel variants compiled "
                       f"{timed['kernel_variants_compiled']}")
+                for seen in timed["slow_step_stacks"][:2]:  # where the steps past 100 ms were, sampled
+                    print(f"  {seen['seconds']} s in {seen['stack']}")
     if leaked:
         print(f"WARNING: imported {leaked}: this would fail on a host without the server's dependencies")
     print(f"wrote {out_path}")

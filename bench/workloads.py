@@ -57,6 +57,7 @@ from gpu_sync import SERVER_CUDA, build_model
 from serve_stats import percentile
 from serve_workload import jobs as make_jobs
 from shapes import SHAPES
+from slow_steps import STEPS
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.service.engine.config import EngineConfig
@@ -226,7 +227,10 @@ def run(
                 sync(core.runner.device)
                 profiler.__exit__(None, None, None)
                 profiled = (began, len(steps))
-        for u in core.run_once():
+        STEPS.began()
+        updates = core.run_once()
+        STEPS.ended()
+        for u in updates:
             if u.error:
                 raise RuntimeError(f"{u.request_id}: {u.error}")
             now = time.perf_counter() - start

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def test_tandem_bench_gpu_smoke_writes_table_json_and_timeline(tmp_path):
     for timed in tandem["all_runs"]:
         assert timed["step_ms_max"] > 0 and timed["gc_full_collections"] >= 0 and timed["gc_s"] >= 0
         assert timed["frames_compiled"] == timed["kernel_variants_compiled"] == 0  # warmed up, nothing new
+        assert isinstance(timed["slow_step_stacks"], list)
     assert "tandem, timed run 1: slowest step" in proc.stdout
     assert result["imported_server_only_modules"] == []
     overhead = result["tracing_overhead"]
@@ -101,6 +103,33 @@ def test_gemm_floor_counts_every_gemm_weight_once(monkeypatch):
     assert linear_shapes(model) == ({q: 4, kv: 4, up: 4, (64, 128): 2}, (512, 64))
     fuse_projections(model)
     assert linear_shapes(model) == ({(128, 64): 2, (64, 64): 2, (256, 64): 2, (64, 128): 2}, (512, 64))
+
+
+def _held_up_step() -> None:
+    time.sleep(0.3)
+
+
+def test_slow_step_stacks_name_where_a_long_step_waited_and_skip_fast_ones(monkeypatch):
+    """The sampler sees the main thread only inside a step past its threshold: a 300 ms step is
+    found in the function that held it up; fast steps leave nothing."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from slow_steps import SlowStepStacks
+
+    steps = SlowStepStacks(after_s=0.05, every_s=0.005)
+    steps.start()
+    for _ in range(20):  # fast steps: never sampled
+        steps.began()
+        time.sleep(0.005)
+        steps.ended()
+    time.sleep(0.1)  # between steps: not sampled either
+    assert steps.stop() == []
+    steps.start()
+    steps.began()
+    _held_up_step()
+    steps.ended()
+    seen = steps.stop()
+    assert seen and seen[0]["stack"].split(" < ")[0].endswith("_held_up_step")  # sleep: C, no frame
+    assert 0.1 <= sum(s["seconds"] for s in seen) <= 0.3
 
 
 def test_profile_sorts_kernels_by_kind(monkeypatch):
