@@ -243,9 +243,15 @@ def splits_by_batch_alone(batch: int, kv_heads: int, num_sms: int) -> Splits:
 def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
     """The engine's kernel configuration at one batch size over grids of more and more splits: the
     rule graph-captured steps use (their longest context: the block table's width) against the grid
-    sized by the batch alone, fixed grids, and the rule with other tokens per split (more, shorter
-    splits or fewer, longer ones), on one layer's cache."""
-    from tandem.service.engine.ops.triton_decode import Splits, num_splits_for, paged_decode_attention
+    sized by the batch alone, fixed grids, the rule with other tokens per split (more, shorter
+    splits or fewer, longer ones) and the engine's grid with its merge in 1 or 2 warps per program,
+    on one layer's cache; each with its largest difference from the engine's output."""
+    from tandem.service.engine.ops.triton_decode import (
+        Splits,
+        kernel_config,
+        num_splits_for,
+        paged_decode_attention,
+    )
 
     shape = CacheShape.of(model.config)
     block, dt = DECODE_BLOCK, next(model.parameters()).dtype
@@ -264,13 +270,21 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
         grids[f"engine, {tokens} tokens per split"] = num_splits_for(
             batch, shape.num_kv_heads, sms, width * block, tokens=tokens, cap=128)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    chosen = kernel_config(batch)
+    # the engine's grid with its merge in fewer warps per program (more programs resident at once)
+    runs = {name: (splits, chosen) for name, splits in grids.items()}
+    for warps in (1, 2):
+        runs[f"engine, merge warps {warps}"] = (engine, dataclasses.replace(chosen, merge_warps=warps))
+    reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, engine, new_kv).float()
     rows = []
-    for name, splits in grids.items():
-        def call(splits=splits) -> None:
-            paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv)
+    for name, (splits, config) in runs.items():
+        def call(splits=splits, config=config) -> torch.Tensor:
+            return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config)
+        diff = (call().float() - reference).abs().max().item()
         seconds = timed(call)
         rows.append({"grid": name, "least": splits.least, "most": splits.most, "tokens": splits.tokens,
-                     "us": round(1e6 * seconds, 1), "of_bandwidth": round(nbytes / seconds / bandwidth, 3)})
+                     "merge_warps": config.merge_warps, "us": round(1e6 * seconds, 1),
+                     "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
     return rows
 
 
@@ -441,9 +455,11 @@ def main() -> None:
         batch, kind = point.split(":")
         grids[point] = decode_grid_sweep(model, int(batch), kind, bandwidth)
         print(f"decode attention split grids, batch {batch}, contexts {kind}")
-        headers = ["grid", "least", "most", "tokens per split", "us (layer)", "of bandwidth"]
-        print(markdown_table(headers, [[r["grid"], r["least"], r["most"], r["tokens"], r["us"],
-                                        f"{r['of_bandwidth']:.0%}"] for r in grids[point]]))
+        headers = ["grid", "least", "most", "tokens per split", "merge warps", "us (layer)", "of bandwidth",
+                   "max diff"]
+        print(markdown_table(headers, [[r["grid"], r["least"], r["most"], r["tokens"], r["merge_warps"],
+                                        r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"]
+                                       for r in grids[point]]))
     mixed_ops = [mixed_op_sweep(model, *(int(x) for x in point.split(":")))
                  for point in (a.mixed_op.split(",") if a.mixed_op else [])]
     if mixed_ops:

@@ -99,9 +99,10 @@ def _check_kernel(
     # one count for all, and counts that follow each sequence's context (random lengths here)
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)  # a mixed step's grid
     table_sized = num_splits_for(batch, kv_heads, sms, longest=width * block_size)  # a captured step's
-    # every configuration the engine picks, and (bf16) a tile smaller than a block: tiles that
-    # split blocks
-    configs = {*ENGINE_CONFIGS} | ({KernelConfig(tile=16)} if dtype == torch.bfloat16 else set())
+    # every configuration the engine picks, and (bf16) a tile smaller than a block (tiles that
+    # split blocks), and a merge in one warp per program (the grid sweep's: bench/profile_gpu.py)
+    configs = {*ENGINE_CONFIGS} | ({KernelConfig(tile=16), KernelConfig(merge_warps=1)}
+                                   if dtype == torch.bfloat16 else set())
     # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:
         for config in configs:

@@ -252,11 +252,12 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens
 class KernelConfig:
     """How the split kernel walks a context: tokens per loop iteration (any block size: each token
     finds its block through the table), Triton's software-pipeline stages of that loop, and warps
-    per program."""
+    per program; and the warps of each merge program (one sequence and head)."""
 
     tile: int = 32
     stages: int = 1
     warps: int = 4
+    merge_warps: int = 4
 
 
 WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)
@@ -388,6 +389,7 @@ def paged_decode_attention(
         SPLIT_TOKENS=splits.tokens,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=d,
+        num_warps=config.merge_warps,
     )
     return out
 
