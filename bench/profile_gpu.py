@@ -29,7 +29,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import _repo
 import torch
@@ -40,13 +39,18 @@ from serve_workload import MIXED_OUTPUT, MIXED_PROMPT
 
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
+from tandem.service.engine.ops.decode_grid import (
+    MAX_SPLITS,
+    KernelConfig,
+    Splits,
+    kernel_config,
+    least_splits,
+    num_splits_for,
+)
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.deferred_rotary import defer_rotary, model_family
 from tandem.service.engine.ops.kv_cache import CacheShape
 from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-
-if TYPE_CHECKING:
-    from tandem.service.engine.ops.triton_decode import Splits
 
 
 def kernel_kind(name: str) -> str:
@@ -186,12 +190,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     context), contexts `mixed` or fixed: each configuration (tile, pipeline stages, warps) per
     cache layout, its time, share of the copy bandwidth and largest difference from the engine's
     configuration's output (marked `chosen`)."""
-    from tandem.service.engine.ops.triton_decode import (
-        KernelConfig,
-        kernel_config,
-        num_splits_for,
-        paged_decode_attention,
-    )
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
     block, dt = DECODE_BLOCK, next(model.parameters()).dtype
@@ -234,8 +233,6 @@ def grid_contexts(kind: str, batch: int, seed: int = 1) -> list[int]:
 def splits_by_batch_alone(batch: int, kv_heads: int, num_sms: int) -> Splits:
     """The grid captured decode steps had before it was sized by their table: about 16 programs
     per multiprocessor, whatever the contexts (the baseline of `decode_grid_sweep`)."""
-    from tandem.service.engine.ops.triton_decode import MAX_SPLITS, Splits, least_splits
-
     least = least_splits(batch, kv_heads, num_sms)
     return Splits(least, max(least, min(MAX_SPLITS, 16 * num_sms // (batch * kv_heads))))
 
@@ -246,12 +243,7 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     sized by the batch alone, fixed grids, the rule with other tokens per split (more, shorter
     splits or fewer, longer ones) and the engine's grid with its merge in 1 or 2 warps per program,
     on one layer's cache; each with its largest difference from the engine's output."""
-    from tandem.service.engine.ops.triton_decode import (
-        Splits,
-        kernel_config,
-        num_splits_for,
-        paged_decode_attention,
-    )
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
     block, dt = DECODE_BLOCK, next(model.parameters()).dtype

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem.service.engine.ops.attention_ref import decode_attention
+from tandem.service.engine.ops.decode_grid import ENGINE_CONFIGS, KernelConfig, Splits, num_splits_for
 from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 
 pytestmark = pytest.mark.gpu
@@ -49,13 +50,7 @@ def test_kernel_rotates_query_and_new_key(
 def _check_kernel(
     dtype, batch, heads, kv_heads, head_dim, block_size, max_len, store_new, layout, rotary=None
 ):
-    from tandem.service.engine.ops.triton_decode import (
-        ENGINE_CONFIGS,
-        KernelConfig,
-        Splits,
-        num_splits_for,
-        paged_decode_attention,
-    )
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(batch * 1000 + max_len)
     num_blocks = batch * (-(-max_len // block_size)) + 8
@@ -185,53 +180,11 @@ def _check_write_kernel(tokens, heads, kv_heads, head_dim, dtype, rotary, layout
         assert torch.equal(k_cache, ref_k_cache)
 
 
-def test_grid_holds_every_split_of_the_longest_context():
-    """The grid holds every split the longest context takes (one per SPLIT_TOKENS), even at batch
-    sizes large enough to fill the device alone; capped at about 64 programs per multiprocessor,
-    and never under the device-covering least."""
-    from tandem.service.engine.ops.triton_decode import (
-        MAX_SPLITS,
-        SPLIT_TOKENS,
-        least_splits,
-        num_splits_for,
-    )
-
-    sms, kv_heads = 132, 8
-    assert num_splits_for(210, kv_heads, sms, longest=2000).most == -(-2000 // SPLIT_TOKENS)
-    assert num_splits_for(210, kv_heads, sms, longest=16384).most == 64 * sms // (210 * kv_heads)
-    assert num_splits_for(210, kv_heads, sms, longest=100).most == 1  # nothing to split
-    for batch in (1, 8, 64, 256):
-        least = least_splits(batch, kv_heads, sms)
-        assert batch * kv_heads * least >= min(2 * sms, batch * kv_heads * MAX_SPLITS)
-        for longest in (100, 4096, 16384):
-            grid = num_splits_for(batch, kv_heads, sms, longest)
-            assert grid.least == least
-            assert batch * kv_heads * grid.most <= max(64 * sms, batch * kv_heads * least)
-            cap = max(least, min(MAX_SPLITS, 64 * sms // (batch * kv_heads)))
-            for n in range(1, longest + 1, 7):  # each context: one split per SPLIT_TOKENS, to the cap
-                assert grid.of(n) == max(least, min(-(-n // SPLIT_TOKENS), cap))
-
-
-def test_every_configuration_the_engine_picks_is_among_those_tested():
-    """`kernel_config` picks only from ENGINE_CONFIGS (each of which `_check_kernel` runs): 32-token
-    tiles from 9 to 63 sequences, where 64-token ones measured slower, 64 elsewhere."""
-    from tandem.service.engine.ops.triton_decode import ENGINE_CONFIGS, kernel_config
-
-    picks = {kernel_config(batch) for batch in range(1, 513)}
-    assert picks == set(ENGINE_CONFIGS)
-    assert kernel_config(32).tile == 32
-    assert {kernel_config(batch).tile for batch in (1, 8, 64, 256)} == {64}
-
-
 def test_a_mixed_step_compiles_no_kernel_after_start_up():
     """`compile_step_variants` (run as the engine starts) compiles every variant a mixed step's
     decode rows launch: afterwards, any number of rows at any contexts (split counts from 1 to 32,
     either tile) compiles nothing more, so no step waits for Triton while serving."""
-    from tandem.service.engine.ops.triton_decode import (
-        compile_step_variants,
-        num_splits_for,
-        paged_decode_attention,
-    )
+    from tandem.service.engine.ops.triton_decode import compile_step_variants, paged_decode_attention
     from tandem.service.engine.ops.triton_variants import compiled_variants
 
     g = torch.Generator(device="cuda").manual_seed(3)

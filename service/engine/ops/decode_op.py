@@ -15,6 +15,7 @@ import functools
 import torch
 
 from .attention_ref import decode_mask, gathered_decode_attention
+from .decode_grid import num_splits_for
 from .deferred_rotary import DeferredRotary, rotate
 from .kv_cache import slot_major
 
@@ -64,7 +65,7 @@ def paged_decode(
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     rotary = DeferredRotary(inv_freq, rope_scaling) if inv_freq is not None else None
     if q.is_cuda and kernel_supports(block_size, q.shape[-1]):
-        from .triton_decode import num_splits_for, paged_decode_attention
+        from .triton_decode import paged_decode_attention
 
         # the grid depends only on the batch size and the table's width (the longest context a
         # sequence may have), so it is fixed per captured graph; the kernel writes the new K/V

@@ -1,0 +1,70 @@
+"""The decode kernel's grid and launch configuration: how many programs share each sequence's
+context (its splits) and how each program walks it (tile, stages, warps). Plain Python, apart
+from the kernel (triton_decode.py), so the rules are tested on hosts without Triton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPLIT_TOKENS = 512  # context tokens per split, past the fewest splits: the best count on the H200
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class Splits:
+    """How many programs share each sequence's context: `least` for every sequence, one more per
+    `tokens` of its context, up to `most` (the grid's split dimension)."""
+
+    least: int
+    most: int
+    tokens: int = SPLIT_TOKENS
+
+    def of(self, ctx_len: int) -> int:
+        """The splits of a sequence of `ctx_len` tokens (the kernel's `_splits_of`, on the host)."""
+        return min(max(-(-ctx_len // self.tokens), self.least), self.most)
+
+
+def least_splits(batch: int, kv_heads: int, num_sms: int) -> int:
+    """Enough programs to cover the device about twice, so that few sequences at long contexts
+    keep every multiprocessor reading (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // (batch * kv_heads))))
+
+
+def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens: int = SPLIT_TOKENS,
+                   cap: int = MAX_SPLITS) -> Splits:
+    """Fixed per batch size and `longest` (graph-friendly); each sequence's count follows its
+    context in the kernel.
+
+    `longest`: the longest context in the step (a step run eagerly, as mixed steps are), or the
+    longest any sequence may have (a captured decode step: its block table's width). The grid
+    holds every split that context takes, whatever the batch size (up to about 64 programs per
+    multiprocessor), so one long sequence among many short ones is not read by one program while
+    the others wait; the programs a shorter context does not need return at once. `tokens` (a
+    split per so many tokens) and `cap` (the most splits) are the engine's unless a sweep asks."""
+    least = least_splits(batch, kv_heads, num_sms)
+    most = min(-(-longest // tokens), max(1, 64 * num_sms // (batch * kv_heads)))
+    return Splits(least, max(least, min(cap, most)), tokens)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How the split kernel walks a context: tokens per loop iteration (any block size: each token
+    finds its block through the table), Triton's software-pipeline stages of that loop, and warps
+    per program; and the warps of each merge program (one sequence and head)."""
+
+    tile: int = 32
+    stages: int = 1
+    warps: int = 4
+    merge_warps: int = 4
+
+
+WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)
+ENGINE_CONFIGS = (WIDE_TILES, NARROW_TILES)  # every configuration `kernel_config` picks (GPU tests run each)
+
+
+def kernel_config(batch: int) -> KernelConfig:
+    """The configuration for a step of `batch` sequences: fixed per captured graph. 64-token
+    tiles read more per loop iteration and were faster on the H200 at every batch size measured
+    but 32, where their larger programs leave one wave of the grid short and 32-token tiles are
+    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
+    return NARROW_TILES if 8 < batch < 64 else WIDE_TILES

@@ -1,0 +1,43 @@
+"""The decode kernel's grid and launch rules (decode_grid.py): plain Python, checked on any host;
+the kernel itself runs them on the H200 (test_gpu_kernels.py)."""
+
+from __future__ import annotations
+
+from tandem.service.engine.ops.decode_grid import (
+    ENGINE_CONFIGS,
+    MAX_SPLITS,
+    SPLIT_TOKENS,
+    kernel_config,
+    least_splits,
+    num_splits_for,
+)
+
+
+def test_grid_holds_every_split_of_the_longest_context():
+    """The grid holds every split the longest context takes (one per SPLIT_TOKENS), even at batch
+    sizes large enough to fill the device alone; capped at about 64 programs per multiprocessor,
+    and never under the device-covering least."""
+    sms, kv_heads = 132, 8
+    assert num_splits_for(210, kv_heads, sms, longest=2000).most == -(-2000 // SPLIT_TOKENS)
+    assert num_splits_for(210, kv_heads, sms, longest=16384).most == 64 * sms // (210 * kv_heads)
+    assert num_splits_for(210, kv_heads, sms, longest=100).most == 1  # nothing to split
+    for batch in (1, 8, 64, 256):
+        least = least_splits(batch, kv_heads, sms)
+        assert batch * kv_heads * least >= min(2 * sms, batch * kv_heads * MAX_SPLITS)
+        for longest in (100, 4096, 16384):
+            grid = num_splits_for(batch, kv_heads, sms, longest)
+            assert grid.least == least
+            assert batch * kv_heads * grid.most <= max(64 * sms, batch * kv_heads * least)
+            cap = max(least, min(MAX_SPLITS, 64 * sms // (batch * kv_heads)))
+            for n in range(1, longest + 1, 7):  # each context: one split per SPLIT_TOKENS, to the cap
+                assert grid.of(n) == max(least, min(-(-n // SPLIT_TOKENS), cap))
+
+
+def test_every_configuration_the_engine_picks_is_among_those_tested():
+    """`kernel_config` picks only from ENGINE_CONFIGS (each of which test_gpu_kernels.py's
+    `_check_kernel` runs): 32-token tiles from 9 to 63 sequences, where 64-token ones measured
+    slower, 64 elsewhere."""
+    picks = {kernel_config(batch) for batch in range(1, 513)}
+    assert picks == set(ENGINE_CONFIGS)
+    assert kernel_config(32).tile == 32
+    assert {kernel_config(batch).tile for batch in (1, 8, 64, 256)} == {64}
