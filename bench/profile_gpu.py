@@ -41,6 +41,7 @@ from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_grid import (
     MAX_SPLITS,
+    SPLIT_TOKENS,
     KernelConfig,
     Splits,
     kernel_config,
@@ -254,7 +255,9 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     sms = num_sms(q.device.index or 0)
     by_batch = splits_by_batch_alone(batch, shape.num_kv_heads, sms)
     engine = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
-    grids = {"batch only": by_batch, "engine (longest = table)": engine}
+    grids = {"batch only": by_batch, "engine (longest = table)": engine,
+             # a table of one split's context (512 tokens): one split per sequence at large batches
+             "one split's table": num_splits_for(batch, shape.num_kv_heads, sms, longest=SPLIT_TOKENS)}
     for most in (2, 4, 8, 16, 32):
         if most > by_batch.least:
             grids[f"most {most}"] = Splits(by_batch.least, most)
