@@ -92,9 +92,7 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     step_times = []
     while core.has_work:
         before, step_start = core.steps, time.perf_counter()
-        STEPS.began()
-        updates = core.run_once()
-        STEPS.ended()
+        updates = STEPS.watched(core.run_once)
         for update in updates:
             if update.error:
                 raise RuntimeError(f"{update.request_id}: {update.error}")

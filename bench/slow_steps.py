@@ -1,8 +1,8 @@
 """Where a slow step spends its time: the main thread's stack, sampled only while a step runs long.
 
 A timed run that loses a second to one step says nothing of why from its counters alone (a garbage
-collection, a compile, a page-locked allocation, a lock). The bench loops mark each step's start
-and end (`STEPS.began()`, `STEPS.ended()`: two attribute writes); while one runs past `after_s`,
+collection, a compile, a page-locked allocation, a lock). The bench loops run each step through
+`STEPS.watched` (two attribute writes around it); while one runs past `after_s`,
 a daemon thread samples the main thread's innermost frames every `every_s`. Fast steps are never
 sampled, so the timed run is not slowed: the thread only wakes, reads a float and sleeps.
 """
@@ -13,7 +13,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class SlowStepStacks:
@@ -30,6 +34,14 @@ class SlowStepStacks:
 
     def ended(self) -> None:
         self._began = 0.0
+
+    def watched(self, step: Callable[[], T]) -> T:
+        """Run one step, marked as running for the sampler."""
+        self.began()
+        try:
+            return step()
+        finally:
+            self.ended()
 
     def start(self) -> None:
         self._stacks.clear()

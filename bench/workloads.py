@@ -227,10 +227,7 @@ def run(
                 sync(core.runner.device)
                 profiler.__exit__(None, None, None)
                 profiled = (began, len(steps))
-        STEPS.began()
-        updates = core.run_once()
-        STEPS.ended()
-        for u in updates:
+        for u in STEPS.watched(core.run_once):
             if u.error:
                 raise RuntimeError(f"{u.request_id}: {u.error}")
             now = time.perf_counter() - start

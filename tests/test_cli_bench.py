@@ -118,15 +118,11 @@ def test_slow_step_stacks_name_where_a_long_step_waited_and_skip_fast_ones(monke
     steps = SlowStepStacks(after_s=0.05, every_s=0.005)
     steps.start()
     for _ in range(20):  # fast steps: never sampled
-        steps.began()
-        time.sleep(0.005)
-        steps.ended()
+        steps.watched(lambda: time.sleep(0.005))
     time.sleep(0.1)  # between steps: not sampled either
     assert steps.stop() == []
     steps.start()
-    steps.began()
-    _held_up_step()
-    steps.ended()
+    steps.watched(_held_up_step)
     seen = steps.stop()
     assert seen and seen[0]["stack"].split(" < ")[0].endswith("_held_up_step")  # sleep: C, no frame
     assert 0.1 <= sum(s["seconds"] for s in seen) <= 0.3
