@@ -7,7 +7,8 @@
    each weight read;
 3. the paged decode attention kernel alone (--attention B:CONTEXTS,..., contexts `mixed` or a
    length), per cache layout (--layouts), tile, pipeline stages and warps at the engine's grid;
-   and its split grids (--attention-grid B:CONTEXTS,...);
+   and its split grids (--attention-grid B:CONTEXTS,...), and its loop taken apart part by part
+   (--decode-anatomy B:CONTEXTS,...: bench/decode_anatomy.py);
 4. one layer's mixed attention op at a mixed step's composition (--mixed-op DECODES:PROMPT,...):
    the decode rows first, each part a slice of the step's rows (the engine's layout), against
    the same step gathered and scattered by index (the layout of a step whose rows interleave);
@@ -283,6 +284,66 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     return rows
 
 
+def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
+    """The decode kernel's loop taken apart (bench/decode_anatomy.py) at the grid of a step's own
+    longest context, per cache layout: each part's time and share of the copy bandwidth in every
+    tile and warp count, beside the engine's kernel (no new K/V, and writing it); the whole-loop
+    parts with their largest difference from the engine's output (one split per sequence)."""
+    from decode_anatomy import WHOLE_LOOP, parts, run_part
+
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
+
+    shape = CacheShape.of(model.config)
+    block, dt = DECODE_BLOCK, next(model.parameters()).dtype
+    lens_host = grid_contexts(kind, batch)
+    width = -(-max(lens_host) // block)
+    d = decode_inputs(model, lens_host, width, ("NHD", "HND"))
+    table, lens, q, new_kv = d.table, d.lens, d.q, d.new_kv
+    splits = num_splits_for(batch, shape.num_kv_heads, num_sms(q.device.index or 0), longest=max(lens_host))
+    one = Splits(1, 1)
+    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    chosen = kernel_config(batch)
+    rows = []
+    for layout, (k, v) in d.caches.items():
+        reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, one).float()
+        calls = {"engine": lambda k=k, v=v: paged_decode_attention(q, k, v, table, lens, block, 0.1, splits),
+                 "engine, writing new K/V": lambda k=k, v=v: paged_decode_attention(
+                     q, k, v, table, lens, block, 0.1, splits, new_kv)}
+        for mode, call in calls.items():
+            seconds = timed(call)
+            rows.append({"layout": layout, "mode": mode, "tile": chosen.tile, "warps": chosen.warps,
+                         "least": splits.least, "most": splits.most, "us": round(1e6 * seconds, 1),
+                         "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": 0.0})
+        for part in parts():
+            row = {"layout": layout, "mode": part.mode, "tile": part.tile, "warps": part.warps,
+                   "least": splits.least, "most": splits.most}
+
+            def call(part=part, k=k, v=v, splits=splits) -> torch.Tensor:
+                return run_part(part, q, k, v, table, lens, block, 0.1, splits)
+            try:
+                diff = None
+                if part.mode in WHOLE_LOOP:
+                    alone = run_part(part, q, k, v, table, lens, block, 0.1, one)[:, :, 0]
+                    diff = (alone - reference).abs().max().item()
+                seconds = timed(call)
+            except Exception as exc:  # a configuration the compiler rejects: note it, go on
+                rows.append({**row, "error": str(exc)[:200]})
+                continue
+            rows.append({**row, "us": round(1e6 * seconds, 1),
+                         "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
+    return rows
+
+
+def fastest_parts(rows: list[dict]) -> list[dict]:
+    """The anatomy's fastest configuration of each (layout, part), in the order they ran."""
+    best: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        key = (r["layout"], r["mode"])
+        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    return list(best.values())
+
+
 def mixed_op_sweep(model: torch.nn.Module, decodes: int, prompt: int, chunks: int = 3) -> dict:
     """One layer's mixed attention op (write the step's K/V, the decode rows by the Triton kernel,
     the prompt chunks by one flash-attention call) on a step of `decodes` decode rows (the mixed
@@ -409,6 +470,9 @@ def main() -> None:
     ap.add_argument("--attention-grid", default="", metavar="B:CONTEXTS,...",
                     help="time the decode kernel's split grids at these batch sizes, contexts `mixed` "
                          "(the mixed workload's) or a length")
+    ap.add_argument("--decode-anatomy", default="", metavar="B:CONTEXTS,...",
+                    help="time the decode kernel's loop part by part (bench/decode_anatomy.py) at these "
+                         "batch sizes, contexts `mixed` (the mixed workload's) or a length")
     ap.add_argument("--mixed-op", default="", metavar="DECODES:PROMPT,...",
                     help="time one layer's mixed attention op at these mixed-step compositions, its parts "
                          "as slices of the step's rows and by index")
@@ -455,6 +519,19 @@ def main() -> None:
         print(markdown_table(headers, [[r["grid"], r["least"], r["most"], r["tokens"], r["merge_warps"],
                                         r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"]
                                        for r in grids[point]]))
+    anatomy = {}
+    for point in a.decode_anatomy.split(",") if a.decode_anatomy else []:
+        batch, kind = point.split(":")
+        anatomy[point] = decode_anatomy_sweep(model, int(batch), kind, bandwidth)
+        print(f"decode kernel anatomy, batch {batch}, contexts {kind}: each part's fastest tile and warps")
+        headers = ["layout", "part", "tile", "warps", "splits", "us (layer)", "of bandwidth", "max diff"]
+        print(markdown_table(headers, [
+            [r["layout"], r["mode"], r["tile"], r["warps"], f"{r['least']}-{r['most']}", r["us"],
+             f"{r['of_bandwidth']:.0%}", "-" if r["max_diff"] is None else f"{r['max_diff']:.2g}"]
+            for r in fastest_parts(anatomy[point])]))
+        failed = [r for r in anatomy[point] if "error" in r]
+        if failed:
+            print(f"{len(failed)} configurations failed, e.g. {failed[0]}")
     mixed_ops = [mixed_op_sweep(model, *(int(x) for x in point.split(":")))
                  for point in (a.mixed_op.split(",") if a.mixed_op else [])]
     if mixed_ops:
@@ -474,7 +551,8 @@ def main() -> None:
     if a.no_step:
         write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
                    {"benchmark": "profile_gpu", "environment": env, "attention": attention,
-                    "decode_grids": grids, "mixed_op": mixed_ops})
+                    "decode_grids": grids, "decode_anatomy": anatomy,
+                    "mixed_op": mixed_ops})
         return
 
     g = torch.Generator().manual_seed(1)
@@ -499,7 +577,8 @@ def main() -> None:
                           for k in steps["top_kernels"]]))
     result = {"benchmark": "profile_gpu", "environment": env, "shape": a.shape, "engine": a.engine,
               "requests": a.requests, "context": context, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-              "linears": linears, "decode_attention": attention, "decode_grids": grids, "mixed_op": mixed_ops,
+              "linears": linears, "decode_attention": attention, "decode_grids": grids,
+              "decode_anatomy": anatomy, "mixed_op": mixed_ops,
               "step": steps}
     out = write_json(a.out or _repo.REPO / f"bench/results/profile_{a.shape}_{a.engine}_{a.requests}.json",
                      result)

@@ -236,6 +236,46 @@ def test_kernel_addresses_blocks_past_two_billion_elements():
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, max_len",
+                         [(64, 32, 8, 128, 700), (5, 14, 2, 64, 300)])
+def test_decode_anatomy_whole_loop_parts_attend_as_the_engine(monkeypatch, layout, batch, heads, kv_heads,
+                                                              head_dim, max_len):
+    """The profile's anatomy kernel (bench/decode_anatomy.py): its whole-loop parts, in every tile
+    and warp count it times, give the engine kernel's attention at one split in bf16, so the times
+    it reports are of the same work; and its read part adds up each context's K and V."""
+    from pathlib import Path
+
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from decode_anatomy import WHOLE_LOOP, parts, run_part
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    block = 16
+    width = -(-max_len // block)
+    slots = batch * width * block
+    shape = (slots, kv_heads, head_dim) if layout == "NHD" else (kv_heads, slots, head_dim)
+    k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    if layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    table = torch.randperm(batch * width, device="cuda", dtype=torch.int32, generator=g).view(batch, width)
+    lens = torch.randint(1, max_len + 1, (batch,), device="cuda", dtype=torch.int32, generator=g)
+    lens[0] = max_len
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    one = Splits(1, 1)
+    ref = paged_decode_attention(q, k, v, table, lens, block, head_dim**-0.5, one).float()
+    for part in (p for p in parts() if p.mode in WHOLE_LOOP):
+        out = run_part(part, q, k, v, table, lens, block, head_dim**-0.5, one)[:, :, 0]
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1.6e-2, f"{part}: relative error {err}"
+    slots_of = (table[:, :, None].long() * block + torch.arange(block, device="cuda")).view(batch, -1)
+    live = (torch.arange(width * block, device="cuda")[None, :] < lens[:, None])[:, :, None, None]
+    sums = ((k[slots_of].float() + v[slots_of].float()) * live).sum(1).repeat_interleave(heads // kv_heads, 1)
+    read = run_part(parts()[0], q, k, v, table, lens, block, 1.0, one)[:, :, 0]
+    torch.testing.assert_close(read, sums, atol=0.5, rtol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (4, 2, 64), (14, 2, 64), (8, 8, 128)])
 def test_flash_varlen_matches_reference(dtype, heads, kv_heads, head_dim):

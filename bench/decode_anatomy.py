@@ -1,0 +1,219 @@
+"""What holds the paged decode kernel's bandwidth: its loop taken apart, one part at a time.
+
+One bench-only Triton kernel walks each (sequence, KV head, split) of a decode step as the engine's
+split kernel does (service/engine/ops/triton_decode.py: the same grid, tiles and block-table
+lookups) and does only the part of the work its MODE names:
+
+- `read`: load K and V through the block table and add them up: the bandwidth this access pattern
+  reaches with no math to wait for;
+- `contiguous`: the same loads with each sequence's slots in one run (no table read): what the
+  table's dependent load costs;
+- `scores`: the loads, Q.K^T (tl.dot) and the running max;
+- `softmax`: and the exponentials and their sum;
+- `full`: and P.V: the engine's loop (no new K/V, no rotary);
+- `tokens_in_m`: the whole loop with the products turned over, K.Q^T and V^T.P, so that the
+  tile's tokens are the dot's M dimension and the query heads (padded to 16) its N;
+- `fma`: the whole loop on the CUDA cores (broadcast products summed), query heads unpadded.
+
+Each program stores its split's normalised output: with one split per sequence that is the
+attention output, which is how the whole-loop modes are checked against the engine's kernel.
+Triton is imported here, so bench/profile_gpu.py (--decode-anatomy) imports this module only
+when asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.service.engine.ops.decode_grid import Splits
+
+MODES = ("read", "contiguous", "scores", "softmax", "full", "tokens_in_m", "fma")
+WHOLE_LOOP = ("full", "tokens_in_m", "fma")  # the modes that compute attention
+READ, CONTIGUOUS, SCORES, SOFTMAX, FULL, TOKENS_IN_M, FMA = range(len(MODES))
+
+
+@triton.jit(do_not_specialize=["least_splits", "num_splits"])
+def _anatomy_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    scale,
+    least_splits,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    MODE: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(ctx_len, SPLIT_TOKENS), least_splits), num_splits)
+    if split >= splits:
+        return
+    num_tiles = tl.cdiv(ctx_len, TILE)
+    per_split = tl.cdiv(num_tiles, splits)
+    first_tile = split * per_split
+    last_tile = tl.minimum(first_tile + per_split, num_tiles)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, TILE)
+    heads = kvh * GROUP + g
+    g_ok = g < GROUP
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
+    q_t = tl.trans(q)  # [HEAD_DIM, GROUP_PAD]: tokens_in_m's right-hand operand
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    lsum = tl.full([GROUP_PAD], 1.0, tl.float32)
+    if MODE >= SOFTMAX:
+        lsum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+    for tile in tl.range(first_tile, last_tile):
+        pos = tile * TILE + t
+        live = pos < ctx_len
+        if MODE == CONTIGUOUS:  # the slots a table of consecutive blocks would give, not read from it
+            slots = b * stride_tb * BLOCK_SIZE + pos
+        else:
+            block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
+            slots = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+        if MODE <= CONTIGUOUS:
+            acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)[None, :]
+        elif MODE == TOKENS_IN_M:
+            s = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32) * scale  # [TILE, GROUP_PAD]
+            s = tl.where(live[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[None, :])
+            lsum = lsum * alpha + tl.sum(p, axis=0)
+            pv = tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PRECISION).to(tl.float32)
+            acc_t = acc_t * alpha[None, :] + pv
+            m = m_new
+        elif MODE == FMA:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+            s = tl.where(live[None, :], s, float("-inf"))  # [GROUP_PAD, TILE]
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            if MODE == FULL:
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                lsum = lsum * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(
+                    tl.float32)
+            else:  # the parts without P.V: V still read (added up), so its load is not dropped
+                if MODE == SOFTMAX:
+                    lsum = lsum * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+                acc += tl.sum(v.to(tl.float32), axis=0)[None, :]
+            m = m_new
+    if MODE == TOKENS_IN_M:
+        out = tl.trans(acc_t / lsum[None, :])
+    elif MODE == SCORES or MODE == SOFTMAX:  # keep what they computed alive
+        out = acc + (m + lsum)[:, None]
+    else:
+        out = acc / lsum[:, None]
+    out_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(out_ptr + out_off, out, mask=g_ok[:, None])
+
+
+@dataclass(frozen=True)
+class Part:
+    """One configuration of the anatomy kernel: what it does (MODES), its tile and warps."""
+
+    mode: str
+    tile: int
+    warps: int
+
+
+def group_pad(mode: str, group: int) -> int:
+    """Query-head rows per program: padded to tl.dot's 16 but on the CUDA cores (`fma`)."""
+    pow2 = triton.next_power_of_2(group)
+    return pow2 if mode == "fma" else max(16, pow2)
+
+
+def run_part(
+    part: Part,
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D] (any layout's view)
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, width]
+    ctx_lens: torch.Tensor,  # [B]
+    block_size: int,
+    scale: float,
+    splits: Splits,
+) -> torch.Tensor:
+    """-> [B, H, splits.most, D] fp32: each split's normalised output (modes past `full`: partial
+    sums that only keep the work alive)."""
+    b, h, d = q.shape
+    kv_heads = k_cache.shape[1]
+    group = h // kv_heads
+    out = torch.zeros(b, h, splits.most, d, dtype=torch.float32, device=q.device)
+    _anatomy_kernel[(b, kv_heads, splits.most)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        ctx_lens,
+        out,
+        scale,
+        splits.least,
+        splits.most,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        MODE=MODES.index(part.mode),
+        SPLIT_TOKENS=splits.tokens,
+        GROUP=group,
+        GROUP_PAD=group_pad(part.mode, group),
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        TILE=part.tile,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=part.warps,
+    )
+    return out
+
+
+def parts() -> list[Part]:
+    """Every part at the engine's tiles (32, 64) and wider, in 4 and 8 warps; `fma` holds a
+    [heads, tile, head_dim] product in registers, so its tiles are narrower."""
+    out = []
+    for mode in MODES:
+        tiles = (16, 32) if mode == "fma" else (32, 64, 128)
+        out += [Part(mode, tile, warps) for tile in tiles for warps in (4, 8)]
+    return out
