@@ -41,13 +41,17 @@ def timed(fn: Callable[[], object], reps: int = 20, cuda: bool = True) -> float:
     return (time.perf_counter() - start) / (5 * reps)
 
 
-def time_linear(x: torch.Tensor, out_features: int, in_features: int, l2_bytes: int = 256 << 20) -> float:
-    """Seconds of x @ W.T for a [out, in] weight, each call reading another copy of W."""
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def time_linear(x: torch.Tensor, out_features: int, in_features: int, l2_bytes: int = 256 << 20,
+                linear: Linear = torch.nn.functional.linear) -> float:
+    """Seconds of `linear`(x, W) = x @ W.T for a [out, in] weight, each call reading another copy of W."""
     nbytes = out_features * in_features * x.element_size()
     copies = [torch.randn(out_features, in_features, dtype=x.dtype, device=x.device)
               for _ in range(-(-l2_bytes // nbytes))]
     turn = iter(range(10**9))
-    return timed(lambda: torch.nn.functional.linear(x, copies[next(turn) % len(copies)]), cuda=x.is_cuda)
+    return timed(lambda: linear(x, copies[next(turn) % len(copies)]), cuda=x.is_cuda)
 
 
 def linear_shapes(model: torch.nn.Module) -> tuple[Counter, tuple[int, int]]:

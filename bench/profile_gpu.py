@@ -119,10 +119,13 @@ def profile_steps(core, prompts: list[list[int]], steps: int, trace: Path) -> di
     }
 
 
-def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> list[dict]:
+def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float,
+                     autotune: bool = False) -> list[dict]:
     """The GEMMs of a decode step (the engine's fused Q/K/V and gate/up, o, down, LM head) alone at
-    `batch` rows, with each cuBLAS backend: time and share of the copy bandwidth. Each call reads
-    a different copy of the weight, as in a step (no weight served from L2)."""
+    `batch` rows, with each cuBLAS backend (and, with `autotune`, as Inductor's max-autotune
+    compiles the linear for this row count: its Triton GEMM templates against cuBLAS): time and
+    share of the copy bandwidth. Each call reads a different copy of the weight, as in a step (no
+    weight served from L2)."""
     c, cache = model.config, CacheShape.of(model.config)
     q_out, kv_out = c.num_attention_heads * cache.head_dim, cache.num_kv_heads * cache.head_dim
     shapes = {"qkv_proj (fused)": (q_out + 2 * kv_out, c.hidden_size), "o_proj": (c.hidden_size, q_out),
@@ -134,12 +137,18 @@ def linear_bandwidth(model: torch.nn.Module, batch: int, bandwidth: float) -> li
     for name, (out_f, in_f) in shapes.items():
         nbytes = out_f * in_f * dt.itemsize
         x = torch.randn(batch, in_f, dtype=dt, device=dev)
-        row = {"linear": name, "shape": [out_f, in_f]}
+        row = {"linear": name, "shape": [out_f, in_f], "rows": batch}
         for backend in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(backend)
             seconds = time_linear(x, out_f, in_f)
             row[f"us_{backend}"] = round(1e6 * seconds, 1)
             row[f"of_bandwidth_{backend}"] = round(nbytes / seconds / bandwidth, 3)
+        if autotune:  # the templates race the server's library (cuBLASLt) at this exact shape
+            tuned = torch.compile(torch.nn.functional.linear, mode="max-autotune-no-cudagraphs",
+                                  dynamic=False)
+            seconds = time_linear(x, out_f, in_f, linear=tuned)
+            row["us_autotuned"] = round(1e6 * seconds, 1)
+            row["of_bandwidth_autotuned"] = round(nbytes / seconds / bandwidth, 3)
         rows.append(row)
     torch.backends.cuda.preferred_blas_library(preferred)
     return rows
@@ -476,6 +485,11 @@ def main() -> None:
     ap.add_argument("--mixed-op", default="", metavar="DECODES:PROMPT,...",
                     help="time one layer's mixed attention op at these mixed-step compositions, its parts "
                          "as slices of the step's rows and by index")
+    ap.add_argument("--linear-rows", default="", metavar="N,...",
+                    help="time the step's linears at these row counts (default: --requests)")
+    ap.add_argument("--linears-autotune", action="store_true",
+                    help="also time each linear as Inductor's max-autotune compiles it for its row count "
+                         "(Triton GEMM templates against cuBLAS)")
     ap.add_argument("--no-step", action="store_true", help="only the linears and the kernel sweeps")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -489,10 +503,15 @@ def main() -> None:
     kv_per_token = CacheShape.of(model.config).bytes_per_token(dtype)
     print(f"{env['gpu']}: copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
 
-    linears = linear_bandwidth(model, a.requests, bandwidth)
-    print(markdown_table(["linear", "weight", "us cuBLAS", "of bandwidth", "us cuBLASLt", "of bandwidth"],
-                         [[r["linear"], r["shape"], r["us_cublas"], f"{r['of_bandwidth_cublas']:.0%}",
-                           r["us_cublaslt"], f"{r['of_bandwidth_cublaslt']:.0%}"] for r in linears]))
+    rows_of_linears = [int(n) for n in a.linear_rows.split(",")] if a.linear_rows else [a.requests]
+    linears = [r for n in rows_of_linears for r in linear_bandwidth(model, n, bandwidth, a.linears_autotune)]
+    tuned = ["us autotuned", "of bandwidth"] if a.linears_autotune else []
+    headers = ["linear", "weight", "rows", "us cuBLAS", "of bandwidth", "us cuBLASLt", "of bandwidth", *tuned]
+    print(markdown_table(headers, [
+        [r["linear"], r["shape"], r["rows"], r["us_cublas"], f"{r['of_bandwidth_cublas']:.0%}",
+         r["us_cublaslt"], f"{r['of_bandwidth_cublaslt']:.0%}",
+         *([r["us_autotuned"], f"{r['of_bandwidth_autotuned']:.0%}"] if tuned else [])]
+        for r in linears]))
     attention = {}
     for point in a.attention.split(",") if a.attention else []:
         batch, kind = point.split(":")
