@@ -161,7 +161,7 @@ def group_pad(mode: str, group: int) -> int:
     return pow2 if mode == "fma" else max(16, pow2)
 
 
-def run_part(
+def launch(
     part: Part,
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D] (any layout's view)
@@ -171,14 +171,14 @@ def run_part(
     block_size: int,
     scale: float,
     splits: Splits,
-) -> torch.Tensor:
-    """-> [B, H, splits.most, D] fp32: each split's normalised output (modes past `full`: partial
-    sums that only keep the work alive)."""
+) -> tuple[torch.Tensor, object]:
+    """-> [B, H, splits.most, D] fp32, each split's normalised output (the parts short of `full`:
+    sums that only keep their work alive), and the compiled kernel (None when interpreted)."""
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
     group = h // kv_heads
     out = torch.zeros(b, h, splits.most, d, dtype=torch.float32, device=q.device)
-    _anatomy_kernel[(b, kv_heads, splits.most)](
+    kernel = _anatomy_kernel[(b, kv_heads, splits.most)](
         q,
         k_cache,
         v_cache,
@@ -206,7 +206,30 @@ def run_part(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=part.warps,
     )
-    return out
+    return out, kernel
+
+
+def run_part(part: Part, *args: object) -> torch.Tensor:
+    """`launch`'s output alone (the call timed)."""
+    return launch(part, *args)[0]
+
+
+def resources(kernel: object, device: torch.device) -> dict:
+    """A compiled part's registers, spills and shared memory, and so how many of its programs one
+    multiprocessor holds at once (registers allocated per warp in units of 256, 1 KiB of shared
+    memory reserved per program): the memory reads a multiprocessor can have in flight."""
+    if not hasattr(kernel, "n_regs"):  # the interpreter compiles nothing
+        return {}
+    props = torch.cuda.get_device_properties(device)
+    warps = kernel.metadata.num_warps
+    shared = kernel.metadata.shared
+    per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    limits = [32, getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
+              getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)]
+    if shared:
+        limits.append(getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024))
+    return {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": shared,
+            "resident_per_sm": min(limits)}
 
 
 def parts() -> list[Part]:

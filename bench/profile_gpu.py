@@ -298,7 +298,7 @@ def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidt
     longest context, per cache layout: each part's time and share of the copy bandwidth in every
     tile and warp count, beside the engine's kernel (no new K/V, and writing it); the whole-loop
     parts with their largest difference from the engine's output (one split per sequence)."""
-    from decode_anatomy import WHOLE_LOOP, parts, run_part
+    from decode_anatomy import WHOLE_LOOP, launch, parts, resources, run_part
 
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
@@ -334,6 +334,7 @@ def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidt
                 if part.mode in WHOLE_LOOP:
                     alone = run_part(part, q, k, v, table, lens, block, 0.1, one)[:, :, 0]
                     diff = (alone - reference).abs().max().item()
+                row |= resources(launch(part, q, k, v, table, lens, block, 0.1, splits)[1], q.device)
                 seconds = timed(call)
             except Exception as exc:  # a configuration the compiler rejects: note it, go on
                 rows.append({**row, "error": str(exc)[:200]})
@@ -543,10 +544,13 @@ def main() -> None:
         batch, kind = point.split(":")
         anatomy[point] = decode_anatomy_sweep(model, int(batch), kind, bandwidth)
         print(f"decode kernel anatomy, batch {batch}, contexts {kind}: each part's fastest tile and warps")
-        headers = ["layout", "part", "tile", "warps", "splits", "us (layer)", "of bandwidth", "max diff"]
+        headers = ["layout", "part", "tile", "warps", "splits", "us (layer)", "of bandwidth", "max diff",
+                   "registers", "shared KiB", "resident per SM"]
         print(markdown_table(headers, [
             [r["layout"], r["mode"], r["tile"], r["warps"], f"{r['least']}-{r['most']}", r["us"],
-             f"{r['of_bandwidth']:.0%}", "-" if r["max_diff"] is None else f"{r['max_diff']:.2g}"]
+             f"{r['of_bandwidth']:.0%}", "-" if r["max_diff"] is None else f"{r['max_diff']:.2g}",
+             r.get("registers", "-"), round(r["shared_bytes"] / 1024, 1) if "shared_bytes" in r else "-",
+             r.get("resident_per_sm", "-")]
             for r in fastest_parts(anatomy[point])]))
         failed = [r for r in anatomy[point] if "error" in r]
         if failed:
