@@ -252,8 +252,9 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     """The engine's kernel configuration at one batch size over grids of more and more splits: the
     rule graph-captured steps use (their longest context: the block table's width) against the grid
     sized by the batch alone, fixed grids, the rule with other tokens per split (more, shorter
-    splits or fewer, longer ones) and the engine's grid with its merge in 1 or 2 warps per program,
-    on one layer's cache; each with its largest difference from the engine's output."""
+    splits or fewer, longer ones) and the engine's grid with its merge in 1 or 2 warps per program
+    or with 4-32 query heads per program, on one layer's cache; each with its largest difference
+    from the engine's output."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -280,6 +281,10 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     runs = {name: (splits, chosen) for name, splits in grids.items()}
     for warps in (1, 2):
         runs[f"engine, merge warps {warps}"] = (engine, dataclasses.replace(chosen, merge_warps=warps))
+    # and with several query heads of a sequence per merge program (fewer, larger programs)
+    for heads, warps in ((4, 4), (4, 2), (8, 4), (32, 4)):
+        runs[f"engine, merge heads {heads}, warps {warps}"] = (
+            engine, dataclasses.replace(chosen, merge_warps=warps, merge_heads=heads))
     reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, engine, new_kv).float()
     rows = []
     for name, (splits, config) in runs.items():
@@ -288,7 +293,8 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
         diff = (call().float() - reference).abs().max().item()
         seconds = timed(call)
         rows.append({"grid": name, "least": splits.least, "most": splits.most, "tokens": splits.tokens,
-                     "merge_warps": config.merge_warps, "us": round(1e6 * seconds, 1),
+                     "merge_warps": config.merge_warps, "merge_heads": config.merge_heads,
+                     "us": round(1e6 * seconds, 1),
                      "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
     return rows
 

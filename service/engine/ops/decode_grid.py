@@ -50,12 +50,14 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens
 class KernelConfig:
     """How the split kernel walks a context: tokens per loop iteration (any block size: each token
     finds its block through the table), Triton's software-pipeline stages of that loop, and warps
-    per program; and the warps of each merge program (one sequence and head)."""
+    per program; and the merge's warps per program and query heads per program (one sequence's:
+    more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
     warps: int = 4
     merge_warps: int = 4
+    merge_heads: int = 1
 
 
 WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)

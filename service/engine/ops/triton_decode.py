@@ -209,6 +209,53 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit(**RUN_TIME_ARGS)
+def _merge_heads_kernel(
+    part_out_ptr,
+    part_ml_ptr,
+    out_ptr,
+    lens_ptr,
+    least_splits,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEADS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """_merge_kernel for HEADS query heads of one sequence per program."""
+    b = tl.program_id(0)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = h < NUM_HEADS
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
+    ok = h_ok[:, None] & (s < splits)[None, :]
+    ml = part_ml_ptr + b * stride_mb + h[:, None] * stride_mh + s[None, :] * stride_ms
+    m = tl.load(ml, mask=ok, other=float("-inf"))  # [HEADS, SPLITS_PAD]
+    lsum = tl.load(ml + 1, mask=ok, other=0.0)
+    m_all = tl.max(m, axis=1)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all[:, None]), 0.0)
+    denom = tl.sum(lsum * w, axis=1)
+    parts = tl.load(
+        part_out_ptr + b * stride_pb + h[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+        + d[None, None, :],
+        mask=ok[:, :, None],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, :, None], axis=1) / denom[:, None]
+    out_off = b * stride_ob + h[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
 def _max_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
 
@@ -308,26 +355,16 @@ def paged_decode_attention(
     )
     if num_splits == 1:  # the split kernel wrote the output itself
         return out
-    _merge_kernel[(b, h)](
-        part_out,
-        part_ml,
-        out,
-        ctx_lens,
-        splits.least,
-        num_splits,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_ml.stride(0),
-        part_ml.stride(1),
-        part_ml.stride(2),
-        out.stride(0),
-        out.stride(1),
-        SPLIT_TOKENS=splits.tokens,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        HEAD_DIM=d,
-        num_warps=config.merge_warps,
-    )
+    merge_args = (part_out, part_ml, out, ctx_lens, splits.least, num_splits, part_out.stride(0),
+                  part_out.stride(1), part_out.stride(2), part_ml.stride(0), part_ml.stride(1),
+                  part_ml.stride(2), out.stride(0), out.stride(1))
+    merge_consts = dict(SPLIT_TOKENS=splits.tokens, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+                        HEAD_DIM=d, num_warps=config.merge_warps)
+    if config.merge_heads == 1:
+        _merge_kernel[(b, h)](*merge_args, **merge_consts)
+    else:
+        grid = (b, triton.cdiv(h, config.merge_heads))
+        _merge_heads_kernel[grid](*merge_args, NUM_HEADS=h, HEADS=config.merge_heads, **merge_consts)
     return out
 
 
