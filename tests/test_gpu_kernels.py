@@ -95,10 +95,12 @@ def _check_kernel(
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)  # a mixed step's grid
     table_sized = num_splits_for(batch, kv_heads, sms, longest=width * block_size)  # a captured step's
     # every configuration the engine picks, and (bf16) a tile smaller than a block (tiles that
-    # split blocks), a merge in one warp per program, and merges of several heads per program,
-    # fewer than a sequence's or not dividing them (the grid sweep's: bench/profile_gpu.py)
+    # split blocks), a merge in one warp per program, merges of several heads per program (fewer
+    # than a sequence's or not dividing them) and the products turned over (the sweeps':
+    # bench/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
-             KernelConfig(merge_heads=32, merge_warps=2)}
+             KernelConfig(merge_heads=32, merge_warps=2), KernelConfig(tokens_in_m=True),
+             KernelConfig(tile=64, stages=3, tokens_in_m=True)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
     # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:

@@ -49,15 +49,17 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens
 @dataclass(frozen=True)
 class KernelConfig:
     """How the split kernel walks a context: tokens per loop iteration (any block size: each token
-    finds its block through the table), Triton's software-pipeline stages of that loop, and warps
-    per program; and the merge's warps per program and query heads per program (one sequence's:
-    more heads, fewer and larger programs)."""
+    finds its block through the table), Triton's software-pipeline stages of that loop, warps per
+    program, and whether its products are turned over (K.Q^T and V^T.P: the tile's tokens the dots'
+    M dimension, the query heads their N); and the merge's warps per program and query heads per
+    program (one sequence's: more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
     warps: int = 4
     merge_warps: int = 4
     merge_heads: int = 1
+    tokens_in_m: bool = False
 
 
 WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)

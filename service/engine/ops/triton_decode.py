@@ -92,6 +92,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OFFSET_I64: tl.constexpr,
+    TOKENS_IN_M: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -136,6 +137,8 @@ def _decode_split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)  # TOKENS_IN_M's accumulator, transposed
+    q_t = tl.trans(q)
     for tile in tl.range(first_tile, last_tile):
         # a tile spans several cache blocks: each token finds its block through the table
         pos = tile * TILE + t
@@ -149,14 +152,27 @@ def _decode_split_kernel(
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale  # [GROUP_PAD, TILE]
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        if TOKENS_IN_M:  # the products turned over: the tile's tokens are the dots' M dimension
+            s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32) * scale  # [TILE, GROUP_PAD]
+            s_t = tl.where(live[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s_t, axis=0))
+            alpha = tl.exp(m - m_new)
+            p_t = tl.exp(s_t - m_new[None, :])
+            lsum = lsum * alpha + tl.sum(p_t, axis=0)
+            pv = tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=DOT_PRECISION).to(tl.float32)
+            acc_t = acc_t * alpha[None, :] + pv
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+            s = tl.where(live[None, :], s, float("-inf"))  # [GROUP_PAD, TILE]
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, axis=1)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+            acc = acc * alpha[:, None] + pv
         m = m_new
+    if TOKENS_IN_M:
+        acc = tl.trans(acc_t)
     if DIRECT:  # one split for every sequence: the output, with no merge launch
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -350,6 +366,7 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches stay exact
         # 32-bit address arithmetic unless a cache's elements outgrow it
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
+        TOKENS_IN_M=config.tokens_in_m,
         num_warps=config.warps,
         num_stages=config.stages,
     )
