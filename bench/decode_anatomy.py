@@ -33,7 +33,8 @@ from tandem.service.engine.ops.decode_grid import Splits
 
 MODES = ("read", "contiguous", "scores", "softmax", "full", "tokens_in_m", "fma")
 WHOLE_LOOP = ("full", "tokens_in_m", "fma")  # the modes that compute attention
-READ, CONTIGUOUS, SCORES, SOFTMAX, FULL, TOKENS_IN_M, FMA = range(len(MODES))
+# the kernel's MODE values (globals a Triton kernel reads must be constexpr)
+READ, CONTIGUOUS, SCORES, SOFTMAX, FULL, TOKENS_IN_M, FMA = (tl.constexpr(i) for i in range(len(MODES)))
 
 
 @triton.jit(do_not_specialize=["least_splits", "num_splits"])

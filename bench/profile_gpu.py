@@ -193,8 +193,10 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
     KernelConfig(tile, stages, warps)
     for tile, stages, warps in itertools.product((32, 64, 128), (1, 2, 3, 4), (4, 8))
     if tile != 128 or stages == 1
-] + [  # the products turned over (K.Q^T, V^T.P)
-    KernelConfig(tile, stages, 4, tokens_in_m=True) for tile, stages in itertools.product((32, 64), (1, 3))
+] + [  # the products turned over (K.Q^T, V^T.P), the step's own token after the loop, and both
+    KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
+    for turned, after, tile, stages in itertools.product((False, True), (False, True), (32, 64), (1, 3, 4))
+    if turned or after
 ]
 
 
@@ -203,8 +205,9 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode
     step) at the grid a captured step of `batch` rows uses (its table as wide as a 4,096-token
     context), contexts `mixed` or fixed: each configuration (tile, pipeline stages, warps, the
-    products turned over or not) per cache layout, its time, share of the copy bandwidth and
-    largest difference from the engine's configuration's output (marked `chosen`)."""
+    products turned over or not, the step's own token after the loop or not) per cache layout,
+    its time, share of the copy bandwidth and largest difference from the engine's
+    configuration's output (marked `chosen`)."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -224,7 +227,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in KERNEL_CONFIGS:
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "tokens_in_m": config.tokens_in_m,
+                   "tokens_in_m": config.tokens_in_m, "new_after_loop": config.new_after_loop,
                    "least": splits.least, "most": splits.most}
             try:
                 diff = (run(config).float() - reference).abs().max().item()
@@ -535,10 +538,11 @@ def main() -> None:
         print(f"decode attention, batch {batch}, contexts {kind}: best 6 per layout, the engine's choice")
         shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:6]]
         shown += [r for r in ok if r["chosen"] and r not in shown]
-        headers = ["layout", "tile", "stages", "warps", "tokens in M", "chosen", "us (layer)", "of bandwidth",
-                   "max diff"]
+        headers = ["layout", "tile", "stages", "warps", "tokens in M", "new after loop", "chosen",
+                   "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
-                             [[r["layout"], r["tile"], r["stages"], r["warps"], r["tokens_in_m"], r["chosen"],
+                             [[r["layout"], r["tile"], r["stages"], r["warps"], r["tokens_in_m"],
+                               r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

@@ -81,6 +81,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it
     "workloads": "workloads.py",
     "host": "host_step.py",
     "offload-bound": "offload_bound.py",
+    "kernel-resources": "kernel_resources.py",
 }
 
 

@@ -88,6 +88,22 @@ def test_tandem_bench_gpu_profile_runs_the_profiler_script():
     assert "Traceback" not in run.stderr
 
 
+def test_tandem_bench_kernel_resources_compiles_or_says_what_it_needs(tmp_path):
+    """`kernel-resources` maps to bench/kernel_resources.py: with Triton it compiles the decode
+    kernel for sm_90 (no device needed) and reports each configuration; without, one line."""
+    tandem = Path(sys.executable).with_name("tandem")
+    out = tmp_path / "resources.json"
+    run = subprocess.run([str(tandem), "bench", "kernel-resources", "--out", str(out)], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert "Traceback" not in run.stderr
+    if run.returncode == 0:
+        rows = json.loads(out.read_text())["rows"]
+        assert {(r["tile"], r["stages"]) for r in rows} >= {(64, 1), (32, 1)}
+        assert all(r["registers"] > 0 and r["resident_per_sm"] >= 1 for r in rows)
+    else:
+        assert run.returncode == 1 and "compiles with Triton" in run.stderr
+
+
 def test_gemm_floor_counts_every_gemm_weight_once(monkeypatch):
     """The floor's GEMMs are the engine's: fused projections are one weight of the summed rows."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,11 +98,13 @@ def _check_kernel(
     table_sized = num_splits_for(batch, kv_heads, sms, longest=width * block_size)  # a captured step's
     # every configuration the engine picks, and (bf16) a tile smaller than a block (tiles that
     # split blocks), a merge in one warp per program, merges of several heads per program (fewer
-    # than a sequence's or not dividing them) and the products turned over (the sweeps':
-    # bench/profile_gpu.py)
+    # than a sequence's or not dividing them), the products turned over and the step's own token
+    # after the loop (the sweeps': bench/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
              KernelConfig(merge_heads=32, merge_warps=2), KernelConfig(tokens_in_m=True),
-             KernelConfig(tile=64, stages=3, tokens_in_m=True)}
+             KernelConfig(tile=64, stages=3, tokens_in_m=True), KernelConfig(new_after_loop=True),
+             KernelConfig(tile=64, stages=3, new_after_loop=True),
+             KernelConfig(tile=64, stages=3, tokens_in_m=True, new_after_loop=True)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
     # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:
@@ -238,6 +242,49 @@ def test_kernel_addresses_blocks_past_two_billion_elements():
     ref = decode_attention(q.float(), k_cache[slots_of].float(), v_cache[slots_of].float(),
                            pos[None, :] < lens[:, None], head_dim**-0.5)
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
+
+
+@pytest.mark.parametrize("new_after_loop", [False, True])
+def test_kernel_resources_equal_the_launched_kernels(monkeypatch, new_after_loop):
+    """bench/kernel_resources.py compiles the split kernel for sm_90 with no device at hand: for the
+    configuration a 64-row decode step launches (one split, its own K/V written and rotated) its
+    registers and shared memory equal those of the kernel launched here."""
+    from pathlib import Path
+
+    from tandem.service.engine.ops import triton_decode
+    from tandem.service.engine.ops.decode_grid import kernel_config
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the report compiles for sm_90 (H100, H200)")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from kernel_resources import LAUNCHES, compiled
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batch, heads, kv_heads, head_dim, block, width = 64, 32, 8, 128, 16, 8
+    k, v = (torch.randn(batch * width * block, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=g) for _ in "kv")
+    table = torch.randperm(batch * width, device="cuda", dtype=torch.int32, generator=g).view(batch, width)
+    lens = torch.full((batch,), width * block, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    new_k, new_v = (torch.randn(batch, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for _ in "kv")
+    slots = table[:, -1].long() * block + block - 1
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
+    config = dataclasses.replace(kernel_config(batch), new_after_loop=new_after_loop)
+    new_kv, rotary = (new_k, new_v, slots), DeferredRotary(inv_freq, 1.0)
+    triton_decode.paged_decode_attention(q, k, v, table, lens, block, head_dim**-0.5, 1, new_kv, rotary,
+                                         config=config)
+    kernel = triton_decode._decode_split_kernel
+    wanted = {"TILE": config.tile, "DIRECT": True, "STORE_NEW": True, "ROTARY": True,
+              "NEW_AFTER_LOOP": new_after_loop, "TOKENS_IN_M": False}
+    launched = [c for cache, *_ in kernel.device_caches.values() for c in cache.values()
+                if all(c.src.constants[(kernel.arg_names.index(n),)] == value for n, value in wanted.items())
+                and (c.metadata.num_warps, c.metadata.num_stages) == (config.warps, config.stages)]
+    assert launched
+    c = launched[-1]
+    c.run  # noqa: B018  (loads the binary: its registers are read then)
+    report = compiled(config, LAUNCHES["decode step, one split"], 90)
+    assert (report.registers, report.shared) == (c.n_regs, c.metadata.shared)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])

@@ -50,9 +50,11 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens
 class KernelConfig:
     """How the split kernel walks a context: tokens per loop iteration (any block size: each token
     finds its block through the table), Triton's software-pipeline stages of that loop, warps per
-    program, and whether its products are turned over (K.Q^T and V^T.P: the tile's tokens the dots'
-    M dimension, the query heads their N); and the merge's warps per program and query heads per
-    program (one sequence's: more heads, fewer and larger programs)."""
+    program, whether its products are turned over (K.Q^T and V^T.P: the tile's tokens the dots'
+    M dimension, the query heads their N) and whether a decode step's own token joins the softmax
+    after the loop instead of being substituted into its tile (the loop's loads then plain, which
+    frees registers and lets Triton pipeline them); and the merge's warps per program and query
+    heads per program (one sequence's: more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
@@ -60,6 +62,7 @@ class KernelConfig:
     merge_warps: int = 4
     merge_heads: int = 1
     tokens_in_m: bool = False
+    new_after_loop: bool = False
 
 
 WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)

@@ -39,6 +39,28 @@ def _splits_of(ctx_len, least, most, SPLIT_TOKENS: tl.constexpr):
     return tl.minimum(tl.maximum(tl.cdiv(ctx_len, SPLIT_TOKENS), least), most)
 
 
+@triton.jit
+def _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr, rope_scaling, b, kvh, new_pos,
+                  owner, d, stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_ks, stride_kh,
+                  HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    """A decode step's own K and V of one sequence and KV head, K rotated at its position where the
+    kernel rotates: stored at its cache slot by the `owner` program; -> both, in the cache's dtype."""
+    new_k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
+    new_k = tl.load(new_k_row + d)
+    if ROTARY:
+        cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM,
+                                              new_k_ptr.dtype.element_ty)
+        k_pair = tl.load(new_k_row + pair)
+        new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
+        new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
+    new_k = new_k.to(k_ptr.dtype.element_ty)
+    new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
+    new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
+    tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
+    tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
+    return new_k, new_v
+
+
 # Triton compiles a variant per value class of its integer arguments (1, a multiple of 16, other):
 # the split counts and the strides that follow them change from step to step, so they are not
 # specialised on, and the variants a step can launch are few enough to compile before serving
@@ -93,6 +115,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     OFFSET_I64: tl.constexpr,
     TOKENS_IN_M: tl.constexpr,
+    NEW_AFTER_LOOP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -102,7 +125,9 @@ def _decode_split_kernel(
     splits = _splits_of(ctx_len, least_splits, num_splits, SPLIT_TOKENS)
     if split >= splits:  # a short context in a grid sized for long ones
         return
-    num_tiles = tl.cdiv(ctx_len, TILE)
+    # NEW_AFTER_LOOP: the tiles hold the cached context only, the step's own token joins after them
+    cached = ctx_len - 1 if (STORE_NEW and NEW_AFTER_LOOP) else ctx_len
+    num_tiles = tl.cdiv(cached, TILE)
     per_split = tl.cdiv(num_tiles, splits)
     first_tile = split * per_split
     last_tile = tl.minimum(first_tile + per_split, num_tiles)
@@ -119,21 +144,13 @@ def _decode_split_kernel(
         cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
         q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
         q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
-    if STORE_NEW:
-        # the step's own K/V: the one program whose tiles hold its position writes it to the cache
-        # (no other program reads that slot this step) and uses it from registers
-        new_k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
-        new_k = tl.load(new_k_row + d)
-        if ROTARY:
-            k_pair = tl.load(new_k_row + pair)
-            new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
-            new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
-        new_k = new_k.to(k_ptr.dtype.element_ty)
-        new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
+    if STORE_NEW and not NEW_AFTER_LOOP:
+        # the step's own K/V: the program whose tiles hold its position writes it to the cache (no
+        # other program reads that slot this step) and substitutes it into that tile from registers
         owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
-        new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
-        tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
-        tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
+        new_k, new_v = _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr,
+                                     rope_scaling, b, kvh, new_pos, owner, d, stride_nkb, stride_nkh,
+                                     stride_nvb, stride_nvh, stride_ks, stride_kh, HEAD_DIM, ROTARY)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -142,13 +159,13 @@ def _decode_split_kernel(
     for tile in tl.range(first_tile, last_tile):
         # a tile spans several cache blocks: each token finds its block through the table
         pos = tile * TILE + t
-        live = pos < ctx_len
+        live = pos < cached
         block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
         slots = _slots(block, pos, BLOCK_SIZE, OFFSET_I64)
         kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
-        if STORE_NEW:
+        if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
@@ -173,6 +190,23 @@ def _decode_split_kernel(
         m = m_new
     if TOKENS_IN_M:
         acc = tl.trans(acc_t)
+    if STORE_NEW and NEW_AFTER_LOOP:
+        # the step's own K/V, after the tiles of the cached context: the last split (its tiles may
+        # be none) writes it to the cache and takes it into its running softmax; in the others its
+        # score is -inf, and an empty split stays empty (no exp of -inf minus -inf)
+        owner = split == splits - 1
+        new_k, new_v = _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr,
+                                     rope_scaling, b, kvh, new_pos, owner, d, stride_nkb, stride_nkh,
+                                     stride_nvb, stride_nvh, stride_ks, stride_kh, HEAD_DIM, ROTARY)
+        s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
+        s_new = tl.where(owner, s_new, float("-inf"))
+        m_new = tl.maximum(m, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p_new = tl.exp(s_new - m_safe)
+        lsum = lsum * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
+        m = m_new
     if DIRECT:  # one split for every sequence: the output, with no merge launch
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -367,6 +401,7 @@ def paged_decode_attention(
         # 32-bit address arithmetic unless a cache's elements outgrow it
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
         TOKENS_IN_M=config.tokens_in_m,
+        NEW_AFTER_LOOP=config.new_after_loop,
         num_warps=config.warps,
         num_stages=config.stages,
     )

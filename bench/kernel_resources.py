@@ -1,0 +1,147 @@
+"""The decode kernel's registers, shared memory and occupancy, compiled for a GPU that need not be here.
+
+Triton compiles for a named target without a device (its bundled ptxas); cuobjdump reads the
+registers and stack of the cubin. So on any host with Triton this reports, for each kernel
+configuration the sweeps time (`decode_grid.KernelConfig`) and each way a step launches the
+kernel (a merge or none; the step's own K/V written, rotated), what one program holds and how many
+programs one multiprocessor keeps resident: the K/V reads it can have in flight. The arguments are
+typed and aligned as the engine launches them on the 8B shape (bf16, 4 query heads per KV head,
+head_dim 128, 16-token blocks).
+
+    python bench/kernel_resources.py [--arch 90] [--out bench/results/kernel_resources.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import _repo  # noqa: F401  (the source tree importable)
+from common import environment, markdown_table, write_json
+
+from tandem.service.engine.ops.decode_grid import SPLIT_TOKENS, KernelConfig
+
+# what the multiprocessors of sm_90 (H100, H200) hold: registers, threads, shared memory, programs
+SM90 = {"registers": 65536, "threads": 2048, "shared": 233472, "programs": 32}
+REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
+SHARED_RESERVED = 1024  # bytes of shared memory the hardware keeps per program
+
+POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "lens_ptr": "*i32",
+            "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32",
+            "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16"}
+FLOATS = {"scale": "fp32", "rope_scaling": "fp32"}
+# integers the launch does not specialise on 16-divisibility (RUN_TIME_ARGS, or not multiples of 16)
+UNALIGNED = {"least_splits", "num_splits", "stride_tb", "stride_mb", "stride_mh", "stride_ms"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a step launches the split kernel: one split (no merge), the step's own K/V, rotated."""
+
+    direct: bool
+    store_new: bool
+    rotary: bool
+
+
+LAUNCHES = {"decode step, one split": Launch(True, True, True),
+            "decode step, with a merge": Launch(False, True, True),
+            "mixed step's decode rows": Launch(False, False, False)}
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    stack: int
+    shared: int
+    warps: int
+
+    def resident(self, sm: dict = SM90) -> int:
+        """Programs one multiprocessor holds at once."""
+        per_warp = -(-self.registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+        limits = [sm["programs"], sm["threads"] // (32 * self.warps),
+                  sm["registers"] // (per_warp * self.warps)]
+        if self.shared:
+            limits.append(sm["shared"] // (self.shared + SHARED_RESERVED))
+        return min(limits)
+
+
+def cuobjdump() -> str:
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else (shutil.which("cuobjdump") or "cuobjdump")
+
+
+def compiled(config: KernelConfig, launch: Launch, arch: int) -> Resources:
+    """The split kernel compiled for sm_`arch` as a step launches it, without a device."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tandem.service.engine.ops.triton_decode import _decode_split_kernel as kernel
+
+    constexprs = dict(DIRECT=launch.direct, SPLIT_TOKENS=SPLIT_TOKENS, GROUP=4, GROUP_PAD=16, HEAD_DIM=128,
+                      BLOCK_SIZE=16, TILE=config.tile, STORE_NEW=launch.store_new, ROTARY=launch.rotary,
+                      DOT_PRECISION="tf32", OFFSET_I64=False, TOKENS_IN_M=config.tokens_in_m,
+                      NEW_AFTER_LOOP=config.new_after_loop)
+    signature = {name: "constexpr" if name in constexprs else POINTERS.get(name) or FLOATS.get(name) or "i32"
+                 for name in kernel.arg_names}
+    aligned = [name for name, kind in signature.items()
+               if kind.startswith("*") or (kind == "i32" and name not in UNALIGNED)]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                            target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": config.warps, "num_stages": config.stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(binary.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump(), "--dump-resource-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    return Resources(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                     stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                     shared=binary.metadata.shared, warps=config.warps)
+
+
+CONFIGS = [KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
+           for after in (False, True) for turned in (False, True) for tile in (32, 64) for stages in (1, 3)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100, H200)")
+    ap.add_argument("--out", default="bench/results/kernel_resources.json")
+    a = ap.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("kernel_resources.py compiles with Triton: pip install triton (no GPU needed)")
+    rows = []
+    for config in CONFIGS:
+        for name, launch in LAUNCHES.items():
+            if not launch.store_new and config.new_after_loop:
+                continue  # the same kernel as without: nothing comes after the loop
+            r = compiled(config, launch, a.arch)
+            rows.append({**dataclasses.asdict(config), "launch": name, **dataclasses.asdict(r),
+                         "resident_per_sm": r.resident()})
+    print(markdown_table(
+        ["tile", "stages", "warps", "tokens in M", "new after loop", "launch", "registers", "shared KiB",
+         "resident per SM"],
+        [[r["tile"], r["stages"], r["warps"], r["tokens_in_m"], r["new_after_loop"], r["launch"],
+          r["registers"], round(r["shared"] / 1024, 1), r["resident_per_sm"]] for r in rows]))
+    import torch
+    import triton
+
+    env = {**environment(torch.device("cpu")), "triton": triton.__version__, "compiled_for": f"sm_{a.arch}"}
+    report = {"benchmark": "kernel_resources", "environment": env, "rows": rows}
+    print(f"wrote {write_json(a.out, report)}")
+
+
+if __name__ == "__main__":
+    main()
