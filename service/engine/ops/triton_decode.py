@@ -144,13 +144,21 @@ def _decode_split_kernel(
         cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
         q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
         q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
-    if STORE_NEW and not NEW_AFTER_LOOP:
-        # the step's own K/V: the program whose tiles hold its position writes it to the cache (no
-        # other program reads that slot this step) and substitutes it into that tile from registers
-        owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
+    if STORE_NEW:
+        # the step's own K/V: one program writes it to the cache (no program reads that slot this
+        # step) and uses it from registers: the program whose tiles hold its position substitutes
+        # it into that tile; or (NEW_AFTER_LOOP) the last split, whose tiles may be none, takes its
+        # score now and the token into its running softmax after its tiles
+        if NEW_AFTER_LOOP:
+            owner = split == splits - 1
+        else:
+            owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
         new_k, new_v = _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr,
                                      rope_scaling, b, kvh, new_pos, owner, d, stride_nkb, stride_nkh,
                                      stride_nvb, stride_nvh, stride_ks, stride_kh, HEAD_DIM, ROTARY)
+        if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
+            s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
+            s_new = tl.where(owner, s_new, float("-inf"))
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -191,15 +199,8 @@ def _decode_split_kernel(
     if TOKENS_IN_M:
         acc = tl.trans(acc_t)
     if STORE_NEW and NEW_AFTER_LOOP:
-        # the step's own K/V, after the tiles of the cached context: the last split (its tiles may
-        # be none) writes it to the cache and takes it into its running softmax; in the others its
-        # score is -inf, and an empty split stays empty (no exp of -inf minus -inf)
-        owner = split == splits - 1
-        new_k, new_v = _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr,
-                                     rope_scaling, b, kvh, new_pos, owner, d, stride_nkb, stride_nkh,
-                                     stride_nvb, stride_nvh, stride_ks, stride_kh, HEAD_DIM, ROTARY)
-        s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
-        s_new = tl.where(owner, s_new, float("-inf"))
+        # the new token after the cached context's tiles (an empty split stays empty: no exp of
+        # -inf minus -inf)
         m_new = tl.maximum(m, s_new)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
