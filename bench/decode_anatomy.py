@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tandem.service.engine.ops.decode_grid import Splits
+from tandem.service.engine.ops.triton_decode import _load_tile, _splits_of, _tile_range
 
 MODES = ("read", "contiguous", "scores", "softmax", "full", "tokens_in_m", "fma")
 WHOLE_LOOP = ("full", "tokens_in_m", "fma")  # the modes that compute attention
@@ -69,13 +70,10 @@ def _anatomy_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(ctx_len, SPLIT_TOKENS), least_splits), num_splits)
+    splits = _splits_of(ctx_len, least_splits, num_splits, SPLIT_TOKENS)
     if split >= splits:
         return
-    num_tiles = tl.cdiv(ctx_len, TILE)
-    per_split = tl.cdiv(num_tiles, splits)
-    first_tile = split * per_split
-    last_tile = tl.minimum(first_tile + per_split, num_tiles)
+    first_tile, last_tile = _tile_range(ctx_len, split, splits, TILE)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, TILE)
@@ -91,16 +89,15 @@ def _anatomy_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
     for tile in tl.range(first_tile, last_tile):
-        pos = tile * TILE + t
-        live = pos < ctx_len
         if MODE == CONTIGUOUS:  # the slots a table of consecutive blocks would give, not read from it
-            slots = b * stride_tb * BLOCK_SIZE + pos
-        else:
-            block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
-            slots = block * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+            pos = tile * TILE + t
+            live = pos < ctx_len
+            kv_off = (b * stride_tb * BLOCK_SIZE + pos)[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+        else:  # the engine's own tile load
+            pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, ctx_len, t, d, stride_tb,
+                                         stride_ks, stride_kh, BLOCK_SIZE, TILE, False)
         if MODE <= CONTIGUOUS:
             acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)[None, :]
         elif MODE == TOKENS_IN_M:

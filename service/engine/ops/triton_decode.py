@@ -40,6 +40,32 @@ def _splits_of(ctx_len, least, most, SPLIT_TOKENS: tl.constexpr):
 
 
 @triton.jit
+def _tile_range(tokens, split, splits, TILE: tl.constexpr):
+    """The tiles of a context of `tokens` that split `split` of `splits` walks: each sequence's
+    tiles spread evenly over its splits, whatever its length (a split may get none)."""
+    num_tiles = tl.cdiv(tokens, TILE)
+    per_split = tl.cdiv(num_tiles, splits)
+    first_tile = split * per_split
+    return first_tile, tl.minimum(first_tile + per_split, num_tiles)
+
+
+@triton.jit
+def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, stride_ks, stride_kh,
+               BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, OFFSET_I64: tl.constexpr):
+    """One tile of a sequence's K and V for one KV head, [TILE, head_dim] each, positions past
+    `tokens` zero: a tile spans several cache blocks, each token finds its block through the
+    table. -> positions, which of them are live, K, V."""
+    pos = tile * TILE + t
+    live = pos < tokens
+    block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
+    slots = _slots(block, pos, BLOCK_SIZE, OFFSET_I64)
+    kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+    return pos, live, k, v
+
+
+@triton.jit
 def _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr, rope_scaling, b, kvh, new_pos,
                   owner, d, stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_ks, stride_kh,
                   HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
@@ -127,10 +153,7 @@ def _decode_split_kernel(
         return
     # NEW_AFTER_LOOP: the tiles hold the cached context only, the step's own token joins after them
     cached = ctx_len - 1 if (STORE_NEW and NEW_AFTER_LOOP) else ctx_len
-    num_tiles = tl.cdiv(cached, TILE)
-    per_split = tl.cdiv(num_tiles, splits)
-    first_tile = split * per_split
-    last_tile = tl.minimum(first_tile + per_split, num_tiles)
+    first_tile, last_tile = _tile_range(cached, split, splits, TILE)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, TILE)
@@ -165,14 +188,8 @@ def _decode_split_kernel(
     acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)  # TOKENS_IN_M's accumulator, transposed
     q_t = tl.trans(q)
     for tile in tl.range(first_tile, last_tile):
-        # a tile spans several cache blocks: each token finds its block through the table
-        pos = tile * TILE + t
-        live = pos < cached
-        block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
-        slots = _slots(block, pos, BLOCK_SIZE, OFFSET_I64)
-        kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
+        pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
+                                     stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
