@@ -147,8 +147,8 @@ def _anatomy_kernel(
 @dataclass(frozen=True)
 class Part:
     """One configuration of the anatomy kernel: what it does (MODES), its tile, warps, and
-    Triton's software-pipeline stages of the tile loop (3 and more: the block ids one stage,
-    the K/V they address the next, both ahead of the math)."""
+    Triton's software-pipeline stages of the tile loop (the K/V of the next tiles loaded into
+    shared memory while the math runs on this one)."""
 
     mode: str
     tile: int
@@ -237,11 +237,12 @@ def resources(kernel: object, device: torch.device) -> dict:
 def parts() -> list[Part]:
     """Every part at the engine's tiles (32, 64) and wider, in 4 and 8 warps, one stage as the
     engine runs; `fma` holds a [heads, tile, head_dim] product in registers, so its tiles are
-    narrower. Then the loads and the whole loops software-pipelined, 3 and 4 stages deep."""
+    narrower. Then the loads and the whole loops software-pipelined, 2 to 4 stages deep."""
     out = []
     for mode in MODES:
         tiles = (16, 32) if mode == "fma" else (32, 64, 128)
         out += [Part(mode, tile, warps) for tile in tiles for warps in (4, 8)]
     for mode in ("read", "full", "tokens_in_m"):
-        out += [Part(mode, tile, warps, stages) for stages in (3, 4) for tile in (32, 64) for warps in (4, 8)]
+        out += [Part(mode, tile, warps, stages)
+                for stages in (2, 3, 4) for tile in (32, 64) for warps in (4, 8)]
     return out

@@ -110,7 +110,8 @@ def compiled(config: KernelConfig, launch: Launch, arch: int) -> Resources:
 
 
 CONFIGS = [KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
-           for after in (False, True) for turned in (False, True) for tile in (32, 64) for stages in (1, 3)]
+           for after in (False, True) for turned in (False, True)
+           for tile in (32, 64) for stages in (1, 2, 3)]
 
 
 def main() -> None:

@@ -195,7 +195,7 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
     if tile != 128 or stages == 1
 ] + [  # the products turned over (K.Q^T, V^T.P), the step's own token after the loop, and both
     KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
-    for turned, after, tile, stages in itertools.product((False, True), (False, True), (32, 64), (1, 3, 4))
+    for turned, after, tile, stages in itertools.product((False, True), (False, True), (32, 64), (1, 2, 3, 4))
     if turned or after
 ]
 
