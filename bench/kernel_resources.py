@@ -8,7 +8,7 @@ programs one multiprocessor keeps resident: the K/V reads it can have in flight.
 typed and aligned as the engine launches them on the 8B shape (bf16, 4 query heads per KV head,
 head_dim 128, 16-token blocks).
 
-    python bench/kernel_resources.py [--arch 90] [--out bench/results/kernel_resources.json]
+    python bench/kernel_resources.py [--arch 90] [--out bench/results/kernel_resources.json] [--sass DIR]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import _repo  # noqa: F401  (the source tree importable)
 from common import environment, markdown_table, write_json
@@ -55,6 +56,10 @@ LAUNCHES = {"decode step, one split": Launch(True, True, True),
             "mixed step's decode rows": Launch(False, False, False)}
 
 
+def launch_name(launch: Launch) -> str:
+    return "decode_direct" if launch.direct else ("decode_merge" if launch.store_new else "mixed_rows")
+
+
 @dataclass(frozen=True)
 class Resources:
     registers: int
@@ -79,8 +84,9 @@ def cuobjdump() -> str:
     return bundled if os.path.exists(bundled) else (shutil.which("cuobjdump") or "cuobjdump")
 
 
-def compiled(config: KernelConfig, launch: Launch, arch: int) -> Resources:
-    """The split kernel compiled for sm_`arch` as a step launches it, without a device."""
+def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None = None) -> Resources:
+    """The split kernel compiled for sm_`arch` as a step launches it, without a device; its
+    machine code written to `sass` where given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,6 +110,9 @@ def compiled(config: KernelConfig, launch: Launch, arch: int) -> Resources:
         cubin.flush()
         usage = subprocess.run([cuobjdump(), "--dump-resource-usage", cubin.name], capture_output=True,
                                text=True, check=True).stdout
+        if sass is not None:
+            sass.write_text(subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True,
+                                           check=True).stdout)
     return Resources(registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                      stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
                      shared=binary.metadata.shared, warps=config.warps)
@@ -118,6 +127,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100, H200)")
     ap.add_argument("--out", default="bench/results/kernel_resources.json")
+    ap.add_argument("--sass", default=None, metavar="DIR",
+                    help="also write each configuration's machine code (cuobjdump -sass) to DIR")
     a = ap.parse_args()
     try:
         import triton  # noqa: F401
@@ -128,7 +139,13 @@ def main() -> None:
         for name, launch in LAUNCHES.items():
             if not launch.store_new and config.new_after_loop:
                 continue  # the same kernel as without: nothing comes after the loop
-            r = compiled(config, launch, a.arch)
+            sass = None
+            if a.sass:
+                Path(a.sass).mkdir(parents=True, exist_ok=True)
+                name = (f"tile{config.tile}_stages{config.stages}_m{config.tokens_in_m:d}"
+                        f"_after{config.new_after_loop:d}_{launch_name(launch)}")
+                sass = Path(a.sass) / f"{name}.sass"
+            r = compiled(config, launch, a.arch, sass)
             rows.append({**dataclasses.asdict(config), "launch": name, **dataclasses.asdict(r),
                          "resident_per_sm": r.resident()})
     print(markdown_table(
