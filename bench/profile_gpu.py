@@ -197,8 +197,8 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
     KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
     for turned, after, tile, stages in itertools.product((False, True), (False, True), (32, 64), (1, 2, 3, 4))
     if turned or after
-] + [  # the new token after the loop in 2-warp programs (half the cross-warp reductions)
-    KernelConfig(tile, 2, 2, new_after_loop=True) for tile in (16, 32, 64)
+] + [  # the new token after the loop in 1- and 2-warp programs (fewer or no cross-warp reductions)
+    KernelConfig(tile, 2, warps, new_after_loop=True) for tile in (16, 32, 64) for warps in (1, 2)
 ]
 
 

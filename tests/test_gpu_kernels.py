@@ -102,9 +102,8 @@ def _check_kernel(
     # after the loop (the sweeps': bench/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
              KernelConfig(merge_heads=32, merge_warps=2), KernelConfig(tokens_in_m=True),
-             KernelConfig(tile=64, stages=3, tokens_in_m=True), KernelConfig(new_after_loop=True),
-             KernelConfig(tile=64, stages=3, new_after_loop=True),
-             KernelConfig(tile=64, stages=3, tokens_in_m=True, new_after_loop=True)}
+             KernelConfig(tile=64, stages=2, new_after_loop=True),
+             KernelConfig(tile=32, stages=3, tokens_in_m=True, new_after_loop=True)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
     # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:
