@@ -65,28 +65,6 @@ def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, s
     return pos, live, k, v
 
 
-@triton.jit
-def _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr, rope_scaling, b, kvh, new_pos,
-                  owner, d, stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_ks, stride_kh,
-                  HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
-    """A decode step's own K and V of one sequence and KV head, K rotated at its position where the
-    kernel rotates: stored at its cache slot by the `owner` program; -> both, in the cache's dtype."""
-    new_k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
-    new_k = tl.load(new_k_row + d)
-    if ROTARY:
-        cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM,
-                                              new_k_ptr.dtype.element_ty)
-        k_pair = tl.load(new_k_row + pair)
-        new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
-        new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
-    new_k = new_k.to(k_ptr.dtype.element_ty)
-    new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
-    new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
-    tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
-    tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
-    return new_k, new_v
-
-
 # Triton compiles a variant per value class of its integer arguments (1, a multiple of 16, other):
 # the split counts and the strides that follow them change from step to step, so they are not
 # specialised on, and the variants a step can launch are few enough to compile before serving
@@ -172,21 +150,30 @@ def _decode_split_kernel(
         # step) and uses it from registers: the program whose tiles hold its position substitutes
         # it into that tile; or (NEW_AFTER_LOOP) the last split, whose tiles may be none, takes its
         # score now and the token into its running softmax after its tiles
+        new_k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
+        new_k = tl.load(new_k_row + d)
+        if ROTARY:  # with Q's cos and sin
+            k_pair = tl.load(new_k_row + pair)
+            new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
+            new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
+        new_k = new_k.to(k_ptr.dtype.element_ty)
+        new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:
             owner = split == splits - 1
         else:
             owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
-        new_k, new_v = _store_new_kv(new_k_ptr, new_v_ptr, k_ptr, v_ptr, slot_ptr, inv_freq_ptr,
-                                     rope_scaling, b, kvh, new_pos, owner, d, stride_nkb, stride_nkh,
-                                     stride_nvb, stride_nvh, stride_ks, stride_kh, HEAD_DIM, ROTARY)
+        new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
+        tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
+        tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
         if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)  # TOKENS_IN_M's accumulator, transposed
-    q_t = tl.trans(q)
+    if TOKENS_IN_M:  # the accumulator and Q, transposed
+        acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
+        q_t = tl.trans(q)
     for tile in tl.range(first_tile, last_tile):
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
