@@ -263,8 +263,9 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     rule graph-captured steps use (their longest context: the block table's width) against the grid
     sized by the batch alone, fixed grids, the rule with other tokens per split (more, shorter
     splits or fewer, longer ones) and the engine's grid with its merge in 1 or 2 warps per program
-    or with 4-32 query heads per program, on one layer's cache; each with its largest difference
-    from the engine's output."""
+    or with 4-32 query heads per program, with a one-split sequence's output written by its program
+    (the merge skipping it), with the step's own token after the loop in two stages, on one layer's
+    cache; each with its largest difference from the engine's output."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -295,6 +296,14 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     for heads, warps in ((4, 4), (4, 2), (8, 4), (32, 4)):
         runs[f"engine, merge heads {heads}, warps {warps}"] = (
             engine, dataclasses.replace(chosen, merge_warps=warps, merge_heads=heads))
+    # a one-split sequence's output from its own program, the merge skipping it; and both with the
+    # step's own token after the loop in two stages (the candidate of bench/kernel_resources.py)
+    after = dataclasses.replace(chosen, stages=2, new_after_loop=True)
+    direct = dataclasses.replace(chosen, single_split_direct=True)
+    runs["engine, one-split sequences direct"] = (engine, direct)
+    runs["engine, new token after the loop, 2 stages"] = (engine, after)
+    runs["engine, after the loop, 2 stages, one-split direct"] = (
+        engine, dataclasses.replace(after, single_split_direct=True))
     reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, engine, new_kv).float()
     rows = []
     for name, (splits, config) in runs.items():
@@ -304,6 +313,8 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
         seconds = timed(call)
         rows.append({"grid": name, "least": splits.least, "most": splits.most, "tokens": splits.tokens,
                      "merge_warps": config.merge_warps, "merge_heads": config.merge_heads,
+                     "stages": config.stages, "new_after_loop": config.new_after_loop,
+                     "single_split_direct": config.single_split_direct,
                      "us": round(1e6 * seconds, 1),
                      "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
     return rows

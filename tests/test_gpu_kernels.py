@@ -99,11 +99,14 @@ def _check_kernel(
     # every configuration the engine picks, and (bf16) a tile smaller than a block (tiles that
     # split blocks), a merge in one warp per program, merges of several heads per program (fewer
     # than a sequence's or not dividing them), the products turned over and the step's own token
-    # after the loop (the sweeps': bench/profile_gpu.py)
+    # after the loop, and a one-split sequence's output written by its program, the merge
+    # skipping it (the sweeps': bench/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
              KernelConfig(merge_heads=32, merge_warps=2), KernelConfig(tokens_in_m=True),
              KernelConfig(tile=64, stages=2, new_after_loop=True),
-             KernelConfig(tile=32, stages=3, tokens_in_m=True, new_after_loop=True)}
+             KernelConfig(tile=32, stages=3, tokens_in_m=True, new_after_loop=True),
+             KernelConfig(tile=64, single_split_direct=True),
+             KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, merge_heads=4)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
     # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:
@@ -111,6 +114,7 @@ def _check_kernel(
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
             assert k_run.stride() == k_cache.stride()
             args = (q, k_run, v_run, table, lens, block_size, scale, splits)
+            _poison_free_memory((batch, heads, head_dim), dtype)
             out = paged_decode_attention(*args, new_kv, rotary, config=config)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             assert err < tol, f"splits={splits}, {config}: relative error {err}"
@@ -126,6 +130,13 @@ def _check_kernel(
     alone = torch.tensor([wide.of(int(n)) == 1 for n in lens], device="cuda")  # batch > 1: length 1
     assert torch.equal(outs[0][alone], outs[1][alone])
     assert alone.any() or batch == 1
+
+
+def _poison_free_memory(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Leave NaN in the memory the next output of `shape` is likely to get (the caching allocator
+    hands back the block freed last), so an element no program writes fails the check instead of
+    reading an earlier run's answer."""
+    torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
 WRITE_SHAPES = [(2048, 32, 8, 128), (37, 14, 2, 64), (5, 9, 3, 64), (300, 8, 8, 128), (1, 4, 1, 128)]

@@ -53,8 +53,11 @@ class KernelConfig:
     program, whether its products are turned over (K.Q^T and V^T.P: the tile's tokens the dots'
     M dimension, the query heads their N) and whether a decode step's own token joins the softmax
     after the loop instead of being substituted into its tile (the loop's loads then plain, which
-    frees registers and lets Triton pipeline them); and the merge's warps per program and query
-    heads per program (one sequence's: more heads, fewer and larger programs)."""
+    frees registers and lets Triton pipeline them); whether a sequence whose context takes one
+    split, in a grid of several, gets its output from that split's program (the merge then skips
+    it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
+    merge of one partial); and the merge's warps per program and query heads per program (one
+    sequence's: more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
@@ -63,6 +66,7 @@ class KernelConfig:
     merge_heads: int = 1
     tokens_in_m: bool = False
     new_after_loop: bool = False
+    single_split_direct: bool = False
 
 
 WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)

@@ -120,6 +120,7 @@ def _decode_split_kernel(
     OFFSET_I64: tl.constexpr,
     TOKENS_IN_M: tl.constexpr,
     NEW_AFTER_LOOP: tl.constexpr,
+    SINGLE_SPLIT_DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -212,7 +213,8 @@ def _decode_split_kernel(
         lsum = lsum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
-    if DIRECT:  # one split for every sequence: the output, with no merge launch
+    # one split for every sequence (no merge launch), or for this one (the merge skips it)
+    if DIRECT or (SINGLE_SPLIT_DIRECT and splits == 1):
         out = acc / lsum[:, None]
         out_off = b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -243,12 +245,16 @@ def _merge_kernel(
     SPLIT_TOKENS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    SINGLE_SPLIT_DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
+    if SINGLE_SPLIT_DIRECT and splits == 1:  # its one split wrote the output
+        return
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    ok = s < _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
+    ok = s < splits
     ml = part_ml_ptr + b * stride_mb + h * stride_mh + s * stride_ms
     m = tl.load(ml, mask=ok, other=float("-inf"))
     lsum = tl.load(ml + 1, mask=ok, other=0.0)
@@ -285,14 +291,17 @@ def _merge_heads_kernel(
     SPLIT_TOKENS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    SINGLE_SPLIT_DIRECT: tl.constexpr,
 ):
     """_merge_kernel for HEADS query heads of one sequence per program."""
     b = tl.program_id(0)
+    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
+    if SINGLE_SPLIT_DIRECT and splits == 1:  # its one split wrote the output
+        return
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     h_ok = h < NUM_HEADS
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
-    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
     ok = h_ok[:, None] & (s < splits)[None, :]
     ml = part_ml_ptr + b * stride_mb + h[:, None] * stride_mh + s[None, :] * stride_ms
     m = tl.load(ml, mask=ok, other=float("-inf"))  # [HEADS, SPLITS_PAD]
@@ -407,6 +416,7 @@ def paged_decode_attention(
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
         TOKENS_IN_M=config.tokens_in_m,
         NEW_AFTER_LOOP=config.new_after_loop,
+        SINGLE_SPLIT_DIRECT=config.single_split_direct,
         num_warps=config.warps,
         num_stages=config.stages,
     )
@@ -416,7 +426,8 @@ def paged_decode_attention(
                   part_out.stride(1), part_out.stride(2), part_ml.stride(0), part_ml.stride(1),
                   part_ml.stride(2), out.stride(0), out.stride(1))
     merge_consts = dict(SPLIT_TOKENS=splits.tokens, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-                        HEAD_DIM=d, num_warps=config.merge_warps)
+                        HEAD_DIM=d, SINGLE_SPLIT_DIRECT=config.single_split_direct,
+                        num_warps=config.merge_warps)
     if config.merge_heads == 1:
         _merge_kernel[(b, h)](*merge_args, **merge_consts)
     else:
