@@ -6,8 +6,8 @@ collector remove the owned objects) and no kopf timer or daemon (kopf adds a fin
 those), so deleting a ModelServer never waits for the operator. The finalizer that earlier
 versions added (`tandem.dev/operator`) is removed from every ModelServer the watch shows.
 
-`register()` adds them to a registry with the operator's settings, so that tests and the CLI
-each build their own operator.
+The handlers are declared on `registry`, which main.py runs kopf on; each run (the CLI's, or one
+of a test's several) has its own memo, `Shared`, where the handlers keep what they share.
 """
 
 from __future__ import annotations
@@ -22,18 +22,21 @@ import kopf
 
 from . import owned, scaler
 from .conditions import set_condition
-from .kube import ApiError, KubeApi, NotFound, api_path
+from .kube import ApiError, KubeApi, NotFound
 from .resources import selector_string
 from .scaler import Shared
 from .settings import OperatorSettings
 from .spec import InvalidSpec, parse_spec
 
-GROUP, VERSION, PLURAL = owned.GROUP, owned.VERSION, "modelservers"
+GROUP, VERSION, PLURAL = owned.GROUP, owned.VERSION, owned.PLURAL
 ANNOTATION_PREFIX = "tandem.dev"
 # The finalizer of earlier versions (kopf's, under this name): removed where it is found.
 LEGACY_FINALIZER = f"{ANNOTATION_PREFIX}/operator"
+# The operator's handlers, and no one else's: kopf's default registry would also take any other
+# handlers declared in the process, and login fallbacks of whichever Kubernetes client is installed.
+registry = kopf.OperatorRegistry()
 
-__all__ = ["Shared", "register"]
+__all__ = ["Shared", "connection_info", "registry"]
 
 
 def connection_info(ours: OperatorSettings, /, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -47,125 +50,114 @@ def connection_info(ours: OperatorSettings, /, **kwargs: Any) -> kopf.Connection
 async def remove_legacy_finalizer(api: KubeApi, body: dict, logger: logging.Logger | kopf.Logger) -> None:
     """Take the earlier versions' finalizer off, by index and only if it is still at that index (a
     JSON-patch test): other controllers' finalizers stay, whatever they did meanwhile."""
-    meta = body["metadata"]
-    finalizers = meta.get("finalizers") or []
+    finalizers = body["metadata"].get("finalizers") or []
     if LEGACY_FINALIZER not in finalizers:
         return
     at = f"/metadata/finalizers/{finalizers.index(LEGACY_FINALIZER)}"
-    path = api_path(f"{GROUP}/{VERSION}", PLURAL, meta["namespace"], meta["name"])
     try:
         await api.json_patch(
-            path, [{"op": "test", "path": at, "value": LEGACY_FINALIZER}, {"op": "remove", "path": at}]
+            owned.ref(body).path,
+            [{"op": "test", "path": at, "value": LEGACY_FINALIZER}, {"op": "remove", "path": at}],
         )
         logger.info(f"removed the finalizer {LEGACY_FINALIZER} of earlier operator versions")
     except (NotFound, ApiError) as exc:  # gone, or changed meanwhile: the next event says
         logger.debug(f"finalizer {LEGACY_FINALIZER} not removed this time: {exc}")
 
 
-def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> None:
-    on = {"registry": registry}
+def _shared(memo: kopf.Memo) -> Shared:
+    return memo.shared
 
-    @kopf.on.startup(**on)
-    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        # Kubernetes Events: one per scaling decision (ours); kopf's own only for warnings.
-        settings.posting.level = logging.WARNING
-        # Progress in annotations, not status.kopf: the CRD's status schema has no such field.
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-        )
-        shared: Shared = memo.shared
-        shared.scrape_limit = asyncio.Semaphore(shared.settings.scrape_concurrency)
-        shared.http = aiohttp.ClientSession(trust_env=False)
 
-    @kopf.on.login(**on)
-    async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
-        shared: Shared = memo.shared
-        info = connection_info(shared.settings, **kwargs)
-        if info is not None:
-            if shared.api is not None:  # a re-login (e.g. an expired token): its session goes
-                await shared.api.close()
-            shared.api = KubeApi(info, may_write=shared.leading)
-        return info
+@kopf.on.startup(registry=registry)
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Kubernetes Events: one per scaling decision (ours); kopf's own only for warnings.
+    settings.posting.level = logging.WARNING
+    # Progress in annotations, not status.kopf: the CRD's status schema has no such field.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    shared = _shared(memo)
+    shared.scrape_limit = asyncio.Semaphore(shared.settings.scrape_concurrency)
+    shared.http = aiohttp.ClientSession(trust_env=False)
 
-    @kopf.on.cleanup(**on)
-    async def close(memo: kopf.Memo, **_: Any) -> None:
-        shared: Shared = memo.shared
-        await scaler.stop_all(shared)
-        for session in (shared.http, shared.api):
-            if session is not None:
-                await session.close()
 
-    @kopf.on.event(GROUP, VERSION, PLURAL, **on)
-    async def follow(
-        body: kopf.Body,
-        type: str | None,
-        memo: kopf.Memo,
-        logger: kopf.Logger,
-        **_: Any,  # noqa: A002
-    ) -> None:
-        shared: Shared = memo.shared
-        assert shared.api is not None
-        await remove_legacy_finalizer(shared.api, dict(body), logger)
-        scaler.watch(shared, dict(body), deleted=type == "DELETED")
+@kopf.on.login(registry=registry)
+async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    shared = _shared(memo)
+    info = connection_info(shared.settings, **kwargs)
+    if info is not None:
+        if shared.api is not None:  # a re-login (e.g. an expired token): its session goes
+            await shared.api.close()
+        shared.api = KubeApi(info, may_write=shared.leading)
+    return info
 
-    @kopf.on.create(GROUP, VERSION, PLURAL, **on)
-    @kopf.on.update(GROUP, VERSION, PLURAL, **on)
-    @kopf.on.resume(GROUP, VERSION, PLURAL, **on)
-    async def reconcile(
-        body: kopf.Body,
-        spec: kopf.Spec,
-        name: str,
-        namespace: str,
-        uid: str,
-        patch: kopf.Patch,
-        memo: kopf.Memo,
-        logger: kopf.Logger,
-        diff: kopf.Diff = (),
-        reason: str | None = None,  # create, update or resume
-        **_: Any,
-    ) -> None:
-        shared: Shared = memo.shared
-        started, result = time.monotonic(), "Error"  # an exception: kopf retries
-        try:
-            if reason == "update" and diff and all(tuple(d.field) == ("spec", "replicas") for d in diff):
-                # A scale (the policy's own, an HPA's, kubectl scale's): the owned objects hold no
-                # replicas, so nothing is to be made or updated; the generation is seen all the same.
-                patch.status["observedGeneration"] = body.metadata.get("generation")
-                result = "Reconciled"
-                return
-            result = await _reconcile(shared, dict(body), spec, name, namespace, uid, patch, logger)
-        finally:
-            shared.metrics.reconciled(result, time.monotonic() - started)
+
+@kopf.on.cleanup(registry=registry)
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    shared = _shared(memo)
+    await scaler.stop_all(shared)
+    for session in (shared.http, shared.api):
+        if session is not None:
+            await session.close()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+async def follow(
+    body: kopf.Body,
+    type: str | None,  # noqa: A002
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    shared = _shared(memo)
+    await remove_legacy_finalizer(shared.api_client(), dict(body), logger)
+    scaler.watch(shared, dict(body), deleted=type == "DELETED")
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+@kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+@kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+async def reconcile(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    diff: kopf.Diff = (),
+    reason: str | None = None,  # create, update or resume
+    **_: Any,
+) -> None:
+    shared = _shared(memo)
+    started, result = time.monotonic(), "Error"  # an exception: kopf retries
+    try:
+        if reason == "update" and diff and all(tuple(d.field) == ("spec", "replicas") for d in diff):
+            # A scale (the policy's own, an HPA's, kubectl scale's): the owned objects hold no
+            # replicas, so nothing is to be made or updated; the generation is seen all the same.
+            patch.status["observedGeneration"] = body.metadata.get("generation")
+            result = "Reconciled"
+            return
+        result = await _reconcile(shared, dict(body), spec, patch, logger)
+    finally:
+        shared.metrics.reconciled(result, time.monotonic() - started)
 
 
 async def _reconcile(
-    shared: Shared,
-    body: dict,
-    spec: kopf.Spec,
-    name: str,
-    namespace: str,
-    uid: str,
-    patch: kopf.Patch,
-    logger: kopf.Logger,
+    shared: Shared, body: dict, spec: kopf.Spec, patch: kopf.Patch, logger: kopf.Logger
 ) -> str:
     """Make or update the owned objects; the status says what stands in the way. Returns what came
     of it: Reconciled, InvalidSpec or NotOwned."""
-    assert shared.api is not None
     generation = body["metadata"].get("generation")
     # the scale subresource's selector, for an HPA, before the first scaling tick
-    patch.status["selector"] = selector_string(name)
+    patch.status["selector"] = selector_string(owned.ref(body).name)
     try:
-        parsed = parse_spec(spec)
-        objects = owned.build(name, namespace, uid, parsed, shared.settings.metrics_port)
-        for what in await owned.ensure(shared.api, name, namespace, uid, objects):
+        for what in await scaler.ensure_owned(shared, body, parse_spec(spec)):
             logger.info(what)
     except (InvalidSpec, owned.NotOwned) as exc:
         # Not raised: kopf would retry what only a person can fix.
         reason = "InvalidSpec" if isinstance(exc, InvalidSpec) else "NotOwned"
         logger.error(f"{reason}: {exc}")
-        await scaler.warn_once(shared, body, reason, str(exc))
-        patch.status["conditions"] = scaler.problem_conditions(body, reason, str(exc))
+        patch.status["conditions"] = await scaler.warn_problem(shared, body, reason, str(exc))
         return reason
     old = (body.get("status") or {}).get("conditions")
     conditions = old

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import kopf
 
-from .handlers import Shared, connection_info, register
+from .handlers import Shared, connection_info, registry
 from .kube import KubeApi
 from .leader import LeaderElector, LeadershipLost
 from .metrics import MetricsPortError, OperatorMetrics, serve
@@ -23,8 +23,6 @@ SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/
 
 
 async def _kopf(settings: OperatorSettings, shared: Shared, stop_flag: asyncio.Event) -> None:
-    registry = kopf.OperatorRegistry()
-    register(registry, settings)
     namespaces = settings.namespace_list()
     port = settings.liveness_port
     await kopf.operator(

@@ -8,13 +8,32 @@ neither patches nor deletes it, and changes none of the ModelServer's objects wh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import resources
 from .kube import ApiError, KubeApi, NotFound, api_path
 from .spec import ModelServerSpec
 
-GROUP, VERSION, KIND = "tandem.dev", "v1alpha1", "ModelServer"
+GROUP, VERSION, KIND, PLURAL = "tandem.dev", "v1alpha1", "ModelServer", "modelservers"
+
+
+class ModelServerRef(NamedTuple):
+    """Which ModelServer (unpacks as name, namespace, uid), and where the API serves it."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @property
+    def path(self) -> str:
+        return api_path(f"{GROUP}/{VERSION}", PLURAL, self.namespace, self.name)
+
+
+def ref(body: Mapping) -> ModelServerRef:
+    meta = body["metadata"]
+    return ModelServerRef(meta["name"], meta["namespace"], meta["uid"])
 
 
 def owner_reference(name: str, uid: str) -> dict:

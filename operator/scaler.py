@@ -34,7 +34,6 @@ from .spec import InvalidSpec, ModelServerSpec, parse_spec
 from .window import MetricsHistory
 
 log = logging.getLogger("tandem.operator.scaler")
-PLURAL = "modelservers"
 # A window must hold at least this many scrapes of each pod: with one, there is no rate of
 # tokens (so no cost) and no TTFT increase. Shorter windows are raised to it (SpecAdjusted).
 MIN_WINDOW_SCRAPES = 2
@@ -69,6 +68,11 @@ class Shared:
     scaling: dict[str, Scaling] = field(default_factory=dict)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+
+    def api_client(self) -> KubeApi:
+        """The API client, made by the login handler (kopf logs in before it watches anything)."""
+        assert self.api is not None
+        return self.api
 
 
 def watch(shared: Shared, body: dict, deleted: bool) -> None:
@@ -136,10 +140,8 @@ async def event(api: KubeApi, body: dict, type_: str, reason: str, message: str)
 
 async def _write_status(api: KubeApi, body: dict, status: dict) -> dict | None:
     """The ModelServer as the API server has it after the write (None: deleted meanwhile)."""
-    meta = body["metadata"]
-    path = api_path(f"{owned.GROUP}/{owned.VERSION}", PLURAL, meta["namespace"], meta["name"]) + "/status"
     with contextlib.suppress(NotFound):  # deleted meanwhile
-        return await api.patch(path, {"status": status})
+        return await api.patch(owned.ref(body).path + "/status", {"status": status})
     return None
 
 
@@ -156,18 +158,29 @@ async def warn_once(shared: Shared, body: dict, reason: str, message: str) -> No
     scaling = shared.scaling.setdefault(body["metadata"]["uid"], Scaling())
     if scaling.warned.get(reason) != message:
         scaling.warned[reason] = message
-        assert shared.api is not None
-        await event(shared.api, body, "Warning", reason, message)
+        await event(shared.api_client(), body, "Warning", reason, message)
+
+
+async def warn_problem(shared: Shared, body: dict, reason: str, message: str) -> list[dict]:
+    """Warn of a problem only a person can fix (once); the conditions that say it, to be written."""
+    await warn_once(shared, body, reason, message)
+    return problem_conditions(body, reason, message)
+
+
+async def ensure_owned(shared: Shared, body: dict, spec: ModelServerSpec) -> list[str]:
+    """Make or update the ModelServer's Deployment, Service and PDB: what was done, one line each.
+    Raises owned.NotOwned, having changed nothing, when any of them belongs to someone else."""
+    name, namespace, uid = owned.ref(body)
+    objects = owned.build(name, namespace, uid, spec, shared.settings.metrics_port)
+    return await owned.ensure(shared.api_client(), name, namespace, uid, objects)
 
 
 async def tick(shared: Shared, body: dict) -> Decision | None:
     """One round for one ModelServer: the Deployment's state, the pods' metrics, a decision."""
-    api, settings = shared.api, shared.settings
-    assert api is not None
-    meta = body["metadata"]
-    if meta.get("deletionTimestamp"):
+    api = shared.api_client()
+    if body["metadata"].get("deletionTimestamp"):
         return None  # being deleted: the garbage collector takes its objects
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    name, namespace, uid = owned.ref(body)
     try:
         spec = parse_spec(body.get("spec") or {})
     except InvalidSpec as exc:
@@ -179,9 +192,8 @@ async def tick(shared: Shared, body: dict) -> Decision | None:
             raise owned.NotOwned("Deployment", namespace, name, owned.controller_of(deployment))
     except NotFound:
         # not made yet, or refused before (a foreign Service, say): try again; it may be gone
-        objects = owned.build(name, namespace, uid, spec, settings.metrics_port)
         try:
-            for what in await owned.ensure(api, name, namespace, uid, objects):
+            for what in await ensure_owned(shared, body, spec):
                 log.info(f"{namespace}/{name}: {what}")
         except owned.NotOwned as exc:
             await _not_owned(shared, body, exc)
@@ -196,17 +208,15 @@ async def tick(shared: Shared, body: dict) -> Decision | None:
 
 
 async def _not_owned(shared: Shared, body: dict, exc: owned.NotOwned) -> None:
-    assert shared.api is not None
-    await warn_once(shared, body, "NotOwned", str(exc))
-    await _write_status(shared.api, body, {"conditions": problem_conditions(body, "NotOwned", str(exc))})
+    conditions = await warn_problem(shared, body, "NotOwned", str(exc))
+    await _write_status(shared.api_client(), body, {"conditions": conditions})
 
 
 async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployment: dict) -> Decision:
     """Scrape the ready pods, decide, scale, write the status."""
-    api, settings = shared.api, shared.settings
-    assert api is not None and shared.http is not None and shared.scrape_limit is not None
-    meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    api, settings = shared.api_client(), shared.settings
+    assert shared.http is not None and shared.scrape_limit is not None
+    name, namespace, uid = owned.ref(body)
     current = int((deployment.get("spec") or {}).get("replicas") or 0)
     pods = await api.list(api_path("v1", "pods", namespace), selector(name))
     ready = [p for p in pods if _pod_ready(p)]
@@ -271,14 +281,14 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
 
 
 async def _write_spec_replicas(api: KubeApi, body: dict, replicas: int) -> bool:
-    meta = body["metadata"]
-    path = api_path(f"{owned.GROUP}/{owned.VERSION}", PLURAL, meta["namespace"], meta["name"])
+    modelserver = owned.ref(body)
     try:
-        await api.patch(path, {"spec": {"replicas": replicas}})
+        await api.patch(modelserver.path, {"spec": {"replicas": replicas}})
     except NotFound:  # deleted meanwhile
         return False
     except ApiError as exc:  # the next tick tries again
-        log.warning(f"{meta['namespace']}/{meta['name']}: could not write spec.replicas {replicas}: {exc}")
+        where = f"{modelserver.namespace}/{modelserver.name}"
+        log.warning(f"{where}: could not write spec.replicas {replicas}: {exc}")
         return False
     return True
 
@@ -286,7 +296,6 @@ async def _write_spec_replicas(api: KubeApi, body: dict, replicas: int) -> bool:
 async def claim_replicas(shared: Shared, body: dict, current: int, running: int) -> None:
     """Scaling mode Operator: spec.replicas shows the pods the policy runs. A value someone else
     wrote there (kubectl scale, an HPA) is put back, with a Warning: two scalers would flap."""
-    assert shared.api is not None
     scaling = shared.scaling.setdefault(body["metadata"]["uid"], Scaling())
     written = modes.spec_replicas(modes.newest(scaling.latest, body))
     if written == running:
@@ -299,17 +308,15 @@ async def claim_replicas(shared: Shared, body: dict, current: int, running: int)
             "spec.scaling.mode to External"
         )
         await warn_once(shared, body, "ReplicasOverridden", message)
-    if await _write_spec_replicas(shared.api, body, running):
+    if await _write_spec_replicas(shared.api_client(), body, running):
         scaling.claimed = running
 
 
 async def follow_spec(shared: Shared, body: dict, spec: ModelServerSpec, deployment: dict) -> None:
     """Scaling mode External: the Deployment runs spec.replicas within the bounds, and nothing is
     scraped or decided. spec.replicas is written only while unset (the scale subresource needs it)."""
-    api = shared.api
-    assert api is not None
-    meta = body["metadata"]
-    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    api = shared.api_client()
+    name, namespace, uid = owned.ref(body)
     current = int((deployment.get("spec") or {}).get("replicas") or 0)
     scaling = shared.scaling.setdefault(uid, Scaling())
     # Back in mode Operator the policy starts afresh, as after a restart (no scale-down before it
