@@ -1,7 +1,9 @@
 """What a front's servicers share: the served model, its tokenizer and limits, and admission.
 
-`ModelContext` is the one place a request is admitted: readiness, model name, prompt encoding and
-checks, the engine's own request id; the servicers only map their API's fields onto it.
+`ModelContext.admit` is the one place a request is admitted, in one order for every API: readiness,
+model name (KServe checks it itself, first), the API's own field checks, prefix-cache scope, prompt
+tokens, sampling parameters. Each front only adapts its wire format to `WireRequest` and maps
+RequestError onto its own errors.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from ..engine.errors import ErrorKind, RequestError, invalid
 from ..engine.sampling_params import SamplingParams
-from ..engine.validation import Limits, validate_prompt
+from ..engine.validation import Limits, resolve_params, validate_prompt
 from ..ipc.messages import ModelInfo
 from .cache_scope import cache_scope, check_salt
 from .engine_client import EngineClient
@@ -28,6 +31,42 @@ def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     """The most characters one token of the vocabulary decodes to: a text of N characters has at
     least N / this many tokens."""
     return max(len(tokenizer.decode([i])) for i in range(len(tokenizer)))
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A prompt given as messages, for the model's chat template."""
+
+    messages: list[dict[str, str]]
+
+
+Prompt = str | list[int] | Chat  # text (the tokenizer adds its BOS, if any), token ids, or a chat
+
+
+class WireRequest(Protocol):
+    """A generation request as admission reads it, each API's fields adapted by its front.
+    `ModelContext.admit` reads it in the order written here, which keeps each API's error precedence."""
+
+    @property
+    def model(self) -> str | None: ...  # the model asked for; empty or None: the served one
+
+    def check(self) -> None: ...  # the API's own field checks (RequestError)
+
+    @property
+    def cache_salt(self) -> str | None: ...  # None: not given
+
+    def prompt_input(self) -> Prompt: ...
+
+    def sampling(self) -> dict[str, Any]: ...  # resolve_params's keyword arguments
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An admitted request: what the engine is sent (ModelContext.generate)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    scope: bytes  # its prefix-cache scope (cache_scope.py)
 
 
 @dataclass
@@ -106,8 +145,27 @@ class ModelContext:
         None) with `cache_salt` `salt` (INVALID_ARGUMENT if it is not a valid one)."""
         return cache_scope(token if self.isolate_tokens else None, check_salt(salt))
 
-    def _deadline(self, time_left: float | None) -> float | None:
-        """The request's deadline (wall clock): the caller's time left or the server's bound."""
+    async def admit(self, request: WireRequest, token: bytes | None) -> Admitted:
+        """Admit `request` or refuse it (RequestError). `token`: the caller's bearer token, as verified
+        by the auth layer (None: none), which names its prefix-cache scope where tenants are isolated."""
+        self.check_ready()
+        self.check_model(request.model or "")
+        request.check()
+        scope = self.cache_scope(token, request.cache_salt)
+        prompt = request.prompt_input()
+        if isinstance(prompt, Chat):
+            prompt_ids = await self.encode_chat(prompt.messages)
+        elif isinstance(prompt, str):
+            prompt_ids = await self.encode_text(prompt)
+        else:
+            prompt_ids = list(prompt)
+        return Admitted(prompt_ids, resolve_params(self.limits, len(prompt_ids), **request.sampling()), scope)
+
+    def _last_checks(self, request: Admitted, time_left: float | None) -> float | None:
+        """What generate and generate_all check before the engine: the prompt's tokens, then the time
+        left (RequestError if either fails). Returns the deadline (wall clock): the caller's time left
+        or the server's bound, whichever ends first; None if neither is set."""
+        validate_prompt(request.prompt_ids, self.limits)
         bounds = [t for t in (time_left, self.request_timeout_s) if t is not None]
         if not bounds:
             return None
@@ -116,29 +174,20 @@ class ModelContext:
             raise RequestError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline had passed on arrival")
         return time.time() + left
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        time_left: float | None = None,
-        scope: bytes = b"",
-    ) -> AsyncIterator[GenerationChunk]:
-        """Admit a request (RequestError if it is not) and stream its chunks. `time_left`: seconds
-        the caller allows (None = no deadline of its own); `scope`: its prefix-cache scope."""
-        validate_prompt(prompt_ids, self.limits)
-        deadline = self._deadline(time_left)
-        return self.engine.generate(prompt_ids, params, self.tokenizer, deadline, scope)
+    def generate(self, request: Admitted, time_left: float | None = None) -> AsyncIterator[GenerationChunk]:
+        """Send an admitted request to the engine (RequestError if its last checks fail) and stream its
+        chunks. `time_left`: seconds the caller allows (None = no deadline of its own)."""
+        deadline = self._last_checks(request, time_left)
+        return self.engine.generate(
+            request.prompt_ids, request.params, self.tokenizer, deadline, request.scope
+        )
 
-    async def generate_all(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        time_left: float | None = None,
-        scope: bytes = b"",
-    ) -> GenerationChunk:
-        validate_prompt(prompt_ids, self.limits)
-        deadline = self._deadline(time_left)
-        return await self.engine.generate_all(prompt_ids, params, self.tokenizer, deadline, scope)
+    async def generate_all(self, request: Admitted, time_left: float | None = None) -> GenerationChunk:
+        """As generate, run to completion: one chunk with everything."""
+        deadline = self._last_checks(request, time_left)
+        return await self.engine.generate_all(
+            request.prompt_ids, request.params, self.tokenizer, deadline, request.scope
+        )
 
 
 class ContextHolder:

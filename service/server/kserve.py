@@ -15,7 +15,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -25,10 +25,8 @@ from tandem.kserve import grpc_service_pb2_grpc as pb_grpc
 from tandem.kserve import model_config_pb2 as mc
 
 from ..engine.errors import RequestError, invalid
-from ..engine.sampling_params import SamplingParams
-from ..engine.validation import resolve_params
 from ..telemetry.requests import RequestTelemetry, RequestTrace
-from .context import ContextHolder, ModelContext
+from .context import Admitted, ContextHolder, ModelContext
 from .errors import abort, abort_if_too_large
 from .kserve_tensors import bytes_output, read_inputs
 from .servicer import Servicer
@@ -44,16 +42,6 @@ INPUTS = (  # name, KServe datatype, model-config type, optional
 ACCEPTED = {name: {dt} for name, dt, _, _ in INPUTS} | {"max_tokens": {"INT32", "INT64", "UINT32", "UINT64"}}
 OUTPUT = "text_output"
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "seed", "stop", "max_tokens"}
-
-
-@dataclass
-class LlmRequest:
-    prompt: str
-    params: SamplingParams
-    stream: bool
-    exclude_input: bool
-    timeout_s: float | None = None  # the request's `timeout` parameter (Triton's: microseconds)
-    cache_scope: bytes = b""  # from the caller's token and the `cache_salt` parameter (cache_scope.py)
 
 
 def _scalar(values: dict[str, list], name: str, default: object) -> object:
@@ -119,6 +107,87 @@ def _check_tensors(request: pb.ModelInferRequest) -> None:
         accepted = ACCEPTED.get(t.name)
         if accepted is not None and t.datatype not in accepted:
             raise invalid(f"input {t.name!r} must be {' or '.join(sorted(accepted))}, got {t.datatype!r}")
+
+
+class LlmRequest:
+    """A ModelInferRequest read as Triton's LLM tensors: by admission first (context.WireRequest: the
+    tensors' names and datatypes, the cache salt, the prompt and sampling options, the sampling numbers),
+    then for how to answer (`read_answer`). Read in this order, its errors keep their precedence."""
+
+    model = None  # the servicer checks the name itself, before readiness (KServeServicer._model)
+
+    def __init__(self, request: pb.ModelInferRequest) -> None:
+        self.request = request
+        self.prompt = ""  # text_input, once read
+        self.stream = False  # these three once read_answer has read them
+        self.exclude_input = False
+        self.timeout_s: float | None = None  # the request's `timeout` parameter (Triton's: microseconds)
+        self._values: dict[str, list] = {}
+        self._sampling: dict = {}
+        self._stop: list[str] = []
+        self._max_tokens: object = None
+
+    def check(self) -> None:
+        _check_tensors(self.request)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return _salt(self.request)
+
+    def prompt_input(self) -> str:
+        """text_input; sampling_parameters and max_tokens are read (and checked) here too."""
+        self._values = values = read_inputs(self.request)
+        unknown = set(values) - {n for n, *_ in INPUTS}
+        if unknown:
+            raise invalid(f"unknown inputs {sorted(unknown)}; accepted: {[n for n, *_ in INPUTS]}")
+        raw_prompt = _scalar(values, "text_input", None)
+        if raw_prompt is None:
+            raise invalid("input 'text_input' is required")
+        try:
+            self.prompt = raw_prompt.decode() if isinstance(raw_prompt, bytes) else str(raw_prompt)
+        except UnicodeDecodeError as exc:
+            raise invalid("text_input is not valid UTF-8") from exc
+        sp_raw = _scalar(values, "sampling_parameters", b"{}")
+        try:
+            sp = json.loads(sp_raw or b"{}")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise invalid(f"sampling_parameters is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise invalid("sampling_parameters is nested too deeply") from exc
+        if not isinstance(sp, dict):
+            raise invalid("sampling_parameters must be a JSON object")
+        unknown = set(sp) - _SAMPLING_KEYS
+        if unknown:
+            raise invalid(
+                f"unknown sampling_parameters {sorted(unknown)}; accepted: {sorted(_SAMPLING_KEYS)}"
+            )
+        stop = sp.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise invalid("sampling_parameters.stop must be a string or a list of strings")
+        max_tokens = _scalar(values, "max_tokens", None)
+        if max_tokens is None:
+            max_tokens = _number(sp, "max_tokens", int)
+        self._sampling, self._stop, self._max_tokens = sp, stop, max_tokens
+        return self.prompt
+
+    def sampling(self) -> dict[str, Any]:
+        sp = self._sampling
+        return {
+            "temperature": _number(sp, "temperature", float),
+            "top_p": _number(sp, "top_p", float),
+            "top_k": _number(sp, "top_k", int),
+            "seed": _number(sp, "seed", int),
+            "max_tokens": self._max_tokens,
+            "stop": self._stop,
+        }
+
+    def read_answer(self) -> None:
+        """The inputs and parameter that shape the answer, not the generation: once admitted."""
+        self.stream = bool(_scalar(self._values, "stream", False))
+        self.exclude_input = bool(_scalar(self._values, "exclude_input_in_output", False))
+        self.timeout_s = _timeout(self.request)
 
 
 SERVICE = "inference.GRPCInferenceService"
@@ -204,65 +273,14 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------------
-    async def _parse(
-        self, ctx: ModelContext, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[LlmRequest, list[int]]:
-        ctx.check_ready()
-        _check_tensors(request)
-        scope = self.cache_scope(context, _salt(request))
-        values = read_inputs(request)
-        unknown = set(values) - {n for n, *_ in INPUTS}
-        if unknown:
-            raise invalid(f"unknown inputs {sorted(unknown)}; accepted: {[n for n, *_ in INPUTS]}")
-        raw_prompt = _scalar(values, "text_input", None)
-        if raw_prompt is None:
-            raise invalid("input 'text_input' is required")
-        try:
-            prompt = raw_prompt.decode() if isinstance(raw_prompt, bytes) else str(raw_prompt)
-        except UnicodeDecodeError as exc:
-            raise invalid("text_input is not valid UTF-8") from exc
-        sp_raw = _scalar(values, "sampling_parameters", b"{}")
-        try:
-            sp = json.loads(sp_raw or b"{}")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid(f"sampling_parameters is not valid JSON: {exc}") from exc
-        except RecursionError as exc:
-            raise invalid("sampling_parameters is nested too deeply") from exc
-        if not isinstance(sp, dict):
-            raise invalid("sampling_parameters must be a JSON object")
-        unknown = set(sp) - _SAMPLING_KEYS
-        if unknown:
-            raise invalid(
-                f"unknown sampling_parameters {sorted(unknown)}; accepted: {sorted(_SAMPLING_KEYS)}"
-            )
-        stop = sp.get("stop") or []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise invalid("sampling_parameters.stop must be a string or a list of strings")
-        max_tokens = _scalar(values, "max_tokens", None)
-        if max_tokens is None:
-            max_tokens = _number(sp, "max_tokens", int)
-        prompt_ids = await ctx.encode_text(prompt)
-        params = resolve_params(
-            ctx.limits,
-            len(prompt_ids),
-            temperature=_number(sp, "temperature", float),
-            top_p=_number(sp, "top_p", float),
-            top_k=_number(sp, "top_k", int),
-            seed=_number(sp, "seed", int),
-            max_tokens=max_tokens,
-            stop=stop,
-        )
-        req = LlmRequest(
-            prompt=prompt,
-            params=params,
-            stream=bool(_scalar(values, "stream", False)),
-            exclude_input=bool(_scalar(values, "exclude_input_in_output", False)),
-            timeout_s=_timeout(request),
-            cache_scope=scope,
-        )
-        return req, prompt_ids
+    async def _admit(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[LlmRequest, Admitted]:
+        """The request read and admitted (RequestError if not): the servicer has checked its model."""
+        req = LlmRequest(request)
+        admitted = await self.admit(context, req)
+        req.read_answer()
+        return req, admitted
 
     @staticmethod
     def _time_left(context: grpc.aio.ServicerContext, req: LlmRequest) -> float | None:
@@ -289,11 +307,11 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
     ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
         """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
         ctx = self.ctx
-        req, prompt_ids = await self._parse(ctx, request, context)
-        trace.admitted(request.id, len(prompt_ids), req.params, req.stream)
+        req, admitted = await self._admit(request, context)
+        trace.admitted(request.id, len(admitted.prompt_ids), admitted.params, req.stream)
         # request.id only correlates responses on the client's stream (echoed in _response); it is not
         # unique across clients, so the engine gets its own id
-        stream = ctx.generate(prompt_ids, req.params, self._time_left(context, req), req.cache_scope)
+        stream = ctx.generate(admitted, self._time_left(context, req))
         prefix = "" if req.exclude_input else req.prompt
         if req.stream:
             async for chunk in stream:
@@ -313,10 +331,9 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         try:
             with self._trace(context, "ModelInfer") as trace:
                 ctx = self._model(request.model_name)
-                req, prompt_ids = await self._parse(ctx, request, context)
-                trace.admitted(request.id, len(prompt_ids), req.params, stream=False)
-                done = await ctx.generate_all(prompt_ids, req.params, self._time_left(context, req),
-                                              req.cache_scope)
+                req, admitted = await self._admit(request, context)
+                trace.admitted(request.id, len(admitted.prompt_ids), admitted.params, stream=False)
+                done = await ctx.generate_all(admitted, self._time_left(context, req))
                 trace.chunk(done)
         except RequestError as err:
             await abort(context, err)

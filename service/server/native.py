@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -11,10 +13,9 @@ from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 from ..engine.errors import RequestError, invalid
-from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
-from ..engine.validation import resolve_params
 from ..telemetry.requests import RequestTrace
+from .context import Chat, Prompt
 from .errors import abort, abort_if_too_large
 from .request_stream import GenerationChunk
 from .servicer import Servicer
@@ -31,45 +32,56 @@ def _messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-class TandemServicer(Servicer, pb_grpc.TandemServicer):
-    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("input")
+def _echoed_id(request: pb.GenerateRequest) -> str:
+    """The request's `request_id`, only echoed back (the proto: "generated when empty"): the engine
+    knows the request by an id of the front's own."""
+    return request.request_id or uuid.uuid4().hex
+
+
+@dataclass
+class _Generation:
+    """A GenerateRequest as admission reads it (context.WireRequest)."""
+
+    request: pb.GenerateRequest
+
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    def check(self) -> None:
+        """Nothing beyond the proto's own types."""
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt if self.request.HasField("cache_salt") else None
+
+    def prompt_input(self) -> Prompt:
+        which = self.request.WhichOneof("input")
         if which == "text":
-            return await self.ctx.encode_text(request.text)
+            return self.request.text
         if which == "chat":
-            return await self.ctx.encode_chat(_messages(request.chat))
+            return Chat(_messages(self.request.chat))
         if which == "token_ids":
-            return list(request.token_ids.ids)
+            return list(self.request.token_ids.ids)
         raise invalid("no input: set one of text, chat or token_ids")
 
-    def _params(self, request: pb.GenerateRequest, prompt_len: int) -> SamplingParams:
-        s, st, lp = request.sampling, request.stopping, request.logprobs
-        return resolve_params(
-            self.ctx.limits,
-            prompt_len,
-            temperature=s.temperature if s.HasField("temperature") else None,
-            top_p=s.top_p if s.HasField("top_p") else None,
-            top_k=s.top_k if s.HasField("top_k") else None,
-            seed=s.seed if s.HasField("seed") else None,
-            max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
-            stop=list(st.stop),
-            stop_token_ids=list(st.stop_token_ids),
-            ignore_eos=st.ignore_eos,
-            logprobs=lp.enabled,
-            top_logprobs=lp.top_logprobs,
-        )
+    def sampling(self) -> dict[str, Any]:
+        s, st, lp = self.request.sampling, self.request.stopping, self.request.logprobs
+        return {
+            "temperature": s.temperature if s.HasField("temperature") else None,
+            "top_p": s.top_p if s.HasField("top_p") else None,
+            "top_k": s.top_k if s.HasField("top_k") else None,
+            "seed": s.seed if s.HasField("seed") else None,
+            "max_tokens": st.max_tokens if st.HasField("max_tokens") else None,
+            "stop": list(st.stop),
+            "stop_token_ids": list(st.stop_token_ids),
+            "ignore_eos": st.ignore_eos,
+            "logprobs": lp.enabled,
+            "top_logprobs": lp.top_logprobs,
+        }
 
-    async def _admit(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[list[int], SamplingParams, bytes]:
-        """Checks, prompt tokens, sampling parameters and prefix-cache scope of a request
-        (RequestError if bad)."""
-        self.ctx.check_ready()
-        self.ctx.check_model(request.model)
-        scope = self.cache_scope(context, request.cache_salt if request.HasField("cache_salt") else None)
-        prompt = await self._prompt(request)
-        return prompt, self._params(request, len(prompt)), scope
 
+class TandemServicer(Servicer, pb_grpc.TandemServicer):
     def _trace(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
     ) -> RequestTrace:
@@ -110,12 +122,12 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GenerateResponse:
-        request_id = request.request_id or uuid.uuid4().hex  # the proto: "echoed; generated when empty"
+        request_id = _echoed_id(request)
         try:
             with self._trace(request, context, "Generate") as trace:
-                prompt, params, scope = await self._admit(request, context)
-                trace.admitted(request_id, len(prompt), params, stream=False)
-                merged = await self.ctx.generate_all(prompt, params, context.time_remaining(), scope)
+                admitted = await self.admit(context, _Generation(request))
+                trace.admitted(request_id, len(admitted.prompt_ids), admitted.params, stream=False)
+                merged = await self.ctx.generate_all(admitted, context.time_remaining())
                 trace.chunk(merged)
         except RequestError as err:
             await abort(context, err)
@@ -126,14 +138,12 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = _echoed_id(request)
         try:
             with self._trace(request, context, "GenerateStream") as trace:
-                prompt, params, scope = await self._admit(request, context)
-                trace.admitted(request_id, len(prompt), params, stream=True)
-                time_left = context.time_remaining()
-                stream = self.ctx.generate(prompt, params, time_left, scope)
-                async for chunk in stream:
+                admitted = await self.admit(context, _Generation(request))
+                trace.admitted(request_id, len(admitted.prompt_ids), admitted.params, stream=True)
+                async for chunk in self.ctx.generate(admitted, context.time_remaining()):
                     trace.chunk(chunk)
                     yield self._response(request_id, chunk)
         except RequestError as err:

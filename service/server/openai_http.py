@@ -25,8 +25,6 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive
 
 from ..engine.errors import RequestError, invalid
-from ..engine.sampling_params import SamplingParams
-from ..engine.validation import resolve_params
 from ..telemetry.requests import RequestTelemetry, RequestTrace
 from . import sse
 from .auth import TokenFile, bearer_token
@@ -223,22 +221,6 @@ class OpenAIApi:
         request.state.request_id = rid
         return rid
 
-    async def _admit(
-        self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest, token: bytes | None
-    ) -> tuple[list[int], SamplingParams, bytes]:
-        """The prompt's tokens, the sampling parameters and the prefix-cache scope (from the caller's
-        bearer token `token` and the body's `cache_salt`); RequestError if the request is not valid."""
-        ctx.check_ready()
-        ctx.check_model(body.model or "")
-        body.check()
-        scope = ctx.cache_scope(token, body.cache_salt)
-        if isinstance(body, ChatCompletionRequest):
-            prompt = await ctx.encode_chat(body.chat())
-        else:
-            single = body.single_prompt()
-            prompt = await ctx.encode_text(single) if isinstance(single, str) else list(single)
-        return prompt, resolve_params(ctx.limits, len(prompt), **body.sampling()), scope
-
     def _response(
         self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest, rid: str
     ) -> ChatResponse | CompletionResponse:
@@ -294,9 +276,9 @@ class OpenAIApi:
         token: bytes | None,
     ) -> GenerationChunk:
         with trace:
-            prompt, params, scope = await self._admit(ctx, body, token)
-            trace.admitted(response_id, len(prompt), params, stream=False)
-            done = await ctx.generate_all(prompt, params, scope=scope)
+            admitted = await ctx.admit(body, token)
+            trace.admitted(response_id, len(admitted.prompt_ids), admitted.params, stream=False)
+            done = await ctx.generate_all(admitted)
             trace.chunk(done)
         return done
 
@@ -315,9 +297,9 @@ class OpenAIApi:
         usage = body.include_usage
         try:
             with trace:
-                prompt, params, scope = await self._admit(ctx, body, token)
-                trace.admitted(out.id, len(prompt), params, stream=True)
-                async for chunk in ctx.generate(prompt, params, scope=scope):
+                admitted = await ctx.admit(body, token)
+                trace.admitted(out.id, len(admitted.prompt_ids), admitted.params, stream=True)
+                async for chunk in ctx.generate(admitted):
                     trace.chunk(chunk)
                     last = chunk
                     yield sse.event(out.stream_chunk(chunk, usage))

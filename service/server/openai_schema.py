@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..engine.errors import ErrorKind, RequestError
+from .context import Chat
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's when a request names none (the native API's default is greedy)
 
@@ -60,7 +61,7 @@ class ChatMessage(_Body):
 
 
 class _Request(_Body):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. A body is what admission reads (context.WireRequest)."""
 
     model: str | None = None  # None: the served model (OpenAI requires it; vLLM does not)
     stream: bool | None = False
@@ -139,12 +140,12 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
 
-    def chat(self) -> list[dict[str, str]]:
+    def prompt_input(self) -> Chat:
         """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
-        return [
+        return Chat([
             {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
             for i, m in enumerate(self.messages)
-        ]
+        ])
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -171,7 +172,7 @@ class CompletionRequest(_Request):
         if self.logprobs is not None and self.logprobs < 0:
             raise InvalidField("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompt_input(self) -> str | list[int]:
         """The one prompt: text or token ids (a list of several prompts is refused, as n > 1 is)."""
         p = self.prompt
         if isinstance(p, str):

@@ -1,4 +1,4 @@
-"""What the native and KServe servicers share: the model context, telemetry and message limit."""
+"""What the native and KServe servicers share: the model context, admission, telemetry and message limit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import grpc
 
 from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .auth import presented_token
-from .context import ContextHolder, ModelContext
+from .context import Admitted, ContextHolder, ModelContext, WireRequest
 
 
 class Servicer:
@@ -22,10 +22,10 @@ class Servicer:
         """The served model; UNAVAILABLE (RequestError) while it is still loading."""
         return self.holder.get()
 
-    def cache_scope(self, context: grpc.aio.ServicerContext, salt: str | None) -> bytes:
-        """A call's prefix-cache scope: its bearer token (where the server isolates tenants) and the
-        request's `cache_salt` (INVALID_ARGUMENT, as RequestError, if that is not a valid one)."""
-        return self.ctx.cache_scope(presented_token(context.invocation_metadata()), salt)
+    async def admit(self, context: grpc.aio.ServicerContext, request: WireRequest) -> Admitted:
+        """Admit a call's request or refuse it (RequestError): ModelContext.admit, the caller known by
+        the call's bearer token."""
+        return await self.ctx.admit(request, presented_token(context.invocation_metadata()))
 
     def trace(self, context: grpc.aio.ServicerContext, rpc_method: str, operation: str) -> RequestTrace:
         """The telemetry of one generation call, joined to the caller's trace context."""
