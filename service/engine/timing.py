@@ -1,5 +1,5 @@
-"""The engine's timing records: when a step ran and its stages, when a request reached its milestones,
-and the share of a window the device spent idle. Telemetry reads these; the engine imports no telemetry.
+"""The engine's timing records: when a step ran and its stages, and the share of a window the device
+spent idle. Telemetry reads these; the engine imports no telemetry.
 """
 
 from __future__ import annotations
@@ -41,16 +41,6 @@ class StepTiming:
         if not intervals:
             return None
         return min(s for s, _ in intervals), max(e for _, e in intervals)
-
-
-@dataclass
-class RequestTimes:
-    """When the front saw a request's milestones, wall clock (time.time() seconds); None = not yet."""
-
-    arrival: float  # the front accepted the request and sent it to the engine
-    scheduled: float | None = None  # the first engine step that computed any of its prompt began
-    first_token: float | None = None  # the front handed its first generated token on
-    last_token: float | None = None  # ... and its last one so far
 
 
 class IdleTracker:

@@ -20,8 +20,17 @@ from ..engine.errors import ErrorKind, RequestError
 from ..engine.outputs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import FinishReason
-from ..engine.timing import RequestTimes
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@dataclass
+class RequestTimes:
+    """When the front saw a request's milestones, wall clock (time.time() seconds); None = not yet."""
+
+    arrival: float  # the front accepted the request and sent it to the engine
+    scheduled: float | None = None  # the first engine step that computed any of its prompt began
+    first_token: float | None = None  # the front handed its first generated token on
+    last_token: float | None = None  # ... and its last one so far
 
 
 @dataclass

@@ -21,13 +21,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ..engine.errors import RequestError
 from ..engine.sampling_params import SamplingParams
-from ..engine.timing import RequestTimes
 from ..ipc import messages as m
 from ..settings import ServerSettings
 from .otel import SCOPE, tracer_provider
 
 if TYPE_CHECKING:  # the front's chunk type: server/ imports telemetry, never the other way
-    from ..server.request_stream import GenerationChunk
+    from ..server.request_stream import GenerationChunk, RequestTimes
 
 
 def _ns(seconds: float) -> int:
