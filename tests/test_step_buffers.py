@@ -42,6 +42,7 @@ def test_decode_step_padded_to_a_graph_bucket():
     assert d["slot_mapping"][3].item() == 32 * 4  # padding row writes the scratch block
     assert d["block_table"][3, 0].item() == 32
     assert d["temperature"][:4].tolist() == [0.0, 0.699999988079071, 0.0, 0.0]  # padding is greedy
+    assert d["logits_indices"][:4].tolist() == d["decode_idx"][:4].tolist() == [0, 1, 2, 3]  # own rows
     for i, c in enumerate(chunks):  # each decode row reads its own blocks
         assert d["block_table"][i, : len(c.seq.block_ids)].tolist() == list(c.seq.block_ids)
     assert dev.block_table.shape == (3, batch.decode_block_table.shape[1])
@@ -56,6 +57,23 @@ def test_mixed_step_keeps_exact_sizes():
     dev = buf.upload(batch)
     assert dev.input_ids.tolist() == list(range(5)) and dev.carry.tolist() == [-1] * 5
     assert dev.logits_indices.tolist() == [4] and dev.block_table.shape[0] == 0
+    keep = buf.padded_logits_indices(1, 2)  # the compiled prefill's two rows, in the slot's own buffer
+    assert keep.tolist() == [4, 0] and keep.data_ptr() == dev.logits_indices.data_ptr()
+
+
+def test_capture_starts_every_device_row_as_a_padding_row():
+    """Before graph capture (which runs whole buckets before any step has uploaded), every device
+    row touches only the scratch block: its cache slot, a one-token context in it, no carry."""
+    buf = StepBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"),
+                      scratch_block=32, block_size=4)
+    for t in buf.dev.values():
+        t.fill_(5)  # whatever was there
+    buf.pad_device_rows()
+    d = buf.dev
+    assert d["slot_mapping"].tolist() == [32 * 4] * 16 and d["carry"].tolist() == [-1] * 16
+    assert d["block_table"][:, 0].tolist() == [32] * 8 and d["ctx_lens"].tolist() == [1] * 8
+    assert d["logits_indices"].tolist() == d["decode_idx"].tolist() == list(range(8))
+    assert d["temperature"].tolist() == [0.0] * 8 and d["top_p"].tolist() == [1.0] * 8
 
 
 def test_staged_tensors_keep_their_buffers_and_grow_when_a_step_needs_more():

@@ -56,7 +56,7 @@ class DecodeGraphs:
     def _step(self, s: int, b: int, sampled: bool) -> torch.Tensor:
         buf = self.slots[s]
         prev = self.slots[(s + 1) % len(self.slots)]  # the previous step ran in the other slot
-        dev = buf.view(b, b, b, buf.dev["block_table"].shape[1], all_greedy=not sampled)
+        dev = buf.view(b, b, b, buf.max_blocks, all_greedy=not sampled)
         meta = decode_metadata(dev, self.cache, self.rotary)
         input_ids = carry_over(dev.input_ids, dev.carry, prev.tokens)
         return forward_and_sample(self.forward, input_ids, dev, meta, 0, buf.tokens[:b])[0]
@@ -65,10 +65,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Largest bucket first, so smaller graphs reuse its memory from the shared pool."""
         for buf in self.slots:  # every row starts as a padding row
-            buf.dev["slot_mapping"].fill_(buf.scratch_slot)
-            buf.dev["block_table"][:, 0].fill_(buf.scratch_block)
-            buf.dev["ctx_lens"].fill_(1)
-            buf.dev["carry"].fill_(-1)
+            buf.pad_device_rows()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

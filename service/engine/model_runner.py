@@ -178,7 +178,7 @@ class ModelRunner:
 
             heads = self.model.config.get_text_config().num_attention_heads
             compile_step_variants(self.cache.k[0], self.cache.v[0], self.block_size, heads,
-                                  self.slots[0].dev["block_table"].shape[1])
+                                  self.slots[0].max_blocks)
         if self.graphs is not None:
             self.graphs.capture()
 
@@ -267,9 +267,7 @@ class ModelRunner:
             # 0 and 1 rows are sizes the compiler specialises on: pad to 2 (row 0, dropped
             # below) so that no step with one prompt or none sampling compiles another graph;
             # padded in the slot's own buffer, so the tensor is of the same kind as unpadded ones
-            rows = self.slots[s].dev["logits_indices"]
-            rows[len(keep) : 2].zero_()
-            keep = rows[:2]
+            keep = self.slots[s].padded_logits_indices(len(keep), 2)
         forward = self.decode_forward if meta.decode_only else self.prefill_forward
         return forward_and_sample(forward, input_ids, dev, meta, keep, tokens)[1]
 

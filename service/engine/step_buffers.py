@@ -7,46 +7,84 @@ read its inputs and write its sampled tokens without any per-step allocation.
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Literal
+
 import torch
 
 from .batch import DeviceBatch, HostBatch, SamplingTensors
 
-_PER_DECODE = ("decode_idx", "ctx_lens")
+# which of a step's counts a buffer's rows follow: packed tokens, sampled rows or decode rows
+Rows = Literal["tokens", "seqs", "decodes"]
+
+
+class Pad(enum.Enum):
+    """Padding values that depend on the slot or the row rather than being constants."""
+
+    SCRATCH_SLOT = enum.auto()  # the scratch block's first cache slot: K/V written where no sequence reads
+    SCRATCH_BLOCK = enum.auto()  # a block table whose first block is the scratch block
+    OWN_ROW = enum.auto()  # the padding row's own index: in range, and its own token
+
+
+@dataclass(frozen=True)
+class Field:
+    """One buffer of a slot: a field of DeviceBatch (or of its SamplingTensors), staged from the
+    HostBatch attribute `source`."""
+
+    name: str
+    dtype: torch.dtype
+    rows: Rows
+    pad: float | Pad  # what a graph's padding rows hold: inputs that touch only the scratch block
+    source: str  # attribute path in HostBatch
+    wide: bool = False  # [rows, max_blocks], of which a step uses its own columns
+
+    @property
+    def sampling(self) -> bool:
+        """A field of the batch's SamplingTensors."""
+        return self.source.startswith("sampling.")
+
+    def read(self, batch: HostBatch) -> torch.Tensor | None:
+        value = attrgetter(self.source)(batch)
+        return torch.tensor(value, dtype=self.dtype) if isinstance(value, list) else value
+
+
+# every buffer of a slot, in the order the upload copies them
+FIELDS = (
+    Field("input_ids", torch.int64, "tokens", 0, "input_ids"),
+    Field("positions", torch.int64, "tokens", 0, "positions"),
+    Field("slot_mapping", torch.int64, "tokens", Pad.SCRATCH_SLOT, "slot_mapping"),
+    Field("carry", torch.int64, "tokens", -1, "carry"),  # -1: not carried
+    Field("logits_indices", torch.int64, "seqs", Pad.OWN_ROW, "logits_indices"),
+    Field("decode_idx", torch.int64, "decodes", Pad.OWN_ROW, "decode_token_idx"),
+    Field("ctx_lens", torch.int32, "decodes", 1, "decode_ctx_lens"),  # one token: the scratch slot
+    Field("temperature", torch.float32, "seqs", 0.0, "sampling.temperature"),  # greedy
+    Field("top_p", torch.float32, "seqs", 1.0, "sampling.top_p"),
+    Field("top_k", torch.int64, "seqs", 0, "sampling.top_k"),
+    Field("seeds", torch.int64, "seqs", 0, "sampling.seeds"),
+    Field("steps", torch.int64, "seqs", 0, "sampling.steps"),
+    Field("block_table", torch.int32, "decodes", Pad.SCRATCH_BLOCK, "decode_block_table", wide=True),
+)
 
 
 class StepBuffers:
-    # (name, dtype, rows: "tokens" | "seqs", padding value of unused graph rows)
-    _VECTORS = (
-        ("input_ids", torch.int64, "tokens"),
-        ("positions", torch.int64, "tokens"),
-        ("slot_mapping", torch.int64, "tokens"),
-        ("carry", torch.int64, "tokens"),
-        ("logits_indices", torch.int64, "seqs"),
-        ("decode_idx", torch.int64, "seqs"),
-        ("ctx_lens", torch.int32, "seqs"),
-        ("temperature", torch.float32, "seqs"),
-        ("top_p", torch.float32, "seqs"),
-        ("top_k", torch.int64, "seqs"),
-        ("seeds", torch.int64, "seqs"),
-        ("steps", torch.int64, "seqs"),
-    )
-
     def __init__(
         self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, scratch_block: int,
         block_size: int,
     ) -> None:
         self.device = device
+        self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
         pin = device.type == "cuda"
-        sizes = {"tokens": max(max_tokens, max_seqs), "seqs": max_seqs}
+        sizes = {"tokens": max(max_tokens, max_seqs), "seqs": max_seqs, "decodes": max_seqs}
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
-        for name, dtype, rows in self._VECTORS:
-            self.host[name] = torch.zeros(sizes[rows], dtype=dtype, pin_memory=pin)
-            self.dev[name] = torch.zeros(sizes[rows], dtype=dtype, device=device)
-        self.host["block_table"] = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.dev["block_table"] = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        for f in FIELDS:
+            shape = (sizes[f.rows], max_blocks) if f.wide else (sizes[f.rows],)
+            self.host[f.name] = torch.zeros(shape, dtype=f.dtype, pin_memory=pin)
+            self.dev[f.name] = torch.zeros(shape, dtype=f.dtype, device=device)
         # the step's sampled tokens: the next step's carried inputs read them on the device
         self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.tokens_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
@@ -77,53 +115,50 @@ class StepBuffers:
         n_tok = len(batch.input_ids)
         n_seq = len(batch.logits_indices)
         n_dec = len(batch.decode_token_idx)
-        s = batch.sampling
-        values = {
-            "input_ids": batch.input_ids,
-            "positions": batch.positions,
-            "slot_mapping": batch.slot_mapping,
-            "carry": batch.carry,
-            "logits_indices": batch.logits_indices,
-            "decode_idx": torch.tensor(batch.decode_token_idx, dtype=torch.int64),
-            "ctx_lens": batch.decode_ctx_lens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "seeds": s.seeds,
-            "steps": s.steps,
-        }
-        rows = {"tokens": n_tok, "seqs": n_seq}
-        padded = {"tokens": pad_to or n_tok, "seqs": pad_to or n_seq}
+        in_use = {"tokens": n_tok, "seqs": n_seq, "decodes": n_dec}
         h = self.host
-        for name, _, kind in self._VECTORS:
-            n = n_dec if name in _PER_DECODE else rows[kind]
-            src = values[name]
+        for f in FIELDS:
+            staged = h[f.name][: in_use[f.rows]]
+            src = f.read(batch)
             if src is None:  # nothing carried
-                h[name][:n].fill_(-1)
+                staged.fill_(-1)
+            elif f.wide:  # the step's columns; the kernels read a row up to its context only
+                staged[:, : src.shape[1]].copy_(src)
             else:
-                h[name][:n].copy_(src)
-        if batch.decode_block_table is not None:
-            width = batch.decode_block_table.shape[1]
-            h["block_table"][:n_dec, :width].copy_(batch.decode_block_table)
+                staged.copy_(src)
         if pad_to is not None and pad_to > n_tok:
-            pad = slice(n_tok, pad_to)
-            for name, fill in (
-                ("input_ids", 0), ("positions", 0), ("slot_mapping", self.scratch_slot), ("carry", -1),
-                ("ctx_lens", 1), ("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("seeds", 0),
-                ("steps", 0),
-            ):
-                h[name][pad].fill_(fill)
-            h["logits_indices"][pad].copy_(torch.arange(n_tok, pad_to))
-            h["decode_idx"][pad].copy_(torch.arange(n_tok, pad_to))
-            h["block_table"][pad, 0].fill_(self.scratch_block)
-        for name, _, kind in self._VECTORS:
-            n = (pad_to or n_dec) if name in _PER_DECODE else padded[kind]
-            self.dev[name][:n].copy_(h[name][:n], non_blocking=True)
-        n_rows = pad_to or n_dec
-        if n_rows:
-            self.dev["block_table"][:n_rows].copy_(h["block_table"][:n_rows], non_blocking=True)
+            self._pad(h, slice(n_tok, pad_to))
+        for f in FIELDS:
+            n = pad_to or in_use[f.rows]
+            self.dev[f.name][:n].copy_(h[f.name][:n], non_blocking=True)
         width = batch.decode_block_table.shape[1] if batch.decode_block_table is not None else 0
+        s = batch.sampling
         return self.view(n_tok, n_seq, n_dec, width, s.all_greedy, s.needs_filter, s.num_logprobs)
+
+    def pad_device_rows(self) -> None:
+        """Make every device row a padding row: graph capture runs whole buckets before any step
+        has uploaded its inputs."""
+        self._pad(self.dev, slice(0, None))
+
+    def _pad(self, buffers: dict[str, torch.Tensor], rows: slice) -> None:
+        """Write each field's padding value into these rows of `buffers` (the host's or the device's)."""
+        for f in FIELDS:
+            t = buffers[f.name][rows]
+            if f.pad is Pad.OWN_ROW:
+                t.copy_(torch.arange(rows.start, rows.start + len(t), device=t.device))
+            elif f.pad is Pad.SCRATCH_SLOT:
+                t.fill_(self.scratch_slot)
+            elif f.pad is Pad.SCRATCH_BLOCK:
+                t[:, 0].fill_(self.scratch_block)
+            else:
+                t.fill_(f.pad)
+
+    def padded_logits_indices(self, n_seq: int, rows: int) -> torch.Tensor:
+        """The step's `n_seq` sampled rows' indexes, padded with index 0 up to `rows`, in this
+        slot's own device buffer (so the tensor is of the same kind as an unpadded step's)."""
+        buffer = self.dev["logits_indices"]
+        buffer[n_seq:rows].zero_()
+        return buffer[:rows]
 
     def view(
         self,
@@ -136,25 +171,15 @@ class StepBuffers:
         num_logprobs: int = -1,
     ) -> DeviceBatch:
         """The first rows of the device buffers; `width`: block-table columns in use."""
-        d = self.dev
+        in_use = {"tokens": n_tok, "seqs": n_seq, "decodes": n_dec}
+        views: dict[str, torch.Tensor] = {}
+        for f in FIELDS:
+            t = self.dev[f.name][: in_use[f.rows]]
+            views[f.name] = t[:, :width] if f.wide else t
         sampling = SamplingTensors(
-            temperature=d["temperature"][:n_seq],
-            top_p=d["top_p"][:n_seq],
-            top_k=d["top_k"][:n_seq],
-            seeds=d["seeds"][:n_seq],
-            steps=d["steps"][:n_seq],
+            **{f.name: views[f.name] for f in FIELDS if f.sampling},
             all_greedy=all_greedy,
             needs_filter=needs_filter,
             num_logprobs=num_logprobs,
         )
-        return DeviceBatch(
-            input_ids=d["input_ids"][:n_tok],
-            positions=d["positions"][:n_tok],
-            slot_mapping=d["slot_mapping"][:n_tok],
-            carry=d["carry"][:n_tok],
-            logits_indices=d["logits_indices"][:n_seq],
-            decode_idx=d["decode_idx"][:n_dec],
-            block_table=d["block_table"][:n_dec, :width],
-            ctx_lens=d["ctx_lens"][:n_dec],
-            sampling=sampling,
-        )
+        return DeviceBatch(**{f.name: views[f.name] for f in FIELDS if not f.sampling}, sampling=sampling)
