@@ -8,6 +8,8 @@ read its inputs and write its sampled tokens without any per-step allocation.
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Literal
@@ -40,13 +42,17 @@ class Field:
     source: str  # attribute path in HostBatch
     wide: bool = False  # [rows, max_blocks], of which a step uses its own columns
 
-    @property
+    @functools.cached_property
     def sampling(self) -> bool:
         """A field of the batch's SamplingTensors."""
         return self.source.startswith("sampling.")
 
+    @functools.cached_property
+    def _get(self) -> Callable[[HostBatch], object]:
+        return attrgetter(self.source)
+
     def read(self, batch: HostBatch) -> torch.Tensor | None:
-        value = attrgetter(self.source)(batch)
+        value = self._get(batch)
         return torch.tensor(value, dtype=self.dtype) if isinstance(value, list) else value
 
 
@@ -130,7 +136,8 @@ class StepBuffers:
             self._pad(h, slice(n_tok, pad_to))
         for f in FIELDS:
             n = pad_to or in_use[f.rows]
-            self.dev[f.name][:n].copy_(h[f.name][:n], non_blocking=True)
+            if n:  # no empty copies: each is a call into torch
+                self.dev[f.name][:n].copy_(h[f.name][:n], non_blocking=True)
         width = batch.decode_block_table.shape[1] if batch.decode_block_table is not None else 0
         s = batch.sampling
         return self.view(n_tok, n_seq, n_dec, width, s.all_greedy, s.needs_filter, s.num_logprobs)
@@ -172,14 +179,10 @@ class StepBuffers:
     ) -> DeviceBatch:
         """The first rows of the device buffers; `width`: block-table columns in use."""
         in_use = {"tokens": n_tok, "seqs": n_seq, "decodes": n_dec}
-        views: dict[str, torch.Tensor] = {}
+        batch: dict[str, torch.Tensor] = {}
+        sampling: dict[str, torch.Tensor] = {}
         for f in FIELDS:
             t = self.dev[f.name][: in_use[f.rows]]
-            views[f.name] = t[:, :width] if f.wide else t
-        sampling = SamplingTensors(
-            **{f.name: views[f.name] for f in FIELDS if f.sampling},
-            all_greedy=all_greedy,
-            needs_filter=needs_filter,
-            num_logprobs=num_logprobs,
-        )
-        return DeviceBatch(**{f.name: views[f.name] for f in FIELDS if not f.sampling}, sampling=sampling)
+            (sampling if f.sampling else batch)[f.name] = t[:, :width] if f.wide else t
+        return DeviceBatch(**batch, sampling=SamplingTensors(
+            **sampling, all_greedy=all_greedy, needs_filter=needs_filter, num_logprobs=num_logprobs))
