@@ -253,15 +253,16 @@ class EngineCore:
         updates = []
         for ci in took:
             seq = out.chunks[ci].seq
-            lp = None
-            if rows and seq.params.logprobs:
-                lp = [_logprob(result, rows[ci], seq.params.top_logprobs)]
-            update = SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token)
-            update.scheduled_at = seq.scheduled_at
-            updates.append(update)
-            if seq.num_output == 1:  # its first token
+            first = seq.num_output == 1
+            if first:
                 self.prompt_tokens += seq.prompt_len
-                update.cached_tokens = seq.cached_tokens or 0
+            lp = _logprob(result, rows[ci], seq.params.top_logprobs) if rows and seq.params.logprobs else None
+            updates.append(
+                SeqUpdate(
+                    seq.request_id, sampled[ci], lp, seq.finish_reason, seq.stop_token,
+                    first=first, scheduled_at=seq.scheduled_at, cached_tokens=seq.cached_tokens or 0,
+                )
+            )
         self.generated_tokens += len(updates)
         return updates
 
@@ -289,7 +290,7 @@ class EngineCore:
         updates = []
         for seq in culprits:
             if self.scheduler.abort(seq.request_id) is not None:
-                updates.append(SeqUpdate(seq.request_id, [], error=f"engine step failed: {exc}"))
+                updates.append(SeqUpdate(seq.request_id, None, error=f"engine step failed: {exc}"))
         self.scheduler.quarantine([s for s in seqs if s not in culprits])
         return updates
 
