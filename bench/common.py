@@ -96,7 +96,7 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
         for update in updates:
             if update.error:
                 raise RuntimeError(f"{update.request_id}: {update.error}")
-            outputs[update.request_id] += update.new_token_ids
+            outputs[update.request_id].append(update.token)
         if core.steps == before and not core.step_in_flight:
             raise RuntimeError("the scheduler scheduled nothing while work was pending")
         step_times.append(1e3 * (time.perf_counter() - step_start))

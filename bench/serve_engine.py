@@ -73,7 +73,7 @@ def run_level(core: EngineCore, jobs: list[dict], concurrency: int | None) -> di
             else:
                 rec["itl"].append(now - rec["_last"])
             rec["_last"] = now
-            rec["tokens"] += len(u.new_token_ids)
+            rec["tokens"] += 1
             rec["messages"] += 1
             if u.finish_reason is not None:
                 rec["end"] = now

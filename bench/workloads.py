@@ -236,7 +236,7 @@ def run(
             else:
                 itl.append(now - last[u.request_id])
             last[u.request_id] = now
-            outputs[u.request_id] += u.new_token_ids
+            outputs[u.request_id].append(u.token)
     sync(core.runner.device)
     seconds = time.perf_counter() - start
     allocator = {k: v - counted[k] for k, v in allocator_counters(core.runner.device).items()}

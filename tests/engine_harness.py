@@ -86,13 +86,15 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
         result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))
         updates = core.run_once()
         for u in updates:
-            if not result.tokens[u.request_id]:
-                result.cached[u.request_id] = u.cached_tokens
-            result.tokens[u.request_id] += u.new_token_ids
-            if u.finish_reason is not None:
-                result.finish[u.request_id] = u.finish_reason.value
             if u.error:
                 result.errors[u.request_id] = u.error
+                continue
+            assert u.first == (not result.tokens[u.request_id]), "`first` marks a request's first token only"
+            if u.first:
+                result.cached[u.request_id] = u.cached_tokens
+            result.tokens[u.request_id].append(u.token)
+            if u.finish_reason is not None:
+                result.finish[u.request_id] = u.finish_reason.value
         step += 1
     result.steps = step
     result.preemptions = sum(s.num_preemptions for s in seqs.values())

@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .model_runner import LaunchedStep, ModelRunner, StepResult
+from .model_runner import LaunchedStep, ModelRunner
 from .outputs import EngineStats, SeqUpdate, TokenLogprob
+from .sampler import SampleOutput
 from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -190,7 +191,7 @@ class EngineCore:
             self.runner.move_blocks(out.moves)
         return out
 
-    def _complete(self, launched: InFlight, result: StepResult) -> list[SeqUpdate]:
+    def _complete(self, launched: InFlight, result: SampleOutput[list]) -> list[SeqUpdate]:
         """Both loops' tail: count the step's busy time, report its timing, hand out its tokens."""
         end = time.monotonic()
         busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
@@ -198,7 +199,7 @@ class EngineCore:
             busy = end - max(launched.started, self._last_end)
         self._count_step(busy, end)
         self._observe(launched.out, launched.step, launched.scheduled)
-        return self._process(launched.out, result)
+        return self._process(launched.out, launched.step.batch.sample_chunks, result)
 
     def _count_step(self, busy: float, end: float) -> None:
         """A finished step that kept the device busy for `busy` seconds up to `end`."""
@@ -241,24 +242,27 @@ class EngineCore:
                 log.exception("step observer failed; later failures are not logged")
                 self._observer_failed = True
 
-    def _process(self, out: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
-        sampled = dict(zip(result.sample_chunks, result.tokens, strict=True))
+    def _process(
+        self, out: SchedulerOutput, sample_chunks: list[int], result: SampleOutput[list]
+    ) -> list[SeqUpdate]:
+        """Hand the step's tokens to their sequences; an update for each sequence that took one.
+        `sample_chunks`: the chunk index of each of `result`'s rows."""
+        sampled = dict(zip(sample_chunks, result.tokens, strict=True))
         took = self.scheduler.finish_step(out, sampled)
-        rows = {ci: row for row, ci in enumerate(result.sample_chunks)} if result.logprobs is not None else {}
+        rows = {ci: row for row, ci in enumerate(sample_chunks)} if result.logprobs is not None else {}
         updates = []
         for ci in took:
             seq = out.chunks[ci].seq
-            lp = None
-            if rows and seq.params.logprobs:
-                row = rows[ci]
-                top = result.top[row][: seq.params.top_logprobs] if result.top else []
-                lp = [TokenLogprob(result.logprobs[row], top)]
-            update = SeqUpdate(seq.request_id, [sampled[ci]], lp, seq.finish_reason, seq.stop_token)
-            update.scheduled_at = seq.scheduled_at
-            updates.append(update)
-            if seq.num_output == 1:  # its first token
+            first = seq.num_output == 1
+            if first:
                 self.prompt_tokens += seq.prompt_len
-                update.cached_tokens = seq.cached_tokens or 0
+            lp = _logprob(result, rows[ci], seq.params.top_logprobs) if rows and seq.params.logprobs else None
+            updates.append(
+                SeqUpdate(
+                    seq.request_id, sampled[ci], lp, seq.finish_reason, seq.stop_token,
+                    first=first, scheduled_at=seq.scheduled_at, cached_tokens=seq.cached_tokens or 0,
+                )
+            )
         self.generated_tokens += len(updates)
         return updates
 
@@ -286,6 +290,14 @@ class EngineCore:
         updates = []
         for seq in culprits:
             if self.scheduler.abort(seq.request_id) is not None:
-                updates.append(SeqUpdate(seq.request_id, [], error=f"engine step failed: {exc}"))
+                updates.append(SeqUpdate(seq.request_id, None, error=f"engine step failed: {exc}"))
         self.scheduler.quarantine([s for s in seqs if s not in culprits])
         return updates
+
+
+def _logprob(result: SampleOutput[list], row: int, top: int) -> TokenLogprob:
+    """Row `row`'s logprob, with the `top` most likely tokens' (the step sampled at least that many)."""
+    pairs = []
+    if result.top_ids is not None:
+        pairs = list(zip(result.top_ids[row][:top], result.top_logprobs[row][:top], strict=True))
+    return TokenLogprob(result.logprobs[row], pairs)

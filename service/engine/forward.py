@@ -22,7 +22,7 @@ def forward_and_sample(
     meta: AttentionMetadata,
     keep: torch.Tensor | int,  # the rows whose logits are kept (0 = every row)
     tokens: torch.Tensor,  # [S] the slot's sampled-token buffer
-) -> tuple[torch.Tensor, SampleOutput]:
+) -> tuple[torch.Tensor, SampleOutput[torch.Tensor]]:
     """-> (the sampled rows' logits, the sample); the tokens are also copied into `tokens`."""
     with attending(meta):
         out = forward(

@@ -34,16 +34,6 @@ from .streams import Streams, on
 
 
 @dataclass
-class StepResult:
-    """Host-side results of one step, one row per sampling sequence."""
-
-    sample_chunks: list[int]
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    top: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
 class StageEvents:
     """CUDA events around each stage of a step (timing-enabled: their gaps are the stage times)."""
 
@@ -81,8 +71,8 @@ class StageEvents:
 class LaunchedStep:
     batch: HostBatch
     dev: DeviceBatch  # held until the step is done, so its buffers outlive the device's reads
-    sampled: SampleOutput  # on the device
-    host: SampleOutput  # host copies (pinned on CUDA)
+    sampled: SampleOutput[torch.Tensor]  # on the device, held until the step is done (its copies read it)
+    host: SampleOutput[torch.Tensor]  # its host copies (pinned on CUDA)
     rows: dict[int, int]  # id(sequence) -> its row in the slot's sampled tokens
     slot: int
     graph_bucket: int | None
@@ -228,10 +218,10 @@ class ModelRunner:
             if ev is not None:
                 st.d2h.wait_event(ev.compute_done)
                 ev.d2h_start.record()
-            host = SampleOutput(buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True))
-            if out.logprobs is not None:
-                host.logprobs = _to_host(out.logprobs)
-                host.top_ids, host.top_logprobs = _to_host(out.top_ids), _to_host(out.top_logprobs)
+            host = SampleOutput(
+                buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True),
+                _to_host(out.logprobs), _to_host(out.top_ids), _to_host(out.top_logprobs),
+            )
             if ev is not None:
                 ev.d2h_done.record()
         rows = {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
@@ -239,7 +229,7 @@ class ModelRunner:
 
     def _compute(
         self, batch: HostBatch, dev: DeviceBatch, s: int, bucket: int | None, prev_tokens: torch.Tensor | None
-    ) -> SampleOutput:
+    ) -> SampleOutput[torch.Tensor]:
         """Forward + sample on the current stream; the sampled tokens land in slot `s`."""
         tokens = self.slots[s].tokens[: len(batch.sample_chunks)]
         st = dev.sampling
@@ -272,19 +262,12 @@ class ModelRunner:
         return forward_and_sample(forward, input_ids, dev, meta, keep, tokens)[1]
 
     @staticmethod
-    def wait(step: LaunchedStep) -> StepResult:
-        """Block until the step's tokens are on the host: the one wait per step."""
+    def wait(step: LaunchedStep) -> SampleOutput[list]:
+        """Block until the step's tokens are on the host (the one wait per step); its sampled rows,
+        in the order of `step.batch.sample_chunks`."""
         if step.events is not None:
             step.events.d2h_done.synchronize()
-        host = step.host
-        result = StepResult(step.batch.sample_chunks, host.tokens.tolist())
-        if host.logprobs is not None:
-            result.logprobs = host.logprobs.tolist()
-            if host.top_ids is not None:
-                ids, lps = host.top_ids.tolist(), host.top_logprobs.tolist()
-                result.top = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
-        return result
-
+        return step.host.tolist()
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:

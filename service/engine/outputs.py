@@ -19,17 +19,19 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class SeqUpdate:
-    """What one step did for one request, handed to the front."""
+    """What one step did for one request, handed to the front: its new token (a step makes one per
+    request), or its failure."""
 
     request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
+    token: int | None  # None: the request failed
+    logprob: TokenLogprob | None = None  # where the request asks for logprobs
     finish_reason: FinishReason | None = None
     stop_token: int | None = None
+    first: bool = False  # its first token: the front learns `scheduled_at` and `cached_tokens` with it
+    scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its admission (usage)
     error: str | None = None  # the request failed: it ends here, with `error_kind`'s status
     error_kind: ErrorKind = ErrorKind.INTERNAL
-    scheduled_at: float | None = None  # wall clock of the request's first step (telemetry)
-    cached_tokens: int = 0  # with its first token: prompt tokens found in the prefix cache (usage)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ therefore draws the same numbers whatever else is in the batch, and no generator
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -57,15 +58,26 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+Rows = TypeVar("Rows", torch.Tensor, list)
+
+
 @dataclass
-class SampleOutput:
-    tokens: torch.Tensor  # [S] int64
-    logprobs: torch.Tensor | None = None  # [S] log-probability of the chosen token
-    top_ids: torch.Tensor | None = None  # [S, K]
-    top_logprobs: torch.Tensor | None = None  # [S, K]
+class SampleOutput(Generic[Rows]):
+    """A step's sampled rows: tensors where they are sampled and copied to the host, then lists
+    (`tolist`) for the engine core, one record in both forms."""
+
+    tokens: Rows  # [S] token ids
+    logprobs: Rows | None = None  # [S] log-probability of the chosen token
+    top_ids: Rows | None = None  # [S, K]
+    top_logprobs: Rows | None = None  # [S, K]
+
+    def tolist(self) -> SampleOutput[list]:
+        """The same rows as Python lists (of host tensors, once their copies have landed)."""
+        rows = (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
+        return SampleOutput(*(None if t is None else t.tolist() for t in rows))
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput:
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput[torch.Tensor]:
     # argmax is exact in the model's dtype (the upcast keeps order and ties): an all-greedy step
     # needs no float copy of the [rows, vocab] logits
     greedy_tokens = logits.argmax(dim=-1)

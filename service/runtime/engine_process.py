@@ -76,7 +76,6 @@ class EngineService:
         self.supervisor = supervisor
         self.decoder = m.decoder(m.ToEngine)
         self.front_of: dict[str, int] = {}  # request id -> the front that sent it
-        self.started: set[str] = set()  # requests whose first token has gone out
         self.load_queries: list[m.LoadQuery] = []
         self.deadlines: list[tuple[float, str]] = []  # a heap of (wall clock, request id)
         self._reported = (core.generated_tokens, core.prompt_tokens)
@@ -117,7 +116,6 @@ class EngineService:
         elif isinstance(msg, m.Abort):
             for request_id in msg.request_ids:
                 if self.front_of.pop(request_id, None) is not None:
-                    self.started.discard(request_id)
                     core.abort(request_id)
         elif isinstance(msg, m.LoadQuery):
             self.load_queries.append(msg)  # answered after the step and the queue bound
@@ -161,8 +159,9 @@ class EngineService:
             self._send(self.fronts[front], out)
 
     def _send_outputs(self, updates: list[SeqUpdate]) -> None:
+        """The step's updates in columns, one message per front (StepOutputs)."""
         by_front: dict[int, m.StepOutputs] = {}
-        front_of, started = self.front_of, self.started
+        front_of = self.front_of
         for u in updates:
             rid = u.request_id
             front = front_of.get(rid)
@@ -174,21 +173,17 @@ class EngineService:
             if u.error is not None:
                 out.failed.append((rid, u.error_kind, u.error))
                 del front_of[rid]
-                started.discard(rid)
                 continue
             row = len(out.request_ids)
             out.request_ids.append(rid)
-            (token,) = u.new_token_ids  # a step makes one token per request
-            out.tokens.append(token)
-            if rid not in started:
-                started.add(rid)
+            out.tokens.append(u.token)
+            if u.first:
                 out.started.append((row, u.scheduled_at, u.cached_tokens))
-            if u.logprobs:
-                out.logprobs.append((row, u.logprobs[0]))
+            if u.logprob is not None:
+                out.logprobs.append((row, u.logprob))
             if u.finish_reason is not None:
                 out.finished.append((row, u.finish_reason, u.stop_token))
                 del front_of[rid]
-                started.discard(rid)
         for front, out in by_front.items():
             self._send(self.fronts[front], out)
 
