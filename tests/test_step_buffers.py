@@ -30,7 +30,7 @@ def _decode_step() -> tuple[list, dict[int, int]]:
 def test_decode_step_padded_to_a_graph_bucket():
     chunks, rows = _decode_step()
     batch = build_host_batch(chunks, 4, prev_rows=rows)
-    buf = StepBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"),
+    buf = StepBuffers(max_num_batched_tokens=16, max_num_seqs=8, max_blocks=8, device=torch.device("cpu"),
                       scratch_block=32, block_size=4)
     buf.dev["carry"].fill_(123)  # stale values from an earlier step must not leak through
     dev = buf.upload(batch, pad_to=4)
@@ -64,7 +64,7 @@ def test_mixed_step_keeps_exact_sizes():
 def test_capture_starts_every_device_row_as_a_padding_row():
     """Before graph capture (which runs whole buckets before any step has uploaded), every device
     row touches only the scratch block: its cache slot, a one-token context in it, no carry."""
-    buf = StepBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"),
+    buf = StepBuffers(max_num_batched_tokens=16, max_num_seqs=8, max_blocks=8, device=torch.device("cpu"),
                       scratch_block=32, block_size=4)
     for t in buf.dev.values():
         t.fill_(5)  # whatever was there
@@ -79,7 +79,7 @@ def test_capture_starts_every_device_row_as_a_padding_row():
 def test_staged_tensors_keep_their_buffers_and_grow_when_a_step_needs_more():
     """`stage` (the packed prompt chunks' indexes): each name has its own buffers, reused at the
     same address while a step's tensor fits, grown for a larger one; shapes and values survive."""
-    buf = StepBuffers(max_tokens=16, max_seqs=8, max_blocks=8, device=torch.device("cpu"),
+    buf = StepBuffers(max_num_batched_tokens=16, max_num_seqs=8, max_blocks=8, device=torch.device("cpu"),
                       scratch_block=32, block_size=4)
     first = buf.stage("index", torch.arange(10, dtype=torch.int64))
     offsets = buf.stage("offsets", torch.tensor([[0, 3, 10], [0, 5, 20]], dtype=torch.int32))

@@ -34,14 +34,13 @@ class DecodeGraphs:
         forward: Callable[..., object],
         cache: KVCache,
         slots: list[StepBuffers],
-        max_batch: int,
         rotary: DeferredRotary | None = None,
     ) -> None:
         self.forward = forward  # the deferred model (or the model), or its torch.compile'd form
         self.rotary = rotary  # where the deferred model leaves the rotary embedding to the op
         self.cache = cache
         self.slots = slots
-        self.buckets = buckets_up_to(max_batch)
+        self.buckets = buckets_up_to(slots[0].max_num_seqs)  # a bucket's rows fit in the slots
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         # per slot: the greedy graphs' logits, for samplers a graph does not hold (made at capture)

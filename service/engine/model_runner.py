@@ -156,9 +156,7 @@ class ModelRunner:
         if config.cuda_graphs and self.in_place_decode:
             from .cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(
-                self.decode_forward, cache, self.slots, config.max_num_seqs, self.rotary
-            )
+            self.graphs = DecodeGraphs(self.decode_forward, cache, self.slots, self.rotary)
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs and compile the mixed steps' decode kernels (warm-up time,

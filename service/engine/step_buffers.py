@@ -76,15 +76,21 @@ FIELDS = (
 
 class StepBuffers:
     def __init__(
-        self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device, scratch_block: int,
-        block_size: int,
+        self, max_num_batched_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device,
+        scratch_block: int, block_size: int,
     ) -> None:
+        """Rows for a step of up to `max_num_batched_tokens` tokens and `max_num_seqs` sequences
+        (the runner's: its config's; a test's or a benchmark's: one step's own), each sequence's
+        block table `max_blocks` wide."""
         self.device = device
+        self.max_num_seqs = max_num_seqs
         self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
         pin = device.type == "cuda"
-        sizes = {"tokens": max(max_tokens, max_seqs), "seqs": max_seqs, "decodes": max_seqs}
+        sizes = {
+            "tokens": max(max_num_batched_tokens, max_num_seqs), "seqs": max_num_seqs, "decodes": max_num_seqs
+        }
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
         for f in FIELDS:
@@ -92,8 +98,8 @@ class StepBuffers:
             self.host[f.name] = torch.zeros(shape, dtype=f.dtype, pin_memory=pin)
             self.dev[f.name] = torch.zeros(shape, dtype=f.dtype, device=device)
         # the step's sampled tokens: the next step's carried inputs read them on the device
-        self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self.tokens_host = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin)
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.tokens_host = torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin)
         self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stage(): name -> (host, device)
 
     def stage(self, name: str, values: torch.Tensor) -> torch.Tensor:
