@@ -4,6 +4,12 @@ Each field keeps one name from the server's setting (settings.py) down to the co
 The fields whose names differ hold something the factory resolves from settings: `num_blocks` (from
 `num_kv_blocks` or the memory budgets), `kv_offload_blocks` (from `kv_offload_gib`), and
 `compile_decode` / `compile_prefill` (from `compile` and `compile_prefill`, on CUDA only).
+
+What a config leaves to the device and the model, `core_builder.resolve` settles once, before the
+core is built, for every caller (the server's factory, the benchmarks, the tests): `step_loop`
+("auto"), `max_model_len`, and the device paths `in_place_decode`, `varlen_prefill` and
+`cuda_graphs`, each kept on only where the device and the model can run it. The runner and the
+core read the resolved values.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's, capped by what the cache holds
-    cuda_graphs: bool = True  # CUDA only: decode steps replay captured graphs
+    cuda_graphs: bool = True  # decode steps replay captured graphs (needs in_place_decode)
     step_loop: str = "auto"  # "sync" | "async" | "auto" (async on CUDA, sync on CPU)
     # Q/K/V and gate/up as one GEMM each (changes the model in place). The server turns it on for
     # CUDA, where it is faster (docs/benchmarks.md); on the CPU it is not
@@ -45,3 +51,9 @@ class EngineConfig:
     # blocks of the host pool that preempted sequences' K/V are copied to (kv_offload.py; pinned on
     # CUDA); 0 = none, preempted sequences are recomputed. The server sizes it (TANDEM_KV_OFFLOAD_GIB)
     kv_offload_blocks: int = 0
+    # CUDA: decodes read K/V in place with the Triton kernel (triton_decode.py), where the block
+    # size, the head size and the model (no sliding window) allow
+    in_place_decode: bool = True
+    # CUDA: a step's prompt chunks in one flash-attention call (varlen_prefill.py), where this
+    # PyTorch, the device, the dtype and the model (no sliding window) allow
+    varlen_prefill: bool = True

@@ -1,6 +1,7 @@
 """Wire an engine core around a model: cache, blocks, scheduler, runner (no settings, no server).
 
-The server's factory, the benchmarks and the tests all build their cores here.
+The server's factory, the benchmarks and the tests all build their cores here, so this is also
+where a config's "auto" and device-dependent choices are settled (`resolve`), once for all of them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .host_blocks import HostBlocks
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, sliding_window
 from .ops.attention import register
+from .ops.decode_op import kernel_supports
 from .ops.fused_projections import fuse_projections
 from .ops.kv_cache import CacheShape, KVCache
+from .ops.varlen_prefill import varlen_supported
 from .sampling_params import GenerationRequest, SamplingParams
 from .scheduler import Scheduler
 from .timing import StepTiming
@@ -37,22 +40,19 @@ def build_core(
         log.info("fused %d groups of projections", fuse_projections(model))
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    if device.type == "cuda":
+    if device.type == "cuda":  # process-wide choices of PyTorch's CUDA backends
         torch.backends.cuda.preferred_blas_library(config.blas_library)
+        # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
+        # planning (milliseconds of CPU) would cost more than the attention itself
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    config = resolve(config, model)
     shape = CacheShape.of(model.config)
-    capacity = config.num_blocks * config.block_size
-    model_len = config.max_model_len or getattr(
-        model.config.get_text_config(), "max_position_embeddings", None
-    )
-    max_model_len = min(model_len or capacity, capacity)
-    if max_model_len < 2:
-        raise ValueError(f"the KV cache holds {capacity} tokens: too small to serve anything")
     log.info(
         "KV cache: %d blocks x %d tokens (%.2f GiB), context length %d",
         config.num_blocks,
         config.block_size,
-        capacity * shape.bytes_per_token(dtype) / 2**30,
-        max_model_len,
+        config.num_blocks * config.block_size * shape.bytes_per_token(dtype) / 2**30,
+        config.max_model_len,
     )
     if config.kv_offload_blocks:
         log.info(
@@ -62,16 +62,50 @@ def build_core(
         )
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout)
     scheduler = build_scheduler(config, model)
-    runner = ModelRunner(model, cache, dataclasses.replace(config, max_model_len=max_model_len))
+    runner = ModelRunner(model, cache, config)
     runner.capture_graphs()  # at start-up, before the server reports SERVING
-    async_loop = config.step_loop == "async" or (config.step_loop == "auto" and device.type == "cuda")
-    core = EngineCore(
-        runner, scheduler, max_model_len, eos_token_ids, async_loop, idle_window_s=config.telemetry_window_s
-    )
+    core = EngineCore(runner, scheduler, config, eos_token_ids)
     if config.compile_prefill:
         compile_prefill_shapes(core)
     core.step_observer = step_observer  # after the compile warm-up: its steps are not traffic
     return core
+
+
+def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
+    """`config` with what it leaves to the device and the model settled, once: the step loop
+    ("auto": asynchronous on CUDA), the context length (the model's unless set, capped by what
+    the cache holds), and the device paths, each on only where asked and where it can run."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    text_config = model.config.get_text_config()
+    shape = CacheShape.of(model.config)
+    capacity = config.num_blocks * config.block_size
+    model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None)
+    max_model_len = min(model_len or capacity, capacity)
+    if max_model_len < 2:
+        raise ValueError(f"the KV cache holds {capacity} tokens: too small to serve anything")
+    cuda = device.type == "cuda"
+    window = sliding_window(model)
+    in_place_decode = (
+        config.in_place_decode and cuda and not window and kernel_supports(config.block_size, shape.head_dim)
+    )
+    heads = text_config.num_attention_heads
+    varlen_prefill = (
+        config.varlen_prefill
+        and not window
+        and varlen_supported(device, dtype, heads, shape.num_kv_heads, shape.head_dim)
+    )
+    step_loop = config.step_loop
+    if step_loop == "auto":
+        step_loop = "async" if cuda else "sync"
+    return dataclasses.replace(
+        config,
+        step_loop=step_loop,
+        max_model_len=max_model_len,
+        in_place_decode=in_place_decode,
+        varlen_prefill=varlen_prefill,
+        cuda_graphs=config.cuda_graphs and in_place_decode,  # the graphs replay the in-place decode
+    )
 
 
 def build_scheduler(config: EngineConfig, model: torch.nn.Module) -> Scheduler:

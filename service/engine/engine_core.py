@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner
 from .outputs import EngineStats, SeqUpdate, TokenLogprob
 from .sampler import SampleOutput
@@ -48,23 +49,23 @@ class EngineCore:
         self,
         runner: ModelRunner,
         scheduler: Scheduler,
-        max_model_len: int,
+        config: EngineConfig,
         eos_token_ids: frozenset[int],
-        async_loop: bool = False,
         step_observer: Callable[[StepTiming], None] | None = None,
-        idle_window_s: float = 60.0,
     ) -> None:
+        """`config`: resolved (core_builder.resolve), as the runner's."""
+        assert config.max_model_len is not None and config.step_loop != "auto"
         self.runner = runner
         self.scheduler = scheduler
-        self.max_model_len = max_model_len
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_token_ids
-        self.async_loop = async_loop  # prepare step N+1 while the device runs step N
+        self.async_loop = config.step_loop == "async"  # prepare step N+1 while the device runs step N
         self.step_observer = step_observer  # called once per finished step
         self.steps = 0
         self._launched: InFlight | None = None  # the asynchronous loop's step in flight
         self._last_end = 0.0
         self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
-        self.idle = IdleTracker(idle_window_s)
+        self.idle = IdleTracker(config.telemetry_window_s)
         self.generated_tokens = 0  # handed back to requests (an extra token that is dropped is not)
         self.prompt_tokens = 0  # of requests that got their first token
         self._observer_failed = False

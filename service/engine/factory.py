@@ -69,6 +69,9 @@ def build_engine(
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     shape = CacheShape.of(model.config)
+    # the server runs these on CUDA only (config.py says why); tests and benchmarks may ask for
+    # them on the CPU, and build_core settles what the device and the model allow
+    cuda = device.type == "cuda"
     config = EngineConfig(
         num_blocks=_num_blocks(settings, shape, dtype, device),
         block_size=settings.block_size,
@@ -79,10 +82,10 @@ def build_engine(
         max_model_len=settings.max_model_len,
         cuda_graphs=settings.cuda_graphs,
         step_loop=settings.step_loop,
-        compile_decode=settings.compile and device.type == "cuda",
-        compile_prefill=settings.compile and settings.compile_prefill and device.type == "cuda",
-        fuse_projections=settings.fuse_projections and device.type == "cuda",
-        fold_rotary=settings.fold_rotary and device.type == "cuda",
+        compile_decode=settings.compile and cuda,
+        compile_prefill=settings.compile and settings.compile_prefill and cuda,
+        fuse_projections=settings.fuse_projections and cuda,
+        fold_rotary=settings.fold_rotary and cuda,
         kv_cache_layout=settings.kv_cache_layout,
         blas_library=settings.blas_library,
         telemetry_window_s=settings.telemetry_window_s,

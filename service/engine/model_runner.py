@@ -23,10 +23,9 @@ from .batch_builder import HostBatchBuilder
 from .config import EngineConfig
 from .forward import forward_and_sample
 from .kv_offload import KVOffload
-from .ops.decode_op import kernel_supports, num_sms
+from .ops.decode_op import num_sms
 from .ops.deferred_rotary import defer_rotary
 from .ops.kv_cache import KVCache
-from .ops.varlen_prefill import varlen_supported
 from .sampler import SampleOutput, sample
 from .scheduler import BlockMoves, ScheduledChunk
 from .step_buffers import StepBuffers
@@ -88,36 +87,18 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, config: EngineConfig) -> None:
-        """`config.max_model_len`: resolved (build_core caps it by the cache)."""
+        """`config`: resolved (core_builder.resolve): the runner reads its device paths as they are."""
         assert config.max_model_len is not None
         self.model = model
         self.cache = cache
         self.device = device = next(model.parameters()).device
-        self.block_size = cache.block_size
-        text_config = model.config.get_text_config()
-        self.sliding_window = (
-            getattr(text_config, "sliding_window", None)
-            if getattr(text_config, "use_sliding_window", True)
-            else None
-        )
-        if device.type == "cuda":
-            # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
-            # planning (milliseconds of CPU) would cost more than the attention itself
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        # CUDA decodes read K/V in place with the Triton kernel: no sliding window, and blocks
-        # and heads its matrix tiles take
-        bs = cache.block_size
-        self.in_place_decode = (
-            device.type == "cuda" and not self.sliding_window and kernel_supports(bs, cache.shape.head_dim)
-        )
-        self.num_sms = num_sms(device.index or 0) if device.type == "cuda" else 0
-        # prompt chunks of a step in one flash-attention call, where this PyTorch and device can
-        self.varlen_prefill = not self.sliding_window and varlen_supported(
-            device, cache.k_store.dtype, text_config.num_attention_heads, cache.shape.num_kv_heads,
-            cache.shape.head_dim,
-        )
+        self.block_size = bs = cache.block_size
+        self.sliding_window = sliding_window(model)
+        self.num_sms = num_sms(device.index or 0) if config.in_place_decode else 0
+        # prompt chunks of a step in one flash-attention call
+        self.varlen_prefill = config.varlen_prefill
         self.decode_kernel = None  # DecodeKernel.for_batch where mixed steps read K/V in place
-        if self.in_place_decode:
+        if config.in_place_decode:
             from .ops.triton_decode import DecodeKernel  # needs Triton: CUDA hosts only
 
             self.decode_kernel = DecodeKernel.for_batch
@@ -153,7 +134,7 @@ class ModelRunner:
         if config.kv_offload_blocks:
             self.offload = KVOffload(cache, config.kv_offload_blocks, self.streams)
         self.graphs = None
-        if config.cuda_graphs and self.in_place_decode:
+        if config.cuda_graphs:
             from .cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.decode_forward, cache, self.slots, self.rotary)
@@ -266,6 +247,14 @@ class ModelRunner:
         if step.events is not None:
             step.events.d2h_done.synchronize()
         return step.host.tolist()
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The model's attention window, where it uses one (None: every layer sees the whole context)."""
+    text_config = model.config.get_text_config()
+    if not getattr(text_config, "use_sliding_window", True):
+        return None
+    return getattr(text_config, "sliding_window", None)
 
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
