@@ -14,6 +14,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import AutoModelForCausalLM
 
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.timing import StepTiming
 from tandem.service.telemetry.cost import TokenWindow
@@ -50,6 +52,15 @@ def test_the_core_reports_every_step_once_with_host_clock_stages(tiny_model, loo
         assert sum(t.num_tokens for t in seen) == sum(prompts.values()) + fed_back
     assert all(seen[i].bounds[0] <= seen[i + 1].bounds[0] for i in range(len(seen) - 1))
 
+
+
+def test_the_observer_given_to_build_core_sees_every_step(tiny_model):
+    seen: list[StepTiming] = []
+    config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16, step_loop="sync")
+    core = build_core(tiny_model, config, step_observer=seen.append)
+    result = run(core, [Arrival("a", list(range(3, 12)), SamplingParams(max_tokens=4))])
+    assert len(result.tokens["a"]) == 4
+    assert len(seen) == core.steps == 4  # the prompt's step, then one per fed-back token
 
 def _recorder(sample_rate: float, draws: list[float] | None = None):
     spans = InMemorySpanExporter()

@@ -35,6 +35,8 @@ def build_core(
     eos_token_ids: frozenset[int] = frozenset(),
     step_observer: Callable[[StepTiming], None] | None = None,
 ) -> EngineCore:
+    """`step_observer` sees every step, the compile warm-up's included (the engine process drops
+    the timings of its warm-ups: they are not traffic)."""
     model.set_attn_implementation(register())
     if config.fuse_projections:
         log.info("fused %d groups of projections", fuse_projections(model))
@@ -64,10 +66,9 @@ def build_core(
     scheduler = build_scheduler(config, model)
     runner = ModelRunner(model, cache, config)
     runner.capture_graphs()  # at start-up, before the server reports SERVING
-    core = EngineCore(runner, scheduler, config, eos_token_ids)
+    core = EngineCore(runner, scheduler, config, eos_token_ids, step_observer)
     if config.compile_prefill:
         compile_prefill_shapes(core)
-    core.step_observer = step_observer  # after the compile warm-up: its steps are not traffic
     return core
 
 
