@@ -164,7 +164,7 @@ def graph_vram(model: torch.nn.Module, spec: EngineConfig) -> dict:
         runner = core.runner
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
-        graphs = DecodeGraphs(runner.decode_forward, runner.cache, runner.slots[:slots])
+        graphs = DecodeGraphs(runner.decode_forward, runner.cache, runner.slots[:slots], runner.rotary)
         graphs.capture()
         report[f"{slots}_slot" + ("s" if slots > 1 else "")] = {
             "graphs": len(graphs.graphs),

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import resolve
+from tandem.service.engine.model_runner import ModelRunner
+from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +39,13 @@ def test_what_a_config_says_outright_is_kept(tiny_model):
 def test_a_cache_too_small_to_serve_is_refused(tiny_model):
     with pytest.raises(ValueError, match="the KV cache holds 1 tokens: too small to serve anything"):
         resolve(EngineConfig(num_blocks=1, block_size=1), tiny_model)
+
+
+def test_the_runner_takes_only_a_resolved_config(tiny_model):
+    """The runner reads the device paths as given: a config that skipped resolve (every path still
+    on, as asked) would send a CPU model to the Triton kernel, so it is refused."""
+    asked = EngineConfig(num_blocks=8, block_size=16)
+    cache = KVCache(CacheShape.of(tiny_model.config), 8, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(AssertionError, match="through core_builder.resolve"):
+        ModelRunner(tiny_model, cache, asked)
+    assert ModelRunner(tiny_model, cache, resolve(asked, tiny_model)).decode_kernel is None

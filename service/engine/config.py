@@ -57,3 +57,6 @@ class EngineConfig:
     # CUDA: a step's prompt chunks in one flash-attention call (varlen_prefill.py), where this
     # PyTorch, the device, the dtype and the model (no sliding window) allow
     varlen_prefill: bool = True
+    # set by core_builder.resolve only: the fields above are what this device and model run, not
+    # what was asked (the runner and the core refuse a config that was not resolved)
+    resolved: bool = False

@@ -106,6 +106,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
         in_place_decode=in_place_decode,
         varlen_prefill=varlen_prefill,
         cuda_graphs=config.cuda_graphs and in_place_decode,  # the graphs replay the in-place decode
+        resolved=True,
     )
 
 

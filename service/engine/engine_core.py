@@ -54,7 +54,7 @@ class EngineCore:
         step_observer: Callable[[StepTiming], None] | None = None,
     ) -> None:
         """`config`: resolved (core_builder.resolve), as the runner's."""
-        assert config.max_model_len is not None and config.step_loop != "auto"
+        assert config.resolved, "an EngineConfig reaches the core through core_builder.resolve"
         self.runner = runner
         self.scheduler = scheduler
         self.max_model_len = config.max_model_len

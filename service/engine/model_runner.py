@@ -88,7 +88,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, config: EngineConfig) -> None:
         """`config`: resolved (core_builder.resolve): the runner reads its device paths as they are."""
-        assert config.max_model_len is not None
+        assert config.resolved, "an EngineConfig reaches the runner through core_builder.resolve"
         self.model = model
         self.cache = cache
         self.device = device = next(model.parameters()).device
