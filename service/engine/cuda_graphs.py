@@ -71,17 +71,20 @@ class DecodeGraphs:
             for b in reversed(self.buckets):
                 for s in range(len(self.slots)):
                     for sampled in (False, True):
-                        logits = self._step(s, b, sampled)  # warm-up outside capture: compiles, plans
-                        if self.logits[s] is None:
-                            self.logits[s] = logits.new_empty(self.buckets[-1], logits.shape[-1])
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=self.pool, stream=side):
-                            logits = self._step(s, b, sampled)
-                            if not sampled:
-                                self.logits[s][:b].copy_(logits)
-                        self.graphs[(s, b, sampled)] = graph
+                        self._capture(s, b, sampled, side)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+
+    def _capture(self, s: int, b: int, sampled: bool, side: torch.cuda.Stream) -> None:
+        logits = self._step(s, b, sampled)  # warm-up outside capture: compiles, plans
+        if self.logits[s] is None:
+            self.logits[s] = logits.new_empty(self.buckets[-1], logits.shape[-1])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
+            logits = self._step(s, b, sampled)
+            if not sampled:
+                self.logits[s][:b].copy_(logits)
+        self.graphs[(s, b, sampled)] = graph
 
     def replay(self, s: int, b: int, n: int, sampled: bool) -> torch.Tensor:
         """Run the step of slot `s` in bucket `b`; -> logits of its `n` real rows (greedy kind)."""
