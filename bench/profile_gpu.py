@@ -202,6 +202,11 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 ]
 
 
+# a mixed step's decode rows launch the kernel reading the cache only (no new K/V: the prompt
+# step's write kernel stored it), which compiles to fewer registers (bench/kernel_resources.py)
+CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
+
+
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
                         layouts: tuple[str, ...] = ("NHD",)) -> list[dict]:
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode
@@ -209,7 +214,8 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     context), contexts `mixed` or fixed: each configuration (tile, pipeline stages, warps, the
     products turned over or not, the step's own token after the loop or not) per cache layout,
     its time, share of the copy bandwidth and largest difference from the engine's
-    configuration's output (marked `chosen`)."""
+    configuration's output (marked `chosen`). Then (NHD) the kernel as a mixed step's decode rows
+    launch it, reading the cache only, in 1-3 stages (`launch`: "cache only")."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -239,6 +245,26 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
                 continue
             rows.append({**row, "chosen": layout == "NHD" and config == chosen, "us": round(1e6 * seconds, 1),
                          "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
+    k, v = d.caches["NHD"]
+    # a mixed step's grid: every split of its longest context (the host knows it)
+    step_splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=max(lens_host))
+
+    def cache_only(config: KernelConfig) -> torch.Tensor:
+        return paged_decode_attention(q, k, v, table, lens, block, 0.1, step_splits, config=config)
+
+    reference = cache_only(chosen).float()
+    for config in CACHE_ONLY_CONFIGS:
+        row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
+               "warps": config.warps, "tokens_in_m": False, "new_after_loop": False,
+               "least": step_splits.least, "most": step_splits.most}
+        try:
+            diff = (cache_only(config).float() - reference).abs().max().item()
+            seconds = timed(lambda config=config: cache_only(config))
+        except Exception as exc:  # a configuration the compiler rejects: note it, go on
+            rows.append({**row, "error": str(exc)[:200]})
+            continue
+        rows.append({**row, "chosen": config == chosen, "us": round(1e6 * seconds, 1),
+                     "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
     return rows
 
 
@@ -548,14 +574,17 @@ def main() -> None:
         rows = decode_kernel_sweep(model, int(batch), kind, bandwidth, tuple(a.layouts.split(",")))
         attention[point] = rows
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        print(f"decode attention, batch {batch}, contexts {kind}: best 6 per layout, the engine's choice")
-        shown = [r for layout in ("NHD", "HND") for r in [r for r in ok if r["layout"] == layout][:6]]
-        shown += [r for r in ok if r["chosen"] and r not in shown]
-        headers = ["layout", "tile", "stages", "warps", "tokens in M", "new after loop", "chosen",
+        print(f"decode attention, batch {batch}, contexts {kind}: best 6 per layout, the engine's choice, "
+              "and the cache-only launch (a mixed step's decode rows)")
+        step = [r for r in ok if "launch" not in r]
+        shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
+        shown += [r for r in step if r["chosen"] and r not in shown]
+        shown += [r for r in ok if "launch" in r]
+        headers = ["layout", "launch", "tile", "stages", "warps", "tokens in M", "new after loop", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
-                             [[r["layout"], r["tile"], r["stages"], r["warps"], r["tokens_in_m"],
-                               r["new_after_loop"], r["chosen"],
+                             [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
+                               r["warps"], r["tokens_in_m"], r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:
