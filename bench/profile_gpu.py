@@ -568,11 +568,21 @@ def main() -> None:
          r["us_cublaslt"], f"{r['of_bandwidth_cublaslt']:.0%}",
          *([r["us_autotuned"], f"{r['of_bandwidth_autotuned']:.0%}"] if tuned else [])]
         for r in linears]))
-    attention = {}
+    attention, grids, anatomy, mixed_ops = {}, {}, {}, []
+
+    def save_sweeps() -> None:
+        """The kernel sweeps so far (--no-step): written after each point, so that a run cut short
+        by a time limit keeps the points it finished."""
+        if a.no_step:
+            write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
+                       {"benchmark": "profile_gpu", "environment": env, "attention": attention,
+                        "decode_grids": grids, "decode_anatomy": anatomy, "mixed_op": mixed_ops})
+
     for point in a.attention.split(",") if a.attention else []:
         batch, kind = point.split(":")
         rows = decode_kernel_sweep(model, int(batch), kind, bandwidth, tuple(a.layouts.split(",")))
         attention[point] = rows
+        save_sweeps()
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         print(f"decode attention, batch {batch}, contexts {kind}: best 6 per layout, the engine's choice, "
               "and the cache-only launch (a mixed step's decode rows)")
@@ -589,20 +599,20 @@ def main() -> None:
         failed = [r for r in rows if "error" in r]
         if failed:
             print(f"{len(failed)} configurations failed, e.g. {failed[0]}")
-    grids = {}
     for point in a.attention_grid.split(",") if a.attention_grid else []:
         batch, kind = point.split(":")
         grids[point] = decode_grid_sweep(model, int(batch), kind, bandwidth)
+        save_sweeps()
         print(f"decode attention split grids, batch {batch}, contexts {kind}")
         headers = ["grid", "least", "most", "tokens per split", "merge warps", "us (layer)", "of bandwidth",
                    "max diff"]
         print(markdown_table(headers, [[r["grid"], r["least"], r["most"], r["tokens"], r["merge_warps"],
                                         r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"]
                                        for r in grids[point]]))
-    anatomy = {}
     for point in a.decode_anatomy.split(",") if a.decode_anatomy else []:
         batch, kind = point.split(":")
         anatomy[point] = decode_anatomy_sweep(model, int(batch), kind, bandwidth)
+        save_sweeps()
         print(f"decode kernel anatomy, batch {batch}, contexts {kind}: each part's fastest configuration, "
               "in one stage and pipelined")
         headers = ["layout", "part", "tile", "warps", "stages", "splits", "us (layer)", "of bandwidth",
@@ -616,8 +626,8 @@ def main() -> None:
         failed = [r for r in anatomy[point] if "error" in r]
         if failed:
             print(f"{len(failed)} configurations failed, e.g. {failed[0]}")
-    mixed_ops = [mixed_op_sweep(model, *(int(x) for x in point.split(":")))
-                 for point in (a.mixed_op.split(",") if a.mixed_op else [])]
+    mixed_ops += [mixed_op_sweep(model, *(int(x) for x in point.split(":")))
+                  for point in (a.mixed_op.split(",") if a.mixed_op else [])]
     if mixed_ops:
         print("one layer's mixed attention op: parts as slices of the step's rows (Q and K rotated by "
               "the model, and by the op), and by index")
@@ -633,10 +643,7 @@ def main() -> None:
                                r["us_rotary_compiled"], r["us_write_kernel"], r["us_write_kernel_rotating"],
                                f"{r['rotated_q_max_diff']:.2g}"] for r in mixed_ops]))
     if a.no_step:
-        write_json(a.out or _repo.REPO / "bench/results/profile_attention.json",
-                   {"benchmark": "profile_gpu", "environment": env, "attention": attention,
-                    "decode_grids": grids, "decode_anatomy": anatomy,
-                    "mixed_op": mixed_ops})
+        save_sweeps()
         return
 
     g = torch.Generator().manual_seed(1)
