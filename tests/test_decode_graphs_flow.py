@@ -100,3 +100,27 @@ def test_graph_steps_give_the_eager_engines_tokens(replays, compile_backend):
         assert counters["frames"]["ok"] == compiled
     for a in (arrivals[0], arrivals[4]):
         assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, a.params.max_tokens, None)
+
+
+@pytest.mark.parametrize("pool", [0, 64], ids=["recompute", "offload"])
+def test_graph_steps_through_preemption_give_generates_tokens(replays, pool):
+    """Seven requests in a cache of 96 slots: sequences are preempted and come back (recomputed, or
+    their K/V copied to the host pool and back) while decode steps replay graphs whose rows change
+    sequence from step to step; every token is generate()'s."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_tiny_config("llama", 1000)).eval()
+    rng = random.Random(3)
+    lengths, steps = [30, 22, 41, 9, 17, 26, 35], [0, 0, 1, 1, 2, 4, 6]
+    arrivals = [Arrival(f"r{i}", [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=24), at)
+                for i, (n, at) in enumerate(zip(lengths, steps, strict=True))]
+    core = make_core(model, num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                     max_model_len=96, step_loop="async", kv_offload_blocks=pool)
+    runner = core.runner
+    runner.graphs = DecodeGraphs(runner.decode_forward, runner.cache, runner.slots, runner.rotary)
+    runner.graphs.capture()
+    result = run(core, arrivals)
+    assert not result.errors and result.preemptions > 0 and sum(replays.values()) > 0
+    s = core.scheduler
+    assert (s.preempted_offload > 0) == bool(pool) and (s.preempted_recompute > 0) == (not pool)
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 24, None), a.request_id
