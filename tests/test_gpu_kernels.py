@@ -286,7 +286,8 @@ def test_kernel_resources_equal_the_launched_kernels(monkeypatch, new_after_loop
                                          config=config)
     kernel = triton_decode._decode_split_kernel
     wanted = {"TILE": config.tile, "DIRECT": True, "STORE_NEW": True, "ROTARY": True,
-              "NEW_AFTER_LOOP": new_after_loop, "TOKENS_IN_M": False, "SINGLE_SPLIT_DIRECT": False}
+              "NEW_AFTER_LOOP": new_after_loop, "TOKENS_IN_M": False,
+              "SINGLE_SPLIT_DIRECT": config.single_split_direct}
     launched = [c for cache, *_ in kernel.device_caches.values() for c in cache.values()
                 if all(c.src.constants[(kernel.arg_names.index(n),)] == value for n, value in wanted.items())
                 and (c.metadata.num_warps, c.metadata.num_stages) == (config.warps, config.stages)]

@@ -69,13 +69,16 @@ class KernelConfig:
     single_split_direct: bool = False
 
 
-WIDE_TILES, NARROW_TILES = KernelConfig(tile=64), KernelConfig(tile=32)
-ENGINE_CONFIGS = (WIDE_TILES, NARROW_TILES)  # every configuration `kernel_config` picks (GPU tests run each)
+# The step's own token after the loop (fewer registers: more programs resident, loads free to
+# pipeline), four query heads per merge program, and in two stages a one-split sequence's output
+# from its own program: each chosen side by side with the kernel before it (docs/benchmarks.md)
+PIPELINED = KernelConfig(tile=64, stages=2, new_after_loop=True, merge_heads=4, single_split_direct=True)
+ONE_STAGE = KernelConfig(tile=64, stages=1, new_after_loop=True, merge_heads=4)
+ENGINE_CONFIGS = (PIPELINED, ONE_STAGE)  # every configuration `kernel_config` picks (GPU tests run each)
 
 
 def kernel_config(batch: int) -> KernelConfig:
-    """The configuration for a step of `batch` sequences: fixed per captured graph. 64-token
-    tiles read more per loop iteration and were faster on the H200 at every batch size measured
-    but 32, where their larger programs leave one wave of the grid short and 32-token tiles are
-    (bench/profile_gpu.py --attention; docs/benchmarks.md)."""
-    return NARROW_TILES if 8 < batch < 64 else WIDE_TILES
+    """The configuration for a step of `batch` sequences: fixed per captured graph. Two pipeline
+    stages, but one from 9 to 63 sequences, where one stage measured faster at 32 x 1,024
+    (bench/profile_gpu.py --attention and --attention-grid; docs/benchmarks.md)."""
+    return ONE_STAGE if 8 < batch < 64 else PIPELINED
