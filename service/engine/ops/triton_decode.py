@@ -242,50 +242,6 @@ def _merge_kernel(
     stride_ms,
     stride_ob,
     stride_oh,
-    SPLIT_TOKENS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SINGLE_SPLIT_DIRECT: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
-    if SINGLE_SPLIT_DIRECT and splits == 1:  # its one split wrote the output
-        return
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    ok = s < splits
-    ml = part_ml_ptr + b * stride_mb + h * stride_mh + s * stride_ms
-    m = tl.load(ml, mask=ok, other=float("-inf"))
-    lsum = tl.load(ml + 1, mask=ok, other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
-    denom = tl.sum(lsum * w, axis=0)
-    parts = tl.load(
-        part_out_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=ok[:, None],
-        other=0.0,
-    )
-    out = tl.sum(parts * w[:, None], axis=0) / denom
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit(**RUN_TIME_ARGS)
-def _merge_heads_kernel(
-    part_out_ptr,
-    part_ml_ptr,
-    out_ptr,
-    lens_ptr,
-    least_splits,
-    num_splits,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_ob,
-    stride_oh,
     NUM_HEADS: tl.constexpr,
     HEADS: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
@@ -293,7 +249,8 @@ def _merge_heads_kernel(
     HEAD_DIM: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
 ):
-    """_merge_kernel for HEADS query heads of one sequence per program."""
+    """The splits' partial outputs of HEADS query heads of one sequence, merged by their running
+    max and sum (a log-sum-exp merge)."""
     b = tl.program_id(0)
     splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
     if SINGLE_SPLIT_DIRECT and splits == 1:  # its one split wrote the output
@@ -428,11 +385,8 @@ def paged_decode_attention(
     merge_consts = dict(SPLIT_TOKENS=splits.tokens, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
                         HEAD_DIM=d, SINGLE_SPLIT_DIRECT=config.single_split_direct,
                         num_warps=config.merge_warps)
-    if config.merge_heads == 1:
-        _merge_kernel[(b, h)](*merge_args, **merge_consts)
-    else:
-        grid = (b, triton.cdiv(h, config.merge_heads))
-        _merge_heads_kernel[grid](*merge_args, NUM_HEADS=h, HEADS=config.merge_heads, **merge_consts)
+    heads = config.merge_heads  # query heads of a sequence per merge program
+    _merge_kernel[(b, triton.cdiv(h, heads))](*merge_args, NUM_HEADS=h, HEADS=heads, **merge_consts)
     return out
 
 
