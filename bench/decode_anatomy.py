@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from tandem.service.engine.ops.decode_grid import Splits
-from tandem.service.engine.ops.triton_decode import _load_tile, _splits_of, _tile_range
+from tandem.service.engine.ops.triton_decode import (
+    _attend_tile,
+    _attend_tile_turned,
+    _load_tile,
+    _splits_of,
+    _tile_range,
+)
 
 MODES = ("read", "contiguous", "scores", "softmax", "full", "tokens_in_m", "fma")
 WHOLE_LOOP = ("full", "tokens_in_m", "fma")  # the modes that compute attention
@@ -100,16 +106,8 @@ def _anatomy_kernel(
                                          stride_ks, stride_kh, BLOCK_SIZE, TILE, False)
         if MODE <= CONTIGUOUS:
             acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)[None, :]
-        elif MODE == TOKENS_IN_M:
-            s = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32) * scale  # [TILE, GROUP_PAD]
-            s = tl.where(live[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[None, :])
-            lsum = lsum * alpha + tl.sum(p, axis=0)
-            pv = tl.dot(tl.trans(v), p.to(v.dtype), input_precision=DOT_PRECISION).to(tl.float32)
-            acc_t = acc_t * alpha[None, :] + pv
-            m = m_new
+        elif MODE == TOKENS_IN_M:  # the engine's turned-over step
+            m, lsum, acc_t = _attend_tile_turned(q_t, k, v, live, m, lsum, acc_t, scale, DOT_PRECISION)
         elif MODE == FMA:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
             s = tl.where(live[None, :], s, float("-inf"))  # [GROUP_PAD, TILE]
@@ -119,20 +117,15 @@ def _anatomy_kernel(
             lsum = lsum * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m = m_new
-        else:
+        elif MODE == FULL:  # the engine's step
+            m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
+        else:  # the parts without P.V: V still read (added up), so its load is not dropped
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
             s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            if MODE == FULL:
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(s - m_new[:, None])
-                lsum = lsum * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(
-                    tl.float32)
-            else:  # the parts without P.V: V still read (added up), so its load is not dropped
-                if MODE == SOFTMAX:
-                    lsum = lsum * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-                acc += tl.sum(v.to(tl.float32), axis=0)[None, :]
+            if MODE == SOFTMAX:
+                lsum = lsum * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            acc += tl.sum(v.to(tl.float32), axis=0)[None, :]
             m = m_new
     if MODE == TOKENS_IN_M:
         out = tl.trans(acc_t / lsum[None, :])

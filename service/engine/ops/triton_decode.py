@@ -65,6 +65,34 @@ def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, s
     return pos, live, k, v
 
 
+@triton.jit
+def _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION: tl.constexpr):
+    """One tile of K and V [TILE, head_dim] into the query heads' running softmax: the scores
+    Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+    return m_new, lsum, acc
+
+
+@triton.jit
+def _attend_tile_turned(q_t, k, v, live, m, lsum, acc_t, scale, DOT_PRECISION: tl.constexpr):
+    """_attend_tile with the products turned over (K.Q^T and V^T.P: the tile's tokens are the dots'
+    M dimension, the query heads their N); Q and the accumulator transposed, [head_dim, GROUP_PAD]."""
+    s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32) * scale  # [TILE, GROUP_PAD]
+    s_t = tl.where(live[:, None], s_t, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s_t, axis=0))
+    alpha = tl.exp(m - m_new)
+    p_t = tl.exp(s_t - m_new[None, :])
+    lsum = lsum * alpha + tl.sum(p_t, axis=0)
+    pv = tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=DOT_PRECISION).to(tl.float32)
+    return m_new, lsum, acc_t * alpha[None, :] + pv
+
+
 # Triton compiles a variant per value class of its integer arguments (1, a multiple of 16, other):
 # the split counts and the strides that follow them change from step to step, so they are not
 # specialised on, and the variants a step can launch are few enough to compile before serving
@@ -182,25 +210,10 @@ def _decode_split_kernel(
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
-        if TOKENS_IN_M:  # the products turned over: the tile's tokens are the dots' M dimension
-            s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32) * scale  # [TILE, GROUP_PAD]
-            s_t = tl.where(live[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s_t, axis=0))
-            alpha = tl.exp(m - m_new)
-            p_t = tl.exp(s_t - m_new[None, :])
-            lsum = lsum * alpha + tl.sum(p_t, axis=0)
-            pv = tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=DOT_PRECISION).to(tl.float32)
-            acc_t = acc_t * alpha[None, :] + pv
+        if TOKENS_IN_M:
+            m, lsum, acc_t = _attend_tile_turned(q_t, k, v, live, m, lsum, acc_t, scale, DOT_PRECISION)
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-            s = tl.where(live[None, :], s, float("-inf"))  # [GROUP_PAD, TILE]
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, axis=1)
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-            acc = acc * alpha[:, None] + pv
-        m = m_new
+            m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
     if TOKENS_IN_M:
         acc = tl.trans(acc_t)
     if STORE_NEW and NEW_AFTER_LOOP:
