@@ -29,6 +29,7 @@ import random
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import _repo
@@ -233,18 +234,11 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
             return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config)
         reference = run(chosen).float()
-        for config in KERNEL_CONFIGS:
+        for config in with_engines(KERNEL_CONFIGS, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
                    "tokens_in_m": config.tokens_in_m, "new_after_loop": config.new_after_loop,
-                   "least": splits.least, "most": splits.most}
-            try:
-                diff = (run(config).float() - reference).abs().max().item()
-                seconds = timed(lambda config=config: run(config))
-            except Exception as exc:  # a configuration the compiler rejects: note it, go on
-                rows.append({**row, "error": str(exc)[:200]})
-                continue
-            rows.append({**row, "chosen": layout == "NHD" and config == chosen, "us": round(1e6 * seconds, 1),
-                         "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
+                   "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
+            rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
     # a mixed step's grid: every split of its longest context (the host knows it)
     step_splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=max(lens_host))
@@ -253,19 +247,31 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         return paged_decode_attention(q, k, v, table, lens, block, 0.1, step_splits, config=config)
 
     reference = cache_only(chosen).float()
-    for config in CACHE_ONLY_CONFIGS:
+    for config in with_engines(CACHE_ONLY_CONFIGS, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
-               "warps": config.warps, "tokens_in_m": False, "new_after_loop": False,
-               "least": step_splits.least, "most": step_splits.most}
-        try:
-            diff = (cache_only(config).float() - reference).abs().max().item()
-            seconds = timed(lambda config=config: cache_only(config))
-        except Exception as exc:  # a configuration the compiler rejects: note it, go on
-            rows.append({**row, "error": str(exc)[:200]})
-            continue
-        rows.append({**row, "chosen": config == chosen, "us": round(1e6 * seconds, 1),
-                     "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": diff})
+               "warps": config.warps, "tokens_in_m": False, "new_after_loop": config.new_after_loop,
+               "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
+        rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
+
+
+def with_engines(configs: list[KernelConfig], chosen: KernelConfig) -> list[KernelConfig]:
+    """A sweep's configurations, and the engine's among them (the row marked `chosen`)."""
+    return configs if chosen in configs else [*configs, chosen]
+
+
+def timed_row(row: dict, call: Callable[[], torch.Tensor], reference: torch.Tensor, nbytes: int,
+              bandwidth: float) -> dict:
+    """`row` with `call`'s time per call, its share of the copy bandwidth (`nbytes` read) and its
+    largest difference from `reference`; or with the error of a configuration the compiler rejects
+    (noted: the sweep goes on)."""
+    try:
+        diff = (call().float() - reference).abs().max().item()
+        seconds = timed(call)
+    except Exception as exc:
+        return {**row, "error": str(exc)[:200]}
+    return {**row, "us": round(1e6 * seconds, 1), "of_bandwidth": round(nbytes / seconds / bandwidth, 3),
+            "max_diff": diff}
 
 
 def grid_contexts(kind: str, batch: int, seed: int = 1) -> list[int]:
