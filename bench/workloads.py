@@ -412,6 +412,21 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n**3 / seconds_per_call(lambda: a @ b, reps=10, cuda=cuda)
 
 
+CACHE_GIB = 60.0  # what the H200 runs used: the mixed workload's 512 requests run without preemption
+CACHE_SHARE = 0.8  # of the free memory: the rest for step buffers, compiled forwards and CUDA graphs
+
+
+def cache_gib_that_fits(device: torch.device) -> float:
+    """The default device cache: CACHE_GIB, or CACHE_SHARE of the free memory where that is less
+    (an 80 GB card holds 8B's weights and about 50 GiB of cache). Measured after the rates' buffers
+    are released."""
+    if device.type != "cuda":
+        return CACHE_GIB
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(CACHE_GIB, round(CACHE_SHARE * free / 2**30, 1))
+
+
 def gemm_floor(steps: list[dict], floor: StepGemmFloor) -> float:
     """Each step's GEMM floor (its linears at its rows, the LM head at its decode rows, the K/V read),
     kept in the step as `floor_ms`; -> the run's, in seconds."""
@@ -579,7 +594,13 @@ def main() -> None:
         action="store_true",
         help="mixed, first seed: a run of its own with the mixed steps' launches under cProfile",
     )
-    ap.add_argument("--cache-gib", type=float, default=60.0, help="the device cache all runs share")
+    ap.add_argument(
+        "--cache-gib",
+        type=float,
+        default=None,
+        help=f"the device cache all runs share; default: {CACHE_GIB:g} GiB, or less where the device's "
+        f"free memory after the model and the rates' buffers is smaller ({CACHE_SHARE:.0%} of it)",
+    )
     ap.add_argument("--out", default="bench/results/workloads.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, few tokens: checks the logic")
     ap.add_argument(
@@ -591,7 +612,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.model:
         report = schedule_model(a.shape, [int(x) for x in a.seeds.split(",")],
-                                [int(b) for b in a.budgets.split(",")], a.requests, a.cache_gib)
+                                [int(b) for b in a.budgets.split(",")], a.requests, a.cache_gib or CACHE_GIB)
         print(markdown_table(
             ["seed", "budget", "steps", "mixed steps", "bound (s)", "longest step with decodes (ms)"],
             [[r["seed"], r["budget"], r["steps"], r["mixed_steps"], r["bound_s"], r["longest_decode_step_ms"]]
@@ -611,6 +632,15 @@ def main() -> None:
     vocab = model.config.vocab_size
     shape = CacheShape.of(model.config)
     kv = shape.bytes_per_token(dtype)
+    limits = Device(
+        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        linear_params=linear_params(model),
+        kv_per_token=kv,
+        bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10,
+        gemm_flops=gemm_rate(device, dtype),
+    )
+    if a.cache_gib is None:
+        a.cache_gib = cache_gib_that_fits(device)
     cache_blocks = int(a.cache_gib * 2**30) // (kv * BLOCK)
     long_len = a.long_prompt + a.long_new
     max_len = max(4096, long_len + BLOCK)
@@ -626,13 +656,6 @@ def main() -> None:
     )
     built = time.perf_counter()
     core = build_core(model, config)
-    limits = Device(
-        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        linear_params=linear_params(model),
-        kv_per_token=kv,
-        bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10,
-        gemm_flops=gemm_rate(device, dtype),
-    )
     floor = StepGemmFloor(model, kv, limits.bandwidth)
     report: dict = {
         "environment": environment(device),
@@ -642,6 +665,7 @@ def main() -> None:
             "max_num_batched_tokens": budgets[0],
             "mixed_budgets": budgets,
             "block_size": BLOCK,
+            "cache_gib": a.cache_gib,
             "build_s": round(time.perf_counter() - built, 1),
             **({} if a.smoke else SERVER_CUDA),
         },
