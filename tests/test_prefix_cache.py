@@ -163,6 +163,18 @@ def test_a_later_request_skips_the_cached_prefix_and_counts_the_hit():
     assert s.blocks.hit_tokens == 32 and s.blocks.queried_tokens == 35 + 34
 
 
+def test_a_request_waiting_for_room_is_counted_once_hit_or_not():
+    """The head of the queue is looked up each step it waits for room; the counters count its
+    prompt once, when it is admitted (they once counted a waiting prompt with no hit every step)."""
+    s = Scheduler(BlockManager(6, 4, prefix_caching=True), max_num_seqs=8, max_num_batched_tokens=64)
+    s.add(seq("a", list(range(12))))  # 3 blocks, and a fourth as it decodes
+    s.add(seq("hit", list(range(8)) + list(range(90, 99))))  # a's first 2 blocks + 3 more: waits for a
+    s.add(seq("miss", list(range(50, 59))))  # 3 blocks, no hit: waits for "hit" to finish
+    while s.has_work:
+        fake_step(s)
+    assert (s.blocks.queried_tokens, s.blocks.hit_tokens) == (12 + 17 + 9, 8)
+
+
 def test_the_rest_after_a_cached_prefix_is_chunked_at_the_budget_beside_decodes():
     """A prompt whose uncached rest is longer than the step budget: its first chunk starts where
     the cache ends, takes what the running decode leaves of the budget, and the next chunks carry

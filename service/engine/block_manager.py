@@ -139,9 +139,15 @@ class BlockManager:
         return seq.num_computed
 
     def unmatch(self, seq: Sequence, matched: int) -> None:
-        """Undo a match_prefix whose sequence could not be admitted after all."""
-        self.free(seq)
-        seq.num_computed = 0
+        """Undo a match_prefix whose sequence could not be admitted after all: the blocks it gave,
+        and its lookup in the counters, hit or not (the sequence is looked up again each step it
+        waits; counted once, when admitted). Nothing to undo where match_prefix looked nothing up
+        (no prefix caching; an offloaded sequence, which keeps its K/V)."""
+        if not self.prefix_caching or seq.num_computed != matched:
+            return
+        if matched:
+            self.free(seq)
+            seq.num_computed = 0
         self.queried_tokens -= seq.length
         self.hit_tokens -= matched
 

@@ -198,8 +198,7 @@ class Scheduler:
             # room for all it has to compute, not only this step's chunk: admitted without it, its
             # prompt (or recomputed context) is preempted before it is done, again and again
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_uncomputed)):
-                if matched:
-                    self.blocks.unmatch(seq, matched)
+                self.blocks.unmatch(seq, matched)
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)
