@@ -63,7 +63,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 5),
         budget=st.integers(2, 20),
     )
-    def build(self, num_blocks: int, block_size: int, host_blocks: int, max_num_seqs: int, budget: int) -> None:
+    def build(
+        self, num_blocks: int, block_size: int, host_blocks: int, max_num_seqs: int, budget: int
+    ) -> None:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=True)
         self.host = HostBlocks(host_blocks)
         self.s = Scheduler(self.blocks, max_num_seqs, budget, host=self.host)
@@ -102,6 +104,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for h, d in zip(moves.in_host, moves.in_device, strict=True):
             self.device[d] = list(self.pool[h])
         prev = self.inflight[-1] if self.inflight else None
+        chunks = step.out.chunks
+        assert step.out.num_tokens <= self.s.max_num_batched_tokens
+        assert len({id(c.seq) for c in chunks}) == len(chunks), "a sequence twice in one step"
+        alone = self.s.suspects[0] if self.s.suspects and len(chunks) == 1 else None
+        for c in chunks:  # a step's sequences are on the device now (a suspect runs alone)
+            assert c.seq in self.s.running or c.seq is alone, c.seq.request_id
         for chunk in step.out.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             rid = seq.request_id
@@ -197,8 +205,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.inflight) <= 1 and any(not q.finished for q in self.seqs.values()))
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        live = sorted(rid for rid, q in self.seqs.items() if not q.finished)
-        rid = data.draw(st.sampled_from(live), label="abort")
+        """Abort a request, chosen by where it is: the rarer places would seldom be hit at random."""
+        s = self.s
+        live = [q for q in self.seqs.values() if not q.finished]
+        places = {
+            "offloaded": [q for q in live if q.host_blocks],
+            "preempted": [q for q in s.waiting if q.num_preemptions],
+            "suspect": list(s.suspects),
+            "token in flight": [q for q in live if q.num_inflight],
+            "running": list(s.running),
+            "waiting": list(s.waiting),
+        }
+        place = data.draw(st.sampled_from([p for p, qs in places.items() if qs] or ["any"]), label="place")
+        rid = data.draw(st.sampled_from(places.get(place, live)), label="abort").request_id
         assert self.s.abort(rid) is self.seqs[rid]
         assert self.seqs[rid].finish_reason is FinishReason.CANCELLED
         self.pending[rid].clear()
@@ -214,7 +233,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         failed = list(self.inflight)
         self.inflight.clear()
         self.failed_steps.update(step.id for step in failed)
-        seqs = list({id(c.seq): c.seq for step in failed for c in step.out.chunks if not c.seq.finished}.values())
+        chunks = [c for step in failed for c in step.out.chunks]
+        seqs = list({id(c.seq): c.seq for c in chunks if not c.seq.finished}.values())
         for seq in seqs:
             seq.num_failed_steps += 1
             self.pending[seq.request_id].clear()  # the tokens it had in flight are lost
@@ -263,6 +283,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if q.finished:  # a token still in flight for it is dropped when it comes
                 continue
             assert q.num_inflight == len(self.pending[rid]), rid
+            assert q.cached_tokens is None or q.cached_tokens < q.prompt_len, rid  # its usage's hits
             tokens = self.virtual_tokens(q)
             if q.host_blocks:  # offloaded: its K/V wait in the pool
                 assert q in s.waiting and not q.block_ids, rid
@@ -290,11 +311,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         finishes, and every block is free (or cached and unused) and the pool empty."""
         if not hasattr(self, "s"):
             return
-        for turn in range(5000):
+        tokens = iter(range(10**6))
+        for _ in range(5000):
             if not (self.s.has_work or self.inflight):
                 break
             if self.s.has_work and len(self.inflight) <= 1:
-                self.launch(lambda: (turn + len(self.inflight)) % VOCAB)
+                self.launch(lambda: next(tokens) % VOCAB)
             if self.inflight:
                 self.finish(self.inflight.popleft())
             self.every_sequence_is_in_one_place_with_its_kv()
@@ -305,5 +327,5 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.blocks.num_free == self.blocks.num_blocks and self.host.num_free == self.host.num_blocks
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=80, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
