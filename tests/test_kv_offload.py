@@ -81,6 +81,52 @@ def test_a_preempted_sequence_keeps_its_kv_in_the_host_pool_and_gets_it_back():
     assert b.host_blocks == [] and s.host.num_free == 8 and s.blocks_restored == 3
 
 
+def test_an_offloaded_sequence_comes_back_to_its_blocks_still_cached_without_copying_them():
+    """With prefix caching, blocks a preempted sequence leaves stay cached until their room is
+    needed: if nobody took them, it comes back to them, and nothing is copied in."""
+    s = Scheduler(BlockManager(7, 4, prefix_caching=True), max_num_seqs=4, max_num_batched_tokens=64,
+                  host=HostBlocks(8))  # fmt: skip
+    a, b = seq("a", list(range(8)), max_tokens=6), seq("b", list(range(20, 28)), max_tokens=10)
+    s.add(a)
+    s.add(b)
+    for _ in range(5):
+        step(s)  # both at 12 tokens: three blocks each, the last of the 7 free
+    b_blocks = list(b.block_ids)
+    out = step(s)  # a needs its fourth block: b goes to the pool; a finishes
+    assert out.preempted == [b] and out.moves.out_device == b_blocks and a.finish_reason is not None
+    out = step(s)
+    assert [c.seq for c in out.chunks] == [b] and not out.moves  # b's K/V never left: no copy in
+    assert list(b.block_ids[:3]) == b_blocks and b.host_blocks == [] and s.host.num_free == 8
+    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused) == (3, 0, 3)
+
+
+def test_an_offloaded_sequence_shares_the_cached_prefix_it_finds_and_copies_in_the_rest():
+    """Its first block is shared with a running sequence (still referenced); its second was evicted
+    while it waited: it shares the first and gets the rest copied in."""
+    s = Scheduler(BlockManager(8, 4, prefix_caching=True), max_num_seqs=4, max_num_batched_tokens=64,
+                  host=HostBlocks(8))  # fmt: skip
+    b = seq("b", list(range(20, 28)), max_tokens=10)
+    c = seq("c", list(range(20, 24)) + list(range(40, 44)), max_tokens=16)
+    a = seq("a", list(range(20, 24)) + list(range(4)), max_tokens=6)
+    s.add(b)
+    step(s)
+    s.add(c)
+    s.add(a)
+    while not a.host_blocks:
+        step(s)
+    while a in s.waiting:
+        out = s.schedule()
+        a_blocks, refs = list(a.block_ids), [s.blocks.refs(b) for b in a.block_ids]  # a may finish in it
+        s.finish_step(out, {i: 7 for i, ch in enumerate(out.chunks) if ch.samples})
+    assert a.host_blocks == [] and a in (ch.seq for ch in out.chunks)
+    assert a_blocks[0] == c.block_ids[0] and refs[:3] == [2, 1, 1]  # c's first block, shared
+    assert out.moves.in_host == [1, 2] and out.moves.in_device == a_blocks[1:3]
+    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused) == (3, 2, 1)
+    while s.has_work:
+        step(s)
+    assert s.blocks.num_free == 8 and s.host.num_free == 8
+
+
 def test_without_room_in_the_pool_a_preempted_sequence_is_recomputed():
     s, a, b = _two_running(6, HostBlocks(2))  # b's three blocks do not fit
     for _ in range(4):
@@ -207,7 +253,9 @@ def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_cachi
     result = run(core, arrivals)
     s = core.scheduler
     # every request runs to max_tokens and is preempted only with more to compute: all come back
-    assert s.preempted_offload > 0 and s.blocks_restored == s.blocks_offloaded
+    assert s.preempted_offload > 0 and s.blocks_restored + s.blocks_reused == s.blocks_offloaded
+    if prefix_caching:  # some come back to their own blocks, still cached on the device
+        assert s.blocks_reused > 0
     if pool == 6:
         assert s.preempted_recompute > 0, "the pool was meant to be too small for some preemptions"
     else:
@@ -216,3 +264,4 @@ def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_cachi
         assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 24, None), a.request_id
     stats = core.stats()
     assert (stats.preemptions_offload, stats.kv_offload_blocks_in) == (s.preempted_offload, s.blocks_restored)
+    assert stats.kv_offload_blocks_reused == s.blocks_reused

@@ -120,9 +120,25 @@ class BlockManager:
         logits give the next token."""
         if not self.prefix_caching or seq.block_ids or seq.num_computed:
             return 0
-        usable = (seq.length - 1) // self.block_size
+        seq.num_computed = self._share_cached(seq, (seq.length - 1) // self.block_size) * self.block_size
+        self.queried_tokens += seq.length
+        self.hit_tokens += seq.num_computed
+        return seq.num_computed
+
+    def share_restored(self, seq: Sequence) -> int:
+        """An offloaded sequence coming back, with no device blocks and its K/V in the host pool:
+        give it the cached blocks of its computed K/V's longest cached prefix (often its own, still
+        cached since it left), which then need no copy in; returns how many. Not a prompt lookup:
+        the hit counters do not count it."""
+        if not self.prefix_caching or seq.block_ids:
+            return 0
+        return self._share_cached(seq, seq.num_computed // self.block_size)
+
+    def _share_cached(self, seq: Sequence, count: int) -> int:
+        """Give a sequence with no blocks the cached blocks of its first `count` full blocks, as far
+        as they are cached in a row; returns how many it got."""
         blocks = []
-        for digest in self._chain(seq, usable)[:usable]:
+        for digest in self._chain(seq, count)[:count]:
             block = self._by_digest.get(digest)
             if block is None:
                 break
@@ -133,17 +149,17 @@ class BlockManager:
             self._refs[block] += 1
         seq.block_ids = array("i", blocks)
         seq.blocks_cached = len(blocks)
-        seq.num_computed = len(blocks) * self.block_size
-        self.queried_tokens += seq.length
-        self.hit_tokens += seq.num_computed
-        return seq.num_computed
+        return len(blocks)
 
     def unmatch(self, seq: Sequence, matched: int) -> None:
         """Undo a match_prefix whose sequence could not be admitted after all: the blocks it gave,
         and its lookup in the counters, hit or not (the sequence is looked up again each step it
-        waits; counted once, when admitted). Nothing to undo where match_prefix looked nothing up
-        (no prefix caching; an offloaded sequence, which keeps its K/V)."""
-        if not self.prefix_caching or seq.num_computed != matched:
+        waits; counted once, when admitted). An offloaded sequence, which match_prefix does not look
+        up (it keeps its K/V), gives back the blocks share_restored gave it."""
+        if not self.prefix_caching:
+            return
+        if seq.num_computed != matched:
+            self.free(seq)
             return
         if matched:
             self.free(seq)

@@ -8,8 +8,9 @@ Policy per step, under a token budget and a cap on running sequences:
    sequence admitted starts from the cached blocks of its longest cached prefix.
 When a running sequence needs a block and none is free, the most recently admitted sequence
 not yet scheduled this step is preempted: with a host pool that has room, its K/V are copied out
-to the pool (offloaded) and copied back before it runs again, at the head of the queue; otherwise
-its blocks are freed and it is recomputed later from its tokens.
+to the pool (offloaded) and copied back before it runs again, at the head of the queue (with prefix
+caching, the leading blocks still cached on the device when it comes back are shared instead of
+copied in); otherwise its blocks are freed and it is recomputed later from its tokens.
 A sequence that cannot be scheduled even then preempts itself; the others finish and free blocks,
 so the engine never deadlocks (a request never needs more blocks than the cache has: validated).
 
@@ -88,11 +89,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.suspects: deque[Sequence] = deque()  # quarantined after a failed step, run alone in turn
-        # since start: preemptions by what became of the sequence's K/V, and blocks copied each way
+        # since start: preemptions by what became of the sequence's K/V, blocks copied each way,
+        # and blocks an offloaded sequence found still cached on the device (not copied back)
         self.preempted_offload = 0
         self.preempted_recompute = 0
         self.blocks_offloaded = 0
         self.blocks_restored = 0
+        self.blocks_reused = 0
 
     @property
     def has_work(self) -> bool:
@@ -194,6 +197,7 @@ class Scheduler:
             if seq.num_inflight:  # preempted while its last token is in flight: wait for it
                 break
             matched = self.blocks.match_prefix(seq)  # nothing for an offloaded one: it has its K/V
+            shared = self.blocks.share_restored(seq) if seq.host_blocks else 0
             n = min(seq.num_uncomputed, budget)
             # room for all it has to compute, not only this step's chunk: admitted without it, its
             # prompt (or recomputed context) is preempted before it is done, again and again
@@ -206,7 +210,7 @@ class Scheduler:
                 seq.cached_tokens = matched
             take(seq, n, self.blocks.blocks_needed(seq, n))
             if seq.host_blocks:
-                self._restore(seq, out.moves)
+                self._restore(seq, shared, out.moves)
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -230,12 +234,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _restore(self, seq: Sequence, moves: BlockMoves) -> None:
-        """An offloaded sequence got its device blocks back: copy its K/V in before this step reads them."""
+    def _restore(self, seq: Sequence, shared: int, moves: BlockMoves) -> None:
+        """An offloaded sequence got its device blocks back, the first `shared` from the prefix
+        cache: copy the rest of its K/V in before this step reads them."""
         held = len(seq.host_blocks)
-        moves.in_host += seq.host_blocks
-        moves.in_device += seq.block_ids[:held]
-        self.blocks_restored += held
+        moves.in_host += seq.host_blocks[shared:]
+        moves.in_device += seq.block_ids[shared:held]
+        self.blocks_restored += held - shared
+        self.blocks_reused += shared
         self._release_host(seq)  # later copies to these blocks queue after this one
 
     def _release(self, seq: Sequence) -> None:

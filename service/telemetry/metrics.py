@@ -124,9 +124,17 @@ class ServerMetrics:
         )
         meter.create_observable_counter(
             "tandem_kv_offload_blocks",
-            callbacks=[self._by_label("direction", kv_offload_blocks_out="out", kv_offload_blocks_in="in")],
+            callbacks=[
+                self._by_label(
+                    "direction",
+                    kv_offload_blocks_out="out",
+                    kv_offload_blocks_in="in",
+                    kv_offload_blocks_reused="reused",
+                )
+            ],
             unit="{block}",
-            description="KV-cache blocks copied to the host pool (out) and back (in), since start.",
+            description="KV-cache blocks copied to the host pool (out) and back (in), since start; reused: "
+            "blocks not copied back because the prefix cache still held them on the device.",
         )
         self._gauge(
             meter,
