@@ -100,6 +100,7 @@ class Run:
     itl: list[float] = field(default_factory=list)  # every gap between a request's tokens
     tpot: list[float] = field(default_factory=list)  # per request: (last token - first) / (tokens - 1)
     stalls: dict = field(default_factory=dict)  # collections and compiles during the run (StallWatch)
+    offload_blocks: tuple[int, int, int] = (0, 0, 0)  # copied out, copied back, found still cached
 
     def summary(self) -> dict:
         return {
@@ -118,6 +119,11 @@ class Run:
             else 0.0,
             **({"allocator": self.allocator} if self.allocator else {}),
             **({"stalls": self.stalls} if self.stalls else {}),
+            **(
+                {"kv_offload_blocks": dict(zip(("out", "in", "reused"), self.offload_blocks, strict=True))}
+                if self.offload_blocks[0]
+                else {}
+            ),
         }
 
 
@@ -271,6 +277,7 @@ def run(
         allocator,
         itl,
         [(last[r] - first[r]) / (len(outputs[r]) - 1) for r in ids if len(outputs[r]) > 1],
+        offload_blocks=(scheduler.blocks_offloaded, scheduler.blocks_restored, scheduler.blocks_reused),
     )
 
 
