@@ -127,6 +127,30 @@ def test_an_offloaded_sequence_shares_the_cached_prefix_it_finds_and_copies_in_t
     assert s.blocks.num_free == 8 and s.host.num_free == 8
 
 
+def test_a_sequence_whose_token_in_flight_ends_it_is_preempted_without_copying_its_kv():
+    """The asynchronous loop schedules step N+1 before step N's tokens are back: b's token in step N
+    is its last, so b is not in step N+1, and a, which needs a block there, preempts it. b never
+    runs again: its blocks are freed, nothing goes to the pool, and it finishes with that token."""
+    s = Scheduler(BlockManager(6, 4), max_num_seqs=4, max_num_batched_tokens=64, host=HostBlocks(8))
+    a, b = seq("a", list(range(8)), max_tokens=10), seq("b", list(range(20, 28)), max_tokens=5)
+    s.add(a)
+    s.add(b)
+    prev = s.schedule()
+    while not b.will_finish_by_length:
+        out = s.schedule()
+        s.finish_step(prev, {i: 7 for i, c in enumerate(prev.chunks) if c.samples})
+        prev = out
+    out = s.schedule()  # a's position 12 needs a fourth block
+    assert out.preempted == [b] and not out.moves and s.host.num_free == 8
+    assert (s.preempted_offload, s.preempted_recompute) == (0, 0)
+    s.finish_step(prev, {i: 7 for i, c in enumerate(prev.chunks) if c.samples})
+    assert b.finish_reason == "length" and len(b.token_ids) == 8 + 5 and b not in s.waiting
+    s.finish_step(out, {0: 7})
+    while s.has_work:
+        step(s)
+    assert s.blocks.num_free == 6 and s.host.num_free == 8
+
+
 def test_without_room_in_the_pool_a_preempted_sequence_is_recomputed():
     s, a, b = _two_running(6, HostBlocks(2))  # b's three blocks do not fit
     for _ in range(4):

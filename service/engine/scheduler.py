@@ -215,10 +215,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Take a running sequence off the device (its blocks are free for this step): its K/V to
-        the host pool where there is room, else dropped (recomputed later from its tokens)."""
+        the host pool where there is room, else dropped (recomputed later from its tokens). One whose
+        token in flight ends it never runs again: its K/V are dropped, not copied out."""
         self.running.remove(seq)
         held = -(-seq.num_computed // self.blocks.block_size)  # the blocks holding its computed K/V
-        if self.host is not None and held and self.host.can_allocate(held):
+        if seq.will_finish_by_length:  # not counted: its request is done once that token is back
+            seq.num_computed = 0
+        elif self.host is not None and held and self.host.can_allocate(held):
             seq.host_blocks = self.host.allocate(held)  # it keeps num_computed: its K/V come back
             out.moves.out_device += seq.block_ids[:held]
             out.moves.out_host += seq.host_blocks
