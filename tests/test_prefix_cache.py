@@ -223,6 +223,23 @@ def test_a_preempted_chunk_caches_nothing():
     assert s.blocks.num_cached == 0
 
 
+def test_a_chunk_of_a_sequence_preempted_and_readmitted_meanwhile_caches_nothing():
+    """Preempted between the scheduling of step N and its tokens' return, and readmitted into new
+    blocks by step N+1: step N wrote the old blocks, so its chunk must not make the new ones
+    findable (step N+1, still in flight, has not written them)."""
+    s = Scheduler(BlockManager(64, 4, prefix_caching=True), max_num_seqs=8, max_num_batched_tokens=8)
+    a = seq("a", list(range(12)))
+    s.add(a)
+    step_n = s.schedule()  # a's first 8 tokens: two full blocks
+    s._preempt(a, SchedulerOutput([], []))
+    step_n1 = s.schedule()  # a again from its start, in new blocks
+    assert [(c.seq, c.start, c.num_tokens) for c in step_n1.chunks] == [(a, 0, 8)]
+    s.finish_step(step_n, {})
+    assert s.blocks.num_cached == 0 and a.blocks_cached == 0
+    s.finish_step(step_n1, {})  # now they are written
+    assert s.blocks.num_cached == 2 and a.blocks_cached == 2
+
+
 @given(
     st.lists(
         st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 6), st.booleans()),
