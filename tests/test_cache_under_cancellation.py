@@ -14,8 +14,6 @@ import os
 import random
 import threading
 import time
-import urllib.request
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ import openai
 import pytest
 import torch
 from engine_harness import hf_greedy
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_samples import scrape, value
 from serverproc import free_port, running_server, wait_idle
 from transformers import AutoModelForCausalLM
 
@@ -84,26 +82,9 @@ def stub(server: Server) -> Iterator[pb_grpc.TandemStub]:
         yield pb_grpc.TandemStub(channel)
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict, float]]]:
-    """Prometheus text from `url`: sample name -> [(labels, value)]."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    samples: dict[str, list] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[s.name].append((s.labels, s.value))
-    return samples
-
-
-def metric(samples: dict, name: str, **labels: str) -> float:
-    matching = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
-    assert len(matching) == 1, f"{name}{labels}: {samples.get(name)}"
-    return matching[0]
-
-
 def grown(before: dict, after: dict, name: str, **labels: str) -> float:
     """How much a counter grew from one scrape to a later one."""
-    return metric(after, name, **labels) - metric(before, name, **labels)
+    return value(after, name, **labels) - value(before, name, **labels)
 
 
 def preemptions(before: dict, after: dict) -> float:
@@ -234,16 +215,16 @@ def _check_counters(scrapes: list[dict]) -> None:
         (HITS, {}),
         *[("tandem_preemptions_total", {"mode": m}) for m in MODES],
     ]:
-        series = [metric(s, name, **labels) for s in scrapes]
+        series = [value(s, name, **labels) for s in scrapes]
         assert series == sorted(series), (name, labels, series)
     for s in scrapes:
-        assert 0 <= metric(s, HITS) <= metric(s, QUERIES)
+        assert 0 <= value(s, HITS) <= value(s, QUERIES)
     last = scrapes[-1]
-    out = metric(last, "tandem_kv_offload_blocks_total", direction="out")
-    back = metric(last, "tandem_kv_offload_blocks_total", direction="in")
-    assert back + metric(last, "tandem_kv_offload_blocks_total", direction="reused") <= out
-    assert metric(last, "tandem_kv_offload_usage_ratio") == 0
-    assert metric(last, "tandem_requests_running") == 0
+    out = value(last, "tandem_kv_offload_blocks_total", direction="out")
+    back = value(last, "tandem_kv_offload_blocks_total", direction="in")
+    assert back + value(last, "tandem_kv_offload_blocks_total", direction="reused") <= out
+    assert value(last, "tandem_kv_offload_usage_ratio") == 0
+    assert value(last, "tandem_requests_running") == 0
 
 
 def _generate(stub: pb_grpc.TandemStub, prompt: list[int], max_tokens: int | None, salt: str | None = None):
@@ -370,7 +351,7 @@ def test_a_request_cancelled_while_offloaded_gives_its_pool_blocks_back(server, 
             assert time.monotonic() < deadline and load.requests_running == 4, load
         victim.cancel()
         running = stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT).requests_running  # after the abort
-        pool_now = metric(scrape(server.metrics_url), "tandem_kv_offload_usage_ratio")
+        pool_now = value(scrape(server.metrics_url), "tandem_kv_offload_usage_ratio")
         finished = [list(t for m in call for t in m.token_ids) for call in others]
         wait_idle(stub)
         after = scrape(server.metrics_url)
@@ -379,7 +360,7 @@ def test_a_request_cancelled_while_offloaded_gives_its_pool_blocks_back(server, 
             for d in ("out", "in", "reused")
         )
         assert grown(before, after, "tandem_preemptions_total", mode="offload") >= 1 and out > 0
-        assert metric(after, "tandem_kv_offload_usage_ratio") == 0
+        assert value(after, "tandem_kv_offload_usage_ratio") == 0
         for prompt, tokens in zip(prompts, finished, strict=False):
             assert len(tokens) == 59 and tokens == hf_greedy(llama, prompt, 60, None)[1:]
         if running == 3 and out > back + reused:  # cancelled while the others ran, and while offloaded

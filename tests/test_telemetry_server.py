@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_samples import scrape, value
 from serverproc import free_port, running_server
 
 # KServe requests are built from tritonclient's stubs: other modules of the suite import tritonclient,
@@ -88,23 +87,6 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def scrape(url: str) -> dict[str, list]:
-    """Prometheus text from `url`, parsed by prometheus-client: sample name -> [(labels, value)]."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    samples: dict[str, list] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[s.name].append((s.labels, s.value))
-    return samples
-
-
-def value(samples: dict[str, list], name: str, **labels: str) -> float:
-    matching = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
-    assert len(matching) == 1, f"{name}{labels}: {samples.get(name)}"
-    return matching[0]
 
 
 def attrs(span: Span) -> dict:

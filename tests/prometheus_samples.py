@@ -1,0 +1,28 @@
+"""A server's /metrics as the tests read it: Prometheus text parsed by prometheus-client."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[str, list[tuple[dict, float]]]
+
+
+def scrape(url: str) -> Samples:
+    """Prometheus text from `url`: sample name -> [(labels, value)]."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples: Samples = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[s.name].append((s.labels, s.value))
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The one sample of `name` with `labels` (its other labels any)."""
+    matching = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    assert len(matching) == 1, f"{name}{labels}: {samples.get(name)}"
+    return matching[0]
