@@ -93,8 +93,9 @@ def main() -> None:
                 "preemptions_offload": sched.preempted_offload,
                 "preemptions_recompute": sched.preempted_recompute,
                 "blocks_offloaded": sched.blocks_offloaded,
-                "blocks_restored": sched.blocks_restored,  # copied back; the rest of those that came
-                "blocks_reused": sched.blocks_reused,  # back were still cached on the device
+                # of the blocks that came back: copied in, or found still cached on the device
+                "blocks_restored": sched.blocks_restored,
+                "blocks_reused": sched.blocks_reused,
                 "modelled_s": round(device.bound_s(r.steps), 3),
             }
         off, rec = runs["offload"], runs["recompute"]

@@ -154,12 +154,8 @@ class BlockManager:
     def unmatch(self, seq: Sequence, matched: int) -> None:
         """Undo a match_prefix whose sequence could not be admitted after all: the blocks it gave,
         and its lookup in the counters, hit or not (the sequence is looked up again each step it
-        waits; counted once, when admitted). An offloaded sequence, which match_prefix does not look
-        up (it keeps its K/V), gives back the blocks share_restored gave it."""
+        waits; counted once, when admitted)."""
         if not self.prefix_caching:
-            return
-        if seq.num_computed != matched:
-            self.free(seq)
             return
         if matched:
             self.free(seq)

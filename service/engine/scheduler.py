@@ -202,7 +202,10 @@ class Scheduler:
             # room for all it has to compute, not only this step's chunk: admitted without it, its
             # prompt (or recomputed context) is preempted before it is done, again and again
             if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_uncomputed)):
-                self.blocks.unmatch(seq, matched)
+                if seq.host_blocks:  # not looked up (it keeps its K/V): what share_restored gave goes back
+                    self.blocks.free(seq)
+                else:
+                    self.blocks.unmatch(seq, matched)
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(seq)
