@@ -17,7 +17,7 @@ from tandem.service.engine.host_blocks import HostBlocks
 from tandem.service.engine.kv_offload import KVOffload, _runs
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 from tandem.service.engine.sampling_params import SamplingParams
-from tandem.service.engine.scheduler import BlockMoves, Scheduler
+from tandem.service.engine.scheduler import BlockMoves, Scheduler, SchedulerOutput
 from tandem.service.engine.sequence import Sequence
 
 
@@ -25,9 +25,14 @@ def seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
     return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), 0, 10_000)
 
 
+def finish(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    """Hand a step's tokens back: `token` to each chunk that samples."""
+    s.finish_step(out, {i: token for i, c in enumerate(out.chunks) if c.samples})
+
+
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.finish_step(out, {i: token for i, c in enumerate(out.chunks) if c.samples})
+    finish(s, out, token)
     return out
 
 
@@ -117,7 +122,7 @@ def test_an_offloaded_sequence_shares_the_cached_prefix_it_finds_and_copies_in_t
     while a in s.waiting:
         out = s.schedule()
         a_blocks, refs = list(a.block_ids), [s.blocks.refs(b) for b in a.block_ids]  # a may finish in it
-        s.finish_step(out, {i: 7 for i, ch in enumerate(out.chunks) if ch.samples})
+        finish(s, out)
     assert a.host_blocks == [] and a in (ch.seq for ch in out.chunks)
     assert a_blocks[0] == c.block_ids[0] and refs[:3] == [2, 1, 1]  # c's first block, shared
     assert out.moves.in_host == [1, 2] and out.moves.in_device == a_blocks[1:3]
@@ -138,12 +143,12 @@ def test_a_sequence_whose_token_in_flight_ends_it_is_preempted_without_copying_i
     prev = s.schedule()
     while not b.will_finish_by_length:
         out = s.schedule()
-        s.finish_step(prev, {i: 7 for i, c in enumerate(prev.chunks) if c.samples})
+        finish(s, prev)
         prev = out
     out = s.schedule()  # a's position 12 needs a fourth block
     assert out.preempted == [b] and not out.moves and s.host.num_free == 8
     assert (s.preempted_offload, s.preempted_recompute) == (0, 0)
-    s.finish_step(prev, {i: 7 for i, c in enumerate(prev.chunks) if c.samples})
+    finish(s, prev)
     assert b.finish_reason == "length" and len(b.token_ids) == 8 + 5 and b not in s.waiting
     s.finish_step(out, {0: 7})
     while s.has_work:
