@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from tandem.service.engine.block_manager import BlockManager
-from tandem.service.engine.host_blocks import HostBlocks
+from tandem.service.engine.host_blocks import ON_DEVICE, HostBlocks
 from tandem.service.engine.kv_offload import KVOffload, _runs
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 from tandem.service.engine.sampling_params import SamplingParams
@@ -105,9 +105,10 @@ def test_an_offloaded_sequence_comes_back_to_its_blocks_still_cached_without_cop
     assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused) == (3, 0, 3)
 
 
-def test_an_offloaded_sequence_shares_the_cached_prefix_it_finds_and_copies_in_the_rest():
-    """Its first block is shared with a running sequence (still referenced); its second was evicted
-    while it waited: it shares the first and gets the rest copied in."""
+def test_an_offloaded_sequence_leaves_the_prefix_it_shares_on_the_device_and_copies_the_rest():
+    """Its first block is shared with a running sequence (still referenced): it is neither copied out
+    nor in, and is shared again when it comes back; its second was evicted while it waited, so the
+    rest is copied in."""
     s = Scheduler(BlockManager(8, 4, prefix_caching=True), max_num_seqs=4, max_num_batched_tokens=64,
                   host=HostBlocks(8))  # fmt: skip
     b = seq("b", list(range(20, 28)), max_tokens=10)
@@ -118,18 +119,47 @@ def test_an_offloaded_sequence_shares_the_cached_prefix_it_finds_and_copies_in_t
     s.add(c)
     s.add(a)
     while not a.host_blocks:
-        step(s)
+        before = list(a.block_ids)
+        out = step(s)
+    assert before[0] == c.block_ids[0] and a.host_blocks == [ON_DEVICE, 0, 1]
+    assert out.moves.out_device == before[1:3] and out.moves.out_host == [0, 1]
     while a in s.waiting:
         out = s.schedule()
         a_blocks, refs = list(a.block_ids), [s.blocks.refs(b) for b in a.block_ids]  # a may finish in it
         finish(s, out)
     assert a.host_blocks == [] and a in (ch.seq for ch in out.chunks)
     assert a_blocks[0] == c.block_ids[0] and refs[:3] == [2, 1, 1]  # c's first block, shared
-    assert out.moves.in_host == [1, 2] and out.moves.in_device == a_blocks[1:3]
-    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused) == (3, 2, 1)
+    assert out.moves.in_host == [0, 1] and out.moves.in_device == a_blocks[1:3]
+    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused) == (2, 2, 1)
     while s.has_work:
         step(s)
     assert s.blocks.num_free == 8 and s.host.num_free == 8
+
+
+def test_an_offloaded_sequence_whose_uncopied_prefix_was_evicted_is_recomputed_from_there():
+    """The block it left on the device is shared with c; c is cancelled and every block's room is
+    then needed (taken here straight from the block manager), so that block is evicted while a
+    waits: a cannot come back to it, so it is recomputed from its tokens, and its pool blocks go."""
+    s = Scheduler(BlockManager(8, 4, prefix_caching=True), max_num_seqs=2, max_num_batched_tokens=64,
+                  host=HostBlocks(8))  # fmt: skip
+    c = seq("c", list(range(20, 24)) + list(range(40, 44)), max_tokens=12)
+    a = seq("a", list(range(20, 24)) + list(range(4)), max_tokens=12)
+    s.add(c)
+    step(s)
+    s.add(a)
+    while not a.host_blocks:
+        out = step(s)
+    assert a.host_blocks == [ON_DEVICE, 0, 1, 2] and out.moves.out_host == [0, 1, 2]
+    s.abort("c")
+    everything = seq("x", [])
+    s.blocks.grow(everything, s.blocks.num_blocks)  # evicts every cached block
+    s.blocks.free(everything)
+    out = step(s)
+    assert [(ch.seq, ch.start, ch.num_tokens) for ch in out.chunks] == [(a, 0, 17)] and not out.moves
+    assert a.host_blocks == [] and s.host.num_free == 8 and (s.blocks_restored, s.blocks_reused) == (0, 0)
+    while s.has_work:
+        step(s)
+    assert s.blocks.num_free == 8 and a.finish_reason == "length"
 
 
 def test_a_sequence_whose_token_in_flight_ends_it_is_preempted_without_copying_its_kv():
@@ -212,7 +242,7 @@ def test_device_and_pool_blocks_never_leak_and_are_never_shared(
         assert len(out.moves.out_device) == len(out.moves.out_host)
         assert len(out.moves.in_host) == len(out.moves.in_device)
         s.finish_step(out, {i: rng.randrange(50) for i, c in enumerate(out.chunks) if c.samples})
-        held = [b for q in live for b in q.host_blocks]
+        held = [b for q in live for b in q.host_blocks if b != ON_DEVICE]
         assert len(held) == len(set(held)) and len(held) + pool.num_free == host_blocks
         assert all(q in s.waiting for q in live if q.host_blocks)
         holders = block_holders(live)

@@ -125,6 +125,16 @@ class BlockManager:
         self.hit_tokens += seq.num_computed
         return seq.num_computed
 
+    def held_elsewhere(self, seq: Sequence, count: int) -> int:
+        """How many of the sequence's first `count` blocks, in a row, are cached and held by another
+        sequence too: they stay findable while it holds them (an offloaded sequence leaves them)."""
+        n = 0
+        for block in seq.block_ids[: min(count, seq.blocks_cached)]:
+            if self._refs[block] < 2 or block not in self._digest:
+                break
+            n += 1
+        return n
+
     def share_restored(self, seq: Sequence) -> int:
         """An offloaded sequence coming back, with no device blocks and its K/V in the host pool:
         give it the cached blocks of its computed K/V's longest cached prefix (often its own, still

@@ -1,14 +1,19 @@
 """The host pool's bookkeeping: which of its blocks hold a preempted sequence's K/V.
 
 Preemption copies a sequence's KV blocks to the pool instead of dropping them; its blocks come back
-to the device before it runs again (kv_offload.py makes the copies). Only bookkeeping lives here, so
-the scheduler stays free of tensors. Blocks are handed out lowest id first, so a sequence's blocks
-are mostly one run of the pool and its copies few.
+to the device before it runs again (kv_offload.py makes the copies); leading blocks it shares in the
+prefix cache with a sequence still running stay on the device, uncopied (ON_DEVICE). Only
+bookkeeping lives here, so the scheduler stays free of tensors. Blocks are handed out lowest id
+first, so a sequence's blocks are mostly one run of the pool and its copies few.
 """
 
 from __future__ import annotations
 
 import heapq
+
+# a sequence's host_blocks entry for a block not copied out: it stayed cached on the device, shared
+# with a sequence still running, and is shared again when it comes back
+ON_DEVICE = -1
 
 
 class HostBlocks:
@@ -36,4 +41,5 @@ class HostBlocks:
 
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
-            heapq.heappush(self._free, block)
+            if block != ON_DEVICE:
+                heapq.heappush(self._free, block)

@@ -8,9 +8,11 @@ Policy per step, under a token budget and a cap on running sequences:
    sequence admitted starts from the cached blocks of its longest cached prefix.
 When a running sequence needs a block and none is free, the most recently admitted sequence
 not yet scheduled this step is preempted: with a host pool that has room, its K/V are copied out
-to the pool (offloaded) and copied back before it runs again, at the head of the queue (with prefix
-caching, the leading blocks still cached on the device when it comes back are shared instead of
-copied in); otherwise its blocks are freed and it is recomputed later from its tokens.
+to the pool (offloaded) and copied back before it runs again, at the head of the queue; otherwise
+its blocks are freed and it is recomputed later from its tokens. With prefix caching, the leading
+blocks it shares with a sequence still running are not copied out, and the leading blocks still
+cached on the device when it comes back are shared instead of copied in; one it left that is gone
+by then (evicted once nobody held it) makes it recomputed from there.
 A sequence that cannot be scheduled even then preempts itself; the others finish and free blocks,
 so the engine never deadlocks (a request never needs more blocks than the cache has: validated).
 
@@ -35,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .host_blocks import HostBlocks
+from .host_blocks import ON_DEVICE, HostBlocks
 from .sequence import FinishReason, Sequence
 
 
@@ -196,8 +198,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_inflight:  # preempted while its last token is in flight: wait for it
                 break
+            shared = self._share_restored(seq) if seq.host_blocks else 0
             matched = self.blocks.match_prefix(seq)  # nothing for an offloaded one: it has its K/V
-            shared = self.blocks.share_restored(seq) if seq.host_blocks else 0
             n = min(seq.num_uncomputed, budget)
             # room for all it has to compute, not only this step's chunk: admitted without it, its
             # prompt (or recomputed context) is preempted before it is done, again and again
@@ -222,13 +224,15 @@ class Scheduler:
         token in flight ends it never runs again: its K/V are dropped, not copied out."""
         self.running.remove(seq)
         held = -(-seq.num_computed // self.blocks.block_size)  # the blocks holding its computed K/V
+        kept = self.blocks.held_elsewhere(seq, held)  # stay cached on the device: not copied
         if seq.will_finish_by_length:  # not counted: its request is done once that token is back
             seq.num_computed = 0
-        elif self.host is not None and held and self.host.can_allocate(held):
-            seq.host_blocks = self.host.allocate(held)  # it keeps num_computed: its K/V come back
-            out.moves.out_device += seq.block_ids[:held]
-            out.moves.out_host += seq.host_blocks
-            self.blocks_offloaded += held
+        elif self.host is not None and held and self.host.can_allocate(held - kept):
+            # it keeps num_computed: its K/V come back
+            seq.host_blocks = [ON_DEVICE] * kept + self.host.allocate(held - kept)
+            out.moves.out_device += seq.block_ids[kept:held]
+            out.moves.out_host += seq.host_blocks[kept:]
+            self.blocks_offloaded += held - kept
             self.preempted_offload += 1
         else:
             seq.num_computed = 0
@@ -239,6 +243,19 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+    def _share_restored(self, seq: Sequence) -> int:
+        """An offloaded sequence at the head of the queue: share the leading blocks of its K/V still
+        cached on the device (they need no copy in); returns how many. If one it left on the device
+        is gone (evicted once nobody held it), it is recomputed from there instead: its pool blocks
+        are freed and its lookup is a recomputed sequence's (match_prefix)."""
+        shared = self.blocks.share_restored(seq)
+        if ON_DEVICE not in seq.host_blocks[shared:]:
+            return shared
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        self._release_host(seq)
+        return 0
 
     def _restore(self, seq: Sequence, shared: int, moves: BlockMoves) -> None:
         """An offloaded sequence got its device blocks back, the first `shared` from the prefix
