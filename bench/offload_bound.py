@@ -93,9 +93,11 @@ def main() -> None:
                 "preemptions_offload": sched.preempted_offload,
                 "preemptions_recompute": sched.preempted_recompute,
                 "blocks_offloaded": sched.blocks_offloaded,
-                # of the blocks that came back: copied in, or found still cached on the device
+                # of the blocks that came back: copied in, or found still cached on the device;
+                # and those never copied out (shared with a running sequence)
                 "blocks_restored": sched.blocks_restored,
                 "blocks_reused": sched.blocks_reused,
+                "blocks_kept": sched.blocks_kept,
                 "modelled_s": round(device.bound_s(r.steps), 3),
             }
         off, rec = runs["offload"], runs["recompute"]

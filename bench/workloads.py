@@ -69,6 +69,8 @@ from tandem.service.engine.sampling_params import GenerationRequest, SamplingPar
 from tandem.service.engine.timing import StepTiming
 
 BLOCK = 16
+# KV offload's block counts as a run records them, each from the scheduler's blocks_<name>
+OFFLOAD_BLOCKS = {"out": "offloaded", "in": "restored", "reused": "reused", "kept": "kept"}
 MAX_NUM_SEQS, BUDGET = 256, 2048  # the server's defaults
 
 
@@ -100,7 +102,8 @@ class Run:
     itl: list[float] = field(default_factory=list)  # every gap between a request's tokens
     tpot: list[float] = field(default_factory=list)  # per request: (last token - first) / (tokens - 1)
     stalls: dict = field(default_factory=dict)  # collections and compiles during the run (StallWatch)
-    offload_blocks: tuple[int, int, int] = (0, 0, 0)  # copied out, copied back, found still cached
+    # copied out, copied back, found still cached, left on the device uncopied (OFFLOAD_BLOCKS)
+    offload_blocks: tuple[int, ...] = (0, 0, 0, 0)
 
     def summary(self) -> dict:
         return {
@@ -120,8 +123,8 @@ class Run:
             **({"allocator": self.allocator} if self.allocator else {}),
             **({"stalls": self.stalls} if self.stalls else {}),
             **(
-                {"kv_offload_blocks": dict(zip(("out", "in", "reused"), self.offload_blocks, strict=True))}
-                if self.offload_blocks[0]
+                {"kv_offload_blocks": dict(zip(OFFLOAD_BLOCKS, self.offload_blocks, strict=True))}
+                if any(self.offload_blocks)
                 else {}
             ),
         }
@@ -277,7 +280,7 @@ def run(
         allocator,
         itl,
         [(last[r] - first[r]) / (len(outputs[r]) - 1) for r in ids if len(outputs[r]) > 1],
-        offload_blocks=(scheduler.blocks_offloaded, scheduler.blocks_restored, scheduler.blocks_reused),
+        offload_blocks=tuple(getattr(scheduler, f"blocks_{name}") for name in OFFLOAD_BLOCKS.values()),
     )
 
 

@@ -130,7 +130,7 @@ def test_an_offloaded_sequence_leaves_the_prefix_it_shares_on_the_device_and_cop
     assert a.host_blocks == [] and a in (ch.seq for ch in out.chunks)
     assert a_blocks[0] == c.block_ids[0] and refs[:3] == [2, 1, 1]  # c's first block, shared
     assert out.moves.in_host == [0, 1] and out.moves.in_device == a_blocks[1:3]
-    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused) == (2, 2, 1)
+    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused, s.blocks_kept) == (2, 2, 0, 1)
     while s.has_work:
         step(s)
     assert s.blocks.num_free == 8 and s.host.num_free == 8
@@ -156,7 +156,8 @@ def test_an_offloaded_sequence_whose_uncopied_prefix_was_evicted_is_recomputed_f
     s.blocks.free(everything)
     out = step(s)
     assert [(ch.seq, ch.start, ch.num_tokens) for ch in out.chunks] == [(a, 0, 17)] and not out.moves
-    assert a.host_blocks == [] and s.host.num_free == 8 and (s.blocks_restored, s.blocks_reused) == (0, 0)
+    assert a.host_blocks == [] and s.host.num_free == 8
+    assert (s.blocks_offloaded, s.blocks_restored, s.blocks_reused, s.blocks_kept) == (3, 0, 0, 1)
     while s.has_work:
         step(s)
     assert s.blocks.num_free == 8 and a.finish_reason == "length"
@@ -288,23 +289,26 @@ def llama(tiny_model_dir) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
 
 
-def _arrivals(vocab: int, seed: int) -> list[Arrival]:
+def _arrivals(vocab: int, seed: int, shared: int = 0) -> list[Arrival]:
+    """Seven requests arriving over six steps, their prompts starting with `shared` common tokens."""
     rng = random.Random(seed)
+    common = [rng.randrange(vocab) for _ in range(shared)]
     lengths, steps = [30, 22, 41, 9, 17, 26, 35], [0, 0, 1, 1, 2, 4, 6]
     return [
-        Arrival(f"r{i}", [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=24), at)
+        Arrival(f"r{i}", common + [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=24), at)
         for i, (n, at) in enumerate(zip(lengths, steps, strict=True))
     ]
 
 
 @pytest.mark.parametrize("loop", ["sync", "async"])
 @pytest.mark.parametrize(
-    "pool, prefix_caching",
-    [(64, False), (6, False), (64, True)],  # room for all; room for some (both paths); with the prefix cache
+    "pool, prefix_caching, shared",
+    # room for all; room for some (both paths); with the prefix cache; and a prefix all share
+    [(64, False, 0), (6, False, 0), (64, True, 0), (64, True, 12)],
 )
-def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_caching):
-    arrivals = _arrivals(llama.config.vocab_size, seed=3)
-    # 24 blocks x 4 = 96 cache slots for seven requests of up to 65 tokens each: preemption is forced
+def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_caching, shared):
+    arrivals = _arrivals(llama.config.vocab_size, seed=3, shared=shared)
+    # 24 blocks x 4 = 96 cache slots for seven requests of up to 77 tokens each: preemption is forced
     core = make_core(
         llama, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96, step_loop=loop,
         kv_offload_blocks=pool, prefix_caching=prefix_caching,
@@ -313,8 +317,12 @@ def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_cachi
     s = core.scheduler
     # every request runs to max_tokens and is preempted only with more to compute: all come back
     assert s.preempted_offload > 0 and s.blocks_restored + s.blocks_reused == s.blocks_offloaded
-    if prefix_caching:  # some come back to their own blocks, still cached on the device
-        assert s.blocks_reused > 0
+    if shared:  # some leave the shared prefix on the device, held by those still running
+        assert s.blocks_kept > 0
+    else:
+        assert s.blocks_kept == 0
+        if prefix_caching:  # some come back to their own blocks, still cached on the device
+            assert s.blocks_reused > 0
     if pool == 6:
         assert s.preempted_recompute > 0, "the pool was meant to be too small for some preemptions"
     else:
@@ -323,4 +331,4 @@ def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_cachi
         assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 24, None), a.request_id
     stats = core.stats()
     assert (stats.preemptions_offload, stats.kv_offload_blocks_in) == (s.preempted_offload, s.blocks_restored)
-    assert stats.kv_offload_blocks_reused == s.blocks_reused
+    assert (stats.kv_offload_blocks_reused, stats.kv_offload_blocks_kept) == (s.blocks_reused, s.blocks_kept)

@@ -109,6 +109,7 @@ class EngineCore:
             kv_offload_blocks_out=self.scheduler.blocks_offloaded,
             kv_offload_blocks_in=self.scheduler.blocks_restored,
             kv_offload_blocks_reused=self.scheduler.blocks_reused,
+            kv_offload_blocks_kept=self.scheduler.blocks_kept,
             kv_offload_usage=self.scheduler.host.usage if self.scheduler.host is not None else 0.0,
         )
 
@@ -118,7 +119,7 @@ class EngineCore:
         self.scheduler.blocks.queried_tokens = self.scheduler.blocks.hit_tokens = 0
         s = self.scheduler
         s.preempted_offload = s.preempted_recompute = s.blocks_offloaded = s.blocks_restored = 0
-        s.blocks_reused = 0
+        s.blocks_reused = s.blocks_kept = 0
 
     def _new_sequence(self, req: GenerationRequest) -> Sequence:
         p = req.params

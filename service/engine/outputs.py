@@ -47,11 +47,13 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     # preemptions, since start, by what became of the K/V: copied to the host pool, or dropped (to
-    # be recomputed); KV blocks copied to the pool and back, and those not copied back because
-    # the prefix cache still held them on the device; the share of the pool in use
+    # be recomputed); KV blocks copied to the pool and back, those not copied back because the
+    # prefix cache still held them on the device, and those not copied out because a running
+    # sequence shared them (kept); the share of the pool in use
     preemptions_offload: int = 0
     preemptions_recompute: int = 0
     kv_offload_blocks_out: int = 0
     kv_offload_blocks_in: int = 0
     kv_offload_blocks_reused: int = 0
+    kv_offload_blocks_kept: int = 0
     kv_offload_usage: float = 0.0

@@ -92,12 +92,14 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.suspects: deque[Sequence] = deque()  # quarantined after a failed step, run alone in turn
         # since start: preemptions by what became of the sequence's K/V, blocks copied each way,
-        # and blocks an offloaded sequence found still cached on the device (not copied back)
+        # blocks an offloaded sequence found still cached on the device (copied out, not copied
+        # back), and blocks it left there uncopied (shared with a sequence still running)
         self.preempted_offload = 0
         self.preempted_recompute = 0
         self.blocks_offloaded = 0
         self.blocks_restored = 0
         self.blocks_reused = 0
+        self.blocks_kept = 0
 
     @property
     def has_work(self) -> bool:
@@ -233,6 +235,7 @@ class Scheduler:
             out.moves.out_device += seq.block_ids[kept:held]
             out.moves.out_host += seq.host_blocks[kept:]
             self.blocks_offloaded += held - kept
+            self.blocks_kept += kept
             self.preempted_offload += 1
         else:
             seq.num_computed = 0
@@ -259,12 +262,13 @@ class Scheduler:
 
     def _restore(self, seq: Sequence, shared: int, moves: BlockMoves) -> None:
         """An offloaded sequence got its device blocks back, the first `shared` from the prefix
-        cache: copy the rest of its K/V in before this step reads them."""
+        cache (at least those it left there, ON_DEVICE): copy the rest of its K/V in before this
+        step reads them."""
         held = len(seq.host_blocks)
         moves.in_host += seq.host_blocks[shared:]
         moves.in_device += seq.block_ids[shared:held]
         self.blocks_restored += held - shared
-        self.blocks_reused += shared
+        self.blocks_reused += shared - seq.host_blocks.count(ON_DEVICE)
         self._release_host(seq)  # later copies to these blocks queue after this one
 
     def _release(self, seq: Sequence) -> None:

@@ -130,11 +130,13 @@ class ServerMetrics:
                     kv_offload_blocks_out="out",
                     kv_offload_blocks_in="in",
                     kv_offload_blocks_reused="reused",
+                    kv_offload_blocks_kept="kept",
                 )
             ],
             unit="{block}",
             description="KV-cache blocks copied to the host pool (out) and back (in), since start; reused: "
-            "blocks not copied back because the prefix cache still held them on the device.",
+            "blocks not copied back because the prefix cache still held them on the device; kept: blocks "
+            "of preempted requests not copied out because a running request shared them.",
         )
         self._gauge(
             meter,
