@@ -237,24 +237,30 @@ def test_cuda_prefix_caching_matches_generate(graphs, loop):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("loop", ["sync", "async"])
-def test_cuda_kv_offload_matches_generate(layout, graphs, loop):
+@pytest.mark.parametrize("shared", [0, 32])
+def test_cuda_kv_offload_matches_generate(layout, graphs, loop, shared):
     """Preempted sequences' K/V copied to pinned host memory and back on the offload stream while
-    steps run, into other blocks than they left: generate()'s greedy tokens, no recompute."""
+    steps run, into other blocks than they left: generate()'s greedy tokens, no recompute. With a
+    prefix all prompts share (prefix caching on), the blocks of it that running sequences hold are
+    left on the device and shared again."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_tiny_config("llama", 1000)).to("cuda").eval()
     rng = random.Random(6)
+    common = [rng.randrange(1000) for _ in range(shared)]
     arrivals = [
-        Arrival(f"r{i}", [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=40), at)
+        Arrival(f"r{i}", common + [rng.randrange(1000) for _ in range(n)], SamplingParams(max_tokens=40), at)
         for i, (n, at) in enumerate(zip([70, 25, 90, 40, 55, 12, 66], [0, 0, 1, 2, 4, 5, 9], strict=True))
     ]
     core = make_core(
-        model, num_blocks=16, block_size=16, max_num_batched_tokens=64, max_model_len=160, max_num_seqs=8,
+        model, num_blocks=16, block_size=16, max_num_batched_tokens=64, max_model_len=192, max_num_seqs=8,
         cuda_graphs=graphs, step_loop=loop, kv_cache_layout=layout, kv_offload_blocks=64,
+        prefix_caching=bool(shared),
     )  # fmt: skip
     assert core.runner.offload is not None and core.runner.offload.store.is_pinned()
     result = run(core, arrivals)
     s = core.scheduler
     assert s.preempted_offload > 0 and s.preempted_recompute == 0
-    assert s.blocks_restored == s.blocks_offloaded
+    assert s.blocks_restored + s.blocks_reused == s.blocks_offloaded
+    assert (s.blocks_kept > 0) == bool(shared)
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, 40, None), a.request_id
