@@ -295,10 +295,12 @@ def test_prefix_cache_counters_count_the_prompts_and_what_was_found_cached(serve
 
 def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Served):
     """More live context than the KV cache holds (256 blocks x 16 tokens; twelve requests of 300 +
-    150): some are preempted, their K/V copied to the host pool and back, or found still cached on
-    the device (counted by direction), and every request gets the greedy tokens it gets alone."""
+    150, the first 64 prompt tokens the same): some are preempted, their K/V copied to the host pool
+    and back, or found still cached on the device, the shared prefix's blocks left there (counted by
+    direction), and every request gets the greedy tokens it gets alone."""
     rng = random.Random(11)
-    prompts = [[rng.randrange(1, 500) for _ in range(300)] for _ in range(12)]
+    shared = [rng.randrange(1, 500) for _ in range(64)]
+    prompts = [shared + [rng.randrange(1, 500) for _ in range(236)] for _ in range(12)]
     before = scrape(served.metrics_url)
     with grpc.insecure_channel(served.address) as channel:
         stub = pb_grpc.TandemStub(channel)
@@ -323,6 +325,7 @@ def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Se
     back = delta("tandem_kv_offload_blocks_total", direction="in")
     reused = delta("tandem_kv_offload_blocks_total", direction="reused")
     assert back + reused == delta("tandem_kv_offload_blocks_total", direction="out") > 0
+    assert delta("tandem_kv_offload_blocks_total", direction="kept") > 0  # the prefix others held
     assert value(after, "tandem_kv_offload_usage_ratio") == 0  # every request finished
     assert together == alone
 
