@@ -111,6 +111,29 @@ def test_a_transient_step_failure_fails_nobody(model: torch.nn.Module, loop: str
     _expect_greedy(model, arrivals, result.tokens, skip=set())
 
 
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_quarantined_requests_start_after_their_cached_prefix(model: torch.nn.Module, loop: str) -> None:
+    """With prefix caching, a quarantined request's blocks stay cached when freed: its lone step
+    recomputes only past them (its K/V from steps that came back), and it gets the same tokens."""
+    arrivals = _arrivals(model.config.vocab_size)
+    core = make_core(model, block_size=4, max_num_batched_tokens=48, step_loop=loop, prefix_caching=True)
+    lone: list[tuple[str, int]] = []  # (request, first position) of each step run alone after a failure
+
+    def poisoned(chunks: list[ScheduledChunk]) -> bool:
+        if failed_sizes and len(chunks) == 1:
+            lone.append((chunks[0].seq.request_id, chunks[0].start))
+        return _poisoned(chunks)
+
+    failed_sizes = _inject(core, "launch", poisoned, "injected failure in r3's work")
+    result = run(core, arrivals)
+    assert set(result.errors) == {POISONED} and max(failed_sizes) >= 4
+    first = {}  # each request's first lone step: from its cached prefix, whole blocks of it
+    for rid, start in lone:
+        first.setdefault(rid, start)
+    assert all(start % 4 == 0 for start in first.values()) and any(first.values()), lone
+    _expect_greedy(model, arrivals, result.tokens, skip={POISONED})
+
+
 def test_a_failure_only_in_company_ends(model: torch.nn.Module) -> None:
     """A request that fails only when batched (never alone) is failed after MAX_FAILED_STEPS; the
     engine never loops on it, and requests that arrive after it are served."""

@@ -17,9 +17,10 @@ A sequence that cannot be scheduled even then preempts itself; the others finish
 so the engine never deadlocks (a request never needs more blocks than the cache has: validated).
 
 Failure containment: the sequences of a step that failed are quarantined (their blocks freed, to be
-recomputed from their tokens) and then run one at a time, alone in their steps, until each has its
-next token; one whose lone step fails again is the culprit (the engine core fails it). Meanwhile
-nothing else is scheduled, so a failure is always pinned on the request that caused it.
+recomputed from their tokens, after the prefix they find cached) and then run one at a time, alone
+in their steps, until each has its next token; one whose lone step fails again is the culprit (the
+engine core fails it). Meanwhile nothing else is scheduled, so a failure is always pinned on the
+request that caused it.
 
 Prefix caching: a chunk's full blocks become findable when its step's tokens come back
 (finish_step), never at scheduling, so no step reads a shared block that a step beside it is still
@@ -130,10 +131,13 @@ class Scheduler:
             self.suspects.append(seq)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
-        """The first suspect's next chunk, alone in its step; room made by preempting running ones."""
+        """The first suspect's next chunk, alone in its step; room made by preempting running ones.
+        Its first starts after its longest cached prefix: often its own blocks, which quarantine
+        left cached (a failed step's writes are never cached)."""
         out = SchedulerOutput([], [])
         if seq.num_uncomputed == 0 or seq.will_finish_by_length:
             return out  # its token is in flight: wait for it
+        self.blocks.match_prefix(seq)  # nothing once it holds blocks
         n = min(seq.num_uncomputed, self.max_num_batched_tokens)
         while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, n)) and self.running:
             self._preempt(self.running[-1], out)
