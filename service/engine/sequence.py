@@ -33,7 +33,8 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)
     block_epoch: int = 0
     blocks_cached: int = 0  # of its blocks, the first this many are cached or were found cached
-    host_blocks: list[int] = field(default_factory=list)  # offloaded: the host pool blocks of its K/V
+    # offloaded: the host pool block of each block of its K/V (ON_DEVICE: left cached, not copied)
+    host_blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     num_inflight: int = 0  # sampled by a launched step, not yet seen by the host (async loop)
     finish_reason: FinishReason | None = None
