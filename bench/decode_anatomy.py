@@ -11,8 +11,6 @@ lookups) and does only the part of the work its MODE names:
 - `scores`: the loads, Q.K^T (tl.dot) and the running max;
 - `softmax`: and the exponentials and their sum;
 - `full`: and P.V: the engine's loop (no new K/V, no rotary);
-- `tokens_in_m`: the whole loop with the products turned over, K.Q^T and V^T.P, so that the
-  tile's tokens are the dot's M dimension and the query heads (padded to 16) its N;
 - `fma`: the whole loop on the CUDA cores (broadcast products summed), query heads unpadded.
 
 Each program stores its split's normalised output: with one split per sequence that is the
@@ -32,16 +30,15 @@ import triton.language as tl
 from tandem.service.engine.ops.decode_grid import Splits
 from tandem.service.engine.ops.triton_decode import (
     _attend_tile,
-    _attend_tile_turned,
     _load_tile,
     _splits_of,
     _tile_range,
 )
 
-MODES = ("read", "contiguous", "scores", "softmax", "full", "tokens_in_m", "fma")
-WHOLE_LOOP = ("full", "tokens_in_m", "fma")  # the modes that compute attention
+MODES = ("read", "contiguous", "scores", "softmax", "full", "fma")
+WHOLE_LOOP = ("full", "fma")  # the modes that compute attention
 # the kernel's MODE values (globals a Triton kernel reads must be constexpr)
-READ, CONTIGUOUS, SCORES, SOFTMAX, FULL, TOKENS_IN_M, FMA = (tl.constexpr(i) for i in range(len(MODES)))
+READ, CONTIGUOUS, SCORES, SOFTMAX, FULL, FMA = (tl.constexpr(i) for i in range(len(MODES)))
 
 
 @triton.jit(do_not_specialize=["least_splits", "num_splits"])
@@ -87,13 +84,11 @@ def _anatomy_kernel(
     g_ok = g < GROUP
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
-    q_t = tl.trans(q)  # [HEAD_DIM, GROUP_PAD]: tokens_in_m's right-hand operand
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.full([GROUP_PAD], 1.0, tl.float32)
     if MODE >= SOFTMAX:
         lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
     for tile in tl.range(first_tile, last_tile):
         if MODE == CONTIGUOUS:  # the slots a table of consecutive blocks would give, not read from it
             pos = tile * TILE + t
@@ -106,8 +101,6 @@ def _anatomy_kernel(
                                          stride_ks, stride_kh, BLOCK_SIZE, TILE, False)
         if MODE <= CONTIGUOUS:
             acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)[None, :]
-        elif MODE == TOKENS_IN_M:  # the engine's turned-over step
-            m, lsum, acc_t = _attend_tile_turned(q_t, k, v, live, m, lsum, acc_t, scale, DOT_PRECISION)
         elif MODE == FMA:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
             s = tl.where(live[None, :], s, float("-inf"))  # [GROUP_PAD, TILE]
@@ -127,9 +120,7 @@ def _anatomy_kernel(
                 lsum = lsum * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
             acc += tl.sum(v.to(tl.float32), axis=0)[None, :]
             m = m_new
-    if MODE == TOKENS_IN_M:
-        out = tl.trans(acc_t / lsum[None, :])
-    elif MODE == SCORES or MODE == SOFTMAX:  # keep what they computed alive
+    if MODE == SCORES or MODE == SOFTMAX:  # keep what they computed alive
         out = acc + (m + lsum)[:, None]
     else:
         out = acc / lsum[:, None]
@@ -235,7 +226,7 @@ def parts() -> list[Part]:
     for mode in MODES:
         tiles = (16, 32) if mode == "fma" else (32, 64, 128)
         out += [Part(mode, tile, warps) for tile in tiles for warps in (4, 8)]
-    for mode in ("read", "full", "tokens_in_m"):
+    for mode in ("read", "full"):
         out += [Part(mode, tile, warps, stages)
                 for stages in (2, 3, 4) for tile in (32, 64) for warps in (4, 8)]
     return out

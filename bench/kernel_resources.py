@@ -95,8 +95,7 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
 
     constexprs = dict(DIRECT=launch.direct, SPLIT_TOKENS=SPLIT_TOKENS, GROUP=4, GROUP_PAD=16, HEAD_DIM=128,
                       BLOCK_SIZE=16, TILE=config.tile, STORE_NEW=launch.store_new, ROTARY=launch.rotary,
-                      DOT_PRECISION="tf32", OFFSET_I64=False, TOKENS_IN_M=config.tokens_in_m,
-                      NEW_AFTER_LOOP=config.new_after_loop,
+                      DOT_PRECISION="tf32", OFFSET_I64=False, NEW_AFTER_LOOP=config.new_after_loop,
                       SINGLE_SPLIT_DIRECT=config.single_split_direct)
     signature = {name: "constexpr" if name in constexprs else POINTERS.get(name) or FLOATS.get(name) or "i32"
                  for name in kernel.arg_names}
@@ -119,9 +118,8 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
                      shared=binary.metadata.shared, warps=config.warps)
 
 
-CONFIGS = [KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
-           for after in (False, True) for turned in (False, True)
-           for tile in (32, 64) for stages in (1, 2, 3)] + [
+CONFIGS = [KernelConfig(tile, stages, 4, new_after_loop=after)
+           for after in (False, True) for tile in (32, 64) for stages in (1, 2, 3)] + [
     # a one-split sequence's output from its program: only a launch with a merge differs
     KernelConfig(tile, stages, 4, new_after_loop=after, single_split_direct=True)
     for tile, stages, after in ((64, 1, False), (32, 1, False), (64, 2, True), (32, 2, True))]
@@ -148,7 +146,7 @@ def main() -> None:
             sass = None
             if a.sass:
                 Path(a.sass).mkdir(parents=True, exist_ok=True)
-                stem = (f"tile{config.tile}_stages{config.stages}_m{config.tokens_in_m:d}"
+                stem = (f"tile{config.tile}_stages{config.stages}"
                         f"_after{config.new_after_loop:d}_direct{config.single_split_direct:d}"
                         f"_{launch_name(launch)}")
                 sass = Path(a.sass) / f"{stem}.sass"
@@ -156,9 +154,9 @@ def main() -> None:
             rows.append({**dataclasses.asdict(config), "launch": name, **dataclasses.asdict(r),
                          "resident_per_sm": r.resident()})
     print(markdown_table(
-        ["tile", "stages", "warps", "tokens in M", "new after loop", "one split direct", "launch",
+        ["tile", "stages", "warps", "new after loop", "one split direct", "launch",
          "registers", "shared KiB", "resident per SM"],
-        [[r["tile"], r["stages"], r["warps"], r["tokens_in_m"], r["new_after_loop"], r["single_split_direct"],
+        [[r["tile"], r["stages"], r["warps"], r["new_after_loop"], r["single_split_direct"],
           r["launch"],
           r["registers"], round(r["shared"] / 1024, 1), r["resident_per_sm"]] for r in rows]))
     import torch

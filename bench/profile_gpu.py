@@ -194,10 +194,8 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
     KernelConfig(tile, stages, warps)
     for tile, stages, warps in itertools.product((32, 64, 128), (1, 2, 3, 4), (4, 8))
     if tile != 128 or stages == 1
-] + [  # the products turned over (K.Q^T, V^T.P), the step's own token after the loop, and both
-    KernelConfig(tile, stages, 4, tokens_in_m=turned, new_after_loop=after)
-    for turned, after, tile, stages in itertools.product((False, True), (False, True), (32, 64), (1, 2, 3, 4))
-    if turned or after
+] + [  # the step's own token after the loop
+    KernelConfig(tile, stages, 4, new_after_loop=True) for tile in (32, 64) for stages in (1, 2, 3, 4)
 ] + [  # the new token after the loop in 1- and 2-warp programs (fewer or no cross-warp reductions)
     KernelConfig(tile, 2, warps, new_after_loop=True) for tile in (16, 32, 64) for warps in (1, 2)
 ]
@@ -213,7 +211,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode
     step) at the grid a captured step of `batch` rows uses (its table as wide as a 4,096-token
     context), contexts `mixed` or fixed: each configuration (tile, pipeline stages, warps, the
-    products turned over or not, the step's own token after the loop or not) per cache layout,
+    step's own token after the loop or not) per cache layout,
     its time, share of the copy bandwidth and largest difference from the engine's
     configuration's output (marked `chosen`). Then (NHD) the kernel as a mixed step's decode rows
     launch it, reading the cache only, in 1-3 stages (`launch`: "cache only")."""
@@ -236,7 +234,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(KERNEL_CONFIGS, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "tokens_in_m": config.tokens_in_m, "new_after_loop": config.new_after_loop,
+                   "new_after_loop": config.new_after_loop,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -249,7 +247,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     reference = cache_only(chosen).float()
     for config in with_engines(CACHE_ONLY_CONFIGS, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
-               "warps": config.warps, "tokens_in_m": False, "new_after_loop": config.new_after_loop,
+               "warps": config.warps, "new_after_loop": config.new_after_loop,
                "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
@@ -596,11 +594,11 @@ def main() -> None:
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
         shown += [r for r in step if r["chosen"] and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "tokens in M", "new after loop", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["tokens_in_m"], r["new_after_loop"], r["chosen"],
+                               r["warps"], r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

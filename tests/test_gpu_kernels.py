@@ -98,13 +98,13 @@ def _check_kernel(
     table_sized = num_splits_for(batch, kv_heads, sms, longest=width * block_size)  # a captured step's
     # every configuration the engine picks, and (bf16) a tile smaller than a block (tiles that
     # split blocks), a merge in one warp per program, merges of several heads per program (fewer
-    # than a sequence's or not dividing them), the products turned over and the step's own token
-    # after the loop, and a one-split sequence's output written by its program, the merge
-    # skipping it (the sweeps': bench/profile_gpu.py)
+    # than a sequence's or not dividing them), the step's own token after the loop, and a
+    # one-split sequence's output written by its program, the merge skipping it (the sweeps':
+    # bench/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
-             KernelConfig(merge_heads=32, merge_warps=2), KernelConfig(tokens_in_m=True),
+             KernelConfig(merge_heads=32, merge_warps=2),
              KernelConfig(tile=64, stages=2, new_after_loop=True),
-             KernelConfig(tile=32, stages=3, tokens_in_m=True, new_after_loop=True),
+             KernelConfig(tile=32, stages=3, new_after_loop=True),
              KernelConfig(tile=64, single_split_direct=True),
              KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, merge_heads=4)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
@@ -286,7 +286,7 @@ def test_kernel_resources_equal_the_launched_kernels(monkeypatch, new_after_loop
                                          config=config)
     kernel = triton_decode._decode_split_kernel
     wanted = {"TILE": config.tile, "DIRECT": True, "STORE_NEW": True, "ROTARY": True,
-              "NEW_AFTER_LOOP": new_after_loop, "TOKENS_IN_M": False,
+              "NEW_AFTER_LOOP": new_after_loop,
               "SINGLE_SPLIT_DIRECT": config.single_split_direct}
     launched = [c for cache, *_ in kernel.device_caches.values() for c in cache.values()
                 if all(c.src.constants[(kernel.arg_names.index(n),)] == value for n, value in wanted.items())

@@ -50,8 +50,7 @@ def num_splits_for(batch: int, kv_heads: int, num_sms: int, longest: int, tokens
 class KernelConfig:
     """How the split kernel walks a context: tokens per loop iteration (any block size: each token
     finds its block through the table), Triton's software-pipeline stages of that loop, warps per
-    program, whether its products are turned over (K.Q^T and V^T.P: the tile's tokens the dots'
-    M dimension, the query heads their N) and whether a decode step's own token joins the softmax
+    program, and whether a decode step's own token joins the softmax
     after the loop instead of being substituted into its tile (the loop's loads then plain, which
     frees registers and lets Triton pipeline them); whether a sequence whose context takes one
     split, in a grid of several, gets its output from that split's program (the merge then skips
@@ -64,7 +63,6 @@ class KernelConfig:
     warps: int = 4
     merge_warps: int = 4
     merge_heads: int = 1
-    tokens_in_m: bool = False
     new_after_loop: bool = False
     single_split_direct: bool = False
 

@@ -79,20 +79,6 @@ def _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION: tl.constexpr
     return m_new, lsum, acc
 
 
-@triton.jit
-def _attend_tile_turned(q_t, k, v, live, m, lsum, acc_t, scale, DOT_PRECISION: tl.constexpr):
-    """_attend_tile with the products turned over (K.Q^T and V^T.P: the tile's tokens are the dots'
-    M dimension, the query heads their N); Q and the accumulator transposed, [head_dim, GROUP_PAD]."""
-    s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32) * scale  # [TILE, GROUP_PAD]
-    s_t = tl.where(live[:, None], s_t, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s_t, axis=0))
-    alpha = tl.exp(m - m_new)
-    p_t = tl.exp(s_t - m_new[None, :])
-    lsum = lsum * alpha + tl.sum(p_t, axis=0)
-    pv = tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=DOT_PRECISION).to(tl.float32)
-    return m_new, lsum, acc_t * alpha[None, :] + pv
-
-
 # Triton compiles a variant per value class of its integer arguments (1, a multiple of 16, other):
 # the split counts and the strides that follow them change from step to step, so they are not
 # specialised on, and the variants a step can launch are few enough to compile before serving
@@ -146,7 +132,6 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OFFSET_I64: tl.constexpr,
-    TOKENS_IN_M: tl.constexpr,
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
 ):
@@ -200,9 +185,6 @@ def _decode_split_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if TOKENS_IN_M:  # the accumulator and Q, transposed
-        acc_t = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)
-        q_t = tl.trans(q)
     for tile in tl.range(first_tile, last_tile):
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
@@ -210,12 +192,7 @@ def _decode_split_kernel(
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
-        if TOKENS_IN_M:
-            m, lsum, acc_t = _attend_tile_turned(q_t, k, v, live, m, lsum, acc_t, scale, DOT_PRECISION)
-        else:
-            m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
-    if TOKENS_IN_M:
-        acc = tl.trans(acc_t)
+        m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
     if STORE_NEW and NEW_AFTER_LOOP:
         # the new token after the cached context's tiles (an empty split stays empty: no exp of
         # -inf minus -inf)
@@ -384,7 +361,6 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 caches stay exact
         # 32-bit address arithmetic unless a cache's elements outgrow it
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
-        TOKENS_IN_M=config.tokens_in_m,
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         num_warps=config.warps,
