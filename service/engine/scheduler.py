@@ -259,9 +259,8 @@ class Scheduler:
         shared = self.blocks.share_restored(seq)
         if ON_DEVICE not in seq.host_blocks[shared:]:
             return shared
-        self.blocks.free(seq)
+        self._release(seq)
         seq.num_computed = 0
-        self._release_host(seq)
         return 0
 
     def _restore(self, seq: Sequence, shared: int, moves: BlockMoves) -> None:
