@@ -175,8 +175,21 @@ def _storm_jobs(vocab: int, seed: int, count: int) -> list[Job]:
     return jobs
 
 
-def _run_storm(server: Server, stub: pb_grpc.TandemStub, jobs: list[Job], seed: int) -> list[dict]:
-    """Run every job at once; meanwhile scrape /metrics again and again. Returns the scrapes."""
+def _overflowing_jobs(vocab: int, seed: int) -> list[Job]:
+    """Four streams that are never cancelled, each to the context limit (10 blocks), of distinct
+    random prompts: running together they need 40 blocks of the 32, so the cache overflows whenever
+    the storm's cancellations happen to fall."""
+    rng = random.Random(-1 - seed)
+    prompt_len = BLOCK * 5
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(4)]
+    return [Job(prompt, MAX_MODEL_LEN - prompt_len, None, "grpc", "never", []) for prompt in prompts]
+
+
+def _run_storm(
+    server: Server, stub: pb_grpc.TandemStub, jobs: list[Job], seed: int, overflowing: list[Job]
+) -> list[dict]:
+    """Start the `overflowing` jobs and wait until each streams, then run every other job at once;
+    meanwhile scrape /metrics again and again. Returns the scrapes."""
     scrapes = [scrape(server.metrics_url)]
     done = threading.Event()
 
@@ -189,8 +202,12 @@ def _run_storm(server: Server, stub: pb_grpc.TandemStub, jobs: list[Job], seed: 
     watcher.start()
     client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=TIMEOUT)
     try:
-        with futures.ThreadPoolExecutor(len(jobs)) as pool:
-            runs = []
+        with futures.ThreadPoolExecutor(len(overflowing) + len(jobs)) as pool:
+            runs = [pool.submit(_native_job, stub, job, random.Random()) for job in overflowing]
+            deadline = time.monotonic() + TIMEOUT
+            while not all(job.seen for job in overflowing):  # all four admitted and decoding
+                assert time.monotonic() < deadline, "the overflowing streams never started"
+                time.sleep(0.01)
             for i, job in enumerate(jobs):
                 rng = random.Random(seed * 1000 + i)
                 if job.api == "grpc":
@@ -247,13 +264,16 @@ def _alone(stub: pb_grpc.TandemStub, jobs: list[Job], scope: str | None = None) 
 def test_cancelled_clients_never_change_what_the_others_get(server, stub, llama, seed):
     """24 streams at once over three shared prefixes and three scopes, native and HTTP, a third of
     them cancelled (queued or mid-prefill, after the first token, mid-decode), in a cache that
-    preempts: each answer is the one its prompt gets alone (a cancelled one: its beginning)."""
-    jobs = _storm_jobs(llama.config.vocab_size, seed, count=24)
+    preempts (four long streams, started first, overflow it): each answer is the one its prompt
+    gets alone (a cancelled one: its beginning)."""
+    storm = _storm_jobs(llama.config.vocab_size, seed, count=24)
+    overflowing = _overflowing_jobs(llama.config.vocab_size, seed)
+    jobs = storm + overflowing
     wait_idle(stub)
     alone = _alone(stub, jobs, f"alone-{seed}")
-    for job, want in list(zip(jobs, alone, strict=True))[:2]:  # the reference itself is generate()'s
-        assert want == hf_greedy(llama, job.prompt, job.max_tokens, None)
-    scrapes = _run_storm(server, stub, jobs, seed)
+    for i in (0, 1, -1):  # the reference itself is generate()'s
+        assert alone[i] == hf_greedy(llama, jobs[i].prompt, jobs[i].max_tokens, None)
+    scrapes = _run_storm(server, stub, storm, seed, overflowing)
     _check_counters(scrapes)
     assert preemptions(scrapes[0], scrapes[-1]) > 0, "the storm was meant to overflow the KV cache"
     assert [(j.api, j.cancel, j.outcome) for j in jobs if j.outcome not in ("done", "cancelled")] == []
