@@ -203,7 +203,7 @@ def _run_storm(
     client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=TIMEOUT)
     try:
         with futures.ThreadPoolExecutor(len(overflowing) + len(jobs)) as pool:
-            runs = [pool.submit(_native_job, stub, job, random.Random()) for job in overflowing]
+            runs = [pool.submit(_native_job, stub, job, random.Random(seed)) for job in overflowing]
             deadline = time.monotonic() + TIMEOUT
             while not all(job.seen for job in overflowing):  # all four admitted and decoding
                 assert time.monotonic() < deadline, "the overflowing streams never started"
