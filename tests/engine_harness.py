@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.service.contract import Request, SamplingParams
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
 from tandem.service.engine.sequence import Sequence
 
 
@@ -79,22 +79,24 @@ def run(core: EngineCore, arrivals: list[Arrival], max_steps: int = 10_000) -> R
     while (pending or core.has_work) and step < max_steps:
         while pending and pending[0].at_step <= step:
             a = pending.pop(0)
-            core.add(GenerationRequest(a.request_id, a.prompt_ids, a.params, a.cache_scope))
+            core.add(Request(a.request_id, a.prompt_ids, a.params, a.cache_scope))
             result.tokens[a.request_id] = []
         for s in core.scheduler.waiting:
             seqs[s.request_id] = s
         result.max_batch = max(result.max_batch, len(core.scheduler.running) + len(core.scheduler.waiting))
-        updates = core.run_once()
-        for u in updates:
-            if u.error:
-                result.errors[u.request_id] = u.error
-                continue
-            assert u.first == (not result.tokens[u.request_id]), "`first` marks a request's first token only"
-            if u.first:
-                result.cached[u.request_id] = u.cached_tokens
-            result.tokens[u.request_id].append(u.token)
-            if u.finish_reason is not None:
-                result.finish[u.request_id] = u.finish_reason.value
+        for out in core.run_once().values():
+            for rid, _kind, message in out.failed:
+                result.errors[rid] = message
+            started = {row: cached for row, _at, cached in out.started}
+            finished = {row: reason for row, reason, _stop in out.finished}
+            for row, (rid, token) in enumerate(zip(out.request_ids, out.tokens, strict=True)):
+                first = row in started
+                assert first == (not result.tokens[rid]), "`started` marks a request's first token only"
+                if first:
+                    result.cached[rid] = started[row]
+                result.tokens[rid].append(token)
+                if row in finished:
+                    result.finish[rid] = finished[row].value
         step += 1
     result.steps = step
     result.preemptions = sum(s.num_preemptions for s in seqs.values())

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from tandem.service.engine.batch import build_host_batch, carry_over
+from tandem.service.contract import FinishReason, Request, SamplingParams
+from tandem.service.engine.batch import carry_over
+from tandem.service.engine.batch_builder import StepInputsBuilder
 from tandem.service.engine.block_manager import BlockManager
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import Scheduler
-from tandem.service.engine.sequence import FinishReason, Sequence
+from tandem.service.engine.sequence import Sequence
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 8, stop: frozenset[int] = frozenset()) -> Sequence:
-    return Sequence(rid, list(range(10, 10 + prompt_len)), prompt_len, SamplingParams(max_tokens=max_tokens),
-                    seed=0, max_total_len=1000, stop_ids=stop)
+    return Sequence(Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens)),
+                    list(range(10, 10 + prompt_len)), prompt_len, seed=0, max_total_len=1000, stop_ids=stop)
 
 
 def test_scheduling_ahead_carries_the_inflight_token():
@@ -27,7 +28,7 @@ def test_scheduling_ahead_carries_the_inflight_token():
     assert [(c.seq.request_id, c.start, c.num_tokens, c.carried) for c in step2.chunks] == [
         ("a", 5, 1, True), ("b", 3, 1, True)]
     rows = {id(c.seq): i for i, c in enumerate(step1.chunks)}
-    batch = build_host_batch(step2.chunks, 4, prev_rows=rows)
+    batch = StepInputsBuilder(4).build(step2.chunks, rows)
     assert batch.input_ids.tolist() == [0, 0]  # placeholders on the host
     assert batch.carry.tolist() == [0, 1]  # taken from step 1's sampled rows on the device
     assert batch.positions.tolist() == [5, 3]

@@ -148,7 +148,7 @@ NATIVE_CASES: list[NativeCase] = [
     ("temperature-inf", lambda v: gen(sampling={"temperature": math.inf}), INVALID,
      ("temperature", "finite")),
     ("temperature-over-100", lambda v: gen(sampling={"temperature": 100.5}), INVALID, ("temperature", "100")),
-    ("top-p-zero", lambda v: gen(sampling={"top_p": 0.0}), INVALID, ("top_p",)),
+    ("top-p-negative", lambda v: gen(sampling={"top_p": -0.1}), INVALID, ("top_p",)),
     ("top-p-over-one", lambda v: gen(sampling={"top_p": 1.5}), INVALID, ("top_p",)),
     ("top-p-nan", lambda v: gen(sampling={"top_p": math.nan}), INVALID, ("top_p", "finite")),
     ("top-k-negative", lambda v: gen(sampling={"top_k": -1}), INVALID, ("top_k",)),

@@ -18,9 +18,9 @@ from engine_harness import Arrival, hf_greedy, make_core, run
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
+from tandem.service.contract import SamplingParams
 from tandem.service.engine import cuda_graphs
 from tandem.service.engine.cuda_graphs import DecodeGraphs
-from tandem.service.engine.sampling_params import SamplingParams
 
 ENGINE = dict(num_blocks=8 * 6 + 8, block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
               max_model_len=256, step_loop="async")

@@ -16,9 +16,9 @@ from engine_harness import Arrival, hf_greedy, make_core, run
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
+from tandem.service.contract import SamplingParams
 from tandem.service.engine.factory import build_engine
 from tandem.service.engine.ops.deferred_rotary import defer_rotary, rotate
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.models.loader import load_model
 from tandem.service.settings import ServerSettings
 

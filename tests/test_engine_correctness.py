@@ -9,8 +9,8 @@ import torch
 from engine_harness import Arrival, hf_greedy, make_core, run
 from transformers import AutoModelForCausalLM
 
+from tandem.service.contract import SamplingParams
 from tandem.service.engine.factory import build_engine
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.models.loader import load_model
 from tandem.service.settings import ServerSettings
 

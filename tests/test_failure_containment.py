@@ -15,9 +15,9 @@ import torch
 from engine_harness import Arrival, hf_greedy, make_core, run
 from transformers import AutoModelForCausalLM
 
+from tandem.service.contract import SamplingParams
 from tandem.service.engine.engine_core import MAX_FAILED_STEPS, EngineCore, EngineFailure
-from tandem.service.engine.sampling_params import SamplingParams
-from tandem.service.engine.scheduler import ScheduledChunk
+from tandem.service.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 POISONED = "r3"
 
@@ -43,15 +43,15 @@ def _inject(
     runner, failed_sizes, doomed = core.runner, [], set()
     launch, wait = runner.launch, runner.wait
 
-    def launching(chunks: list[ScheduledChunk], prev: object) -> object:
-        if fails(chunks):
-            failed_sizes.append(len(chunks))
+    def launching(out: SchedulerOutput, prev: object, scheduled: float) -> object:
+        if fails(out.chunks):
+            failed_sizes.append(len(out.chunks))
             if where == "launch":
                 raise RuntimeError(error)
-            step = launch(chunks, prev)
+            step = launch(out, prev, scheduled)
             doomed.add(id(step))
             return step
-        return launch(chunks, prev)
+        return launch(out, prev, scheduled)
 
     def waiting(step: object) -> object:
         result = wait(step)

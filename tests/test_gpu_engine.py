@@ -10,7 +10,7 @@ from conftest import make_tiny_config
 from engine_harness import Arrival, hf_greedy, make_core, run
 from transformers import AutoModelForCausalLM
 
-from tandem.service.engine.sampling_params import SamplingParams
+from tandem.service.contract import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

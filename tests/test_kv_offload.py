@@ -12,17 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from tandem.service.contract import Request, SamplingParams
 from tandem.service.engine.block_manager import BlockManager
 from tandem.service.engine.host_blocks import ON_DEVICE, HostBlocks
 from tandem.service.engine.kv_offload import KVOffload, _runs
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import BlockMoves, Scheduler, SchedulerOutput
 from tandem.service.engine.sequence import Sequence
 
 
 def seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
-    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), 0, 10_000)
+    request = Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+    return Sequence(request, list(tokens), len(tokens), 0, 10_000)
 
 
 def finish(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:

@@ -9,11 +9,12 @@ from array import array
 import pytest
 import torch
 
-from tandem.service.engine.batch import build_attention_metadata, build_host_batch
+from tandem.service.contract import Request
+from tandem.service.engine.batch import build_attention_metadata
+from tandem.service.engine.batch_builder import StepInputsBuilder
 from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
 from tandem.service.engine.ops.mixed_op import attending, paged_mixed
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import ScheduledChunk
 from tandem.service.engine.sequence import Sequence
 from tandem.service.engine.step_buffers import StepBuffers
@@ -35,7 +36,8 @@ def _step(order: list[str], device: torch.device, dtype: torch.dtype, block: int
     free = torch.randperm(64, generator=g).tolist()
     seqs = {}
     for name, done, new in SEQUENCES:
-        seq = Sequence(name, list(range(done + new)), done + new, SamplingParams(), seed=0, max_total_len=99)
+        seq = Sequence(Request(name, list(range(done + new))), list(range(done + new)), done + new, seed=0,
+                       max_total_len=99)
         seq.block_ids = array("i", [free.pop() for _ in range(-(-(done + new) // block))])
         seqs[name] = seq
     for name, done, _ in SEQUENCES:  # what earlier steps wrote
@@ -63,7 +65,7 @@ def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.floa
     kernel in place, the prompt chunks by one flash-attention call. `rotary`: Q and the new K
     handed over unrotated, as by the deferred model."""
     cache, chunks = _step(order, device, dtype, block)
-    batch = build_host_batch(chunks, block)
+    batch = StepInputsBuilder(block).build(chunks)
     buf = StepBuffers(64, 8, 8, device, cache.scratch_block, block)
     kernel = varlen = None
     if device.type == "cuda":

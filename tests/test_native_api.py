@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
-from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server, wait_idle
+from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, free_port, running_server, wait_idle
 from transformers import AutoTokenizer
 
 from tandem.service.models.loader import default_cache_dir
@@ -382,8 +383,11 @@ def test_client_deadline_frees_kv_blocks(stub: pb_grpc.TandemStub) -> None:
 
 
 def test_real_model_knows_the_capital_of_france(smol_dir: Path, tmp_path: Path) -> None:
+    """The embedded model, over the native API and (the same server) the published openai client."""
     cache = Path(os.environ.get("TANDEM_TEST_CACHE", default_cache_dir()))
-    with running_server(None, "--cache-dir", str(cache), log=tmp_path / "server.log") as (address, _proc):
+    http_port = free_port()
+    flags = ("--cache-dir", str(cache), "--http-port", str(http_port))
+    with running_server(None, *flags, log=tmp_path / "server.log") as (address, _proc):
         with grpc.insecure_channel(address) as channel:
             real = pb_grpc.TandemStub(channel)
             info = real.GetModelInfo(pb.ModelInfoRequest(), timeout=TIMEOUT)
@@ -396,7 +400,32 @@ def test_real_model_knows_the_capital_of_france(smol_dir: Path, tmp_path: Path) 
             # a short answer that ends on EOS: returned as the last token id, absent from the text
             assert resp.finish_reason == pb.FINISH_REASON_STOP
             assert resp.token_ids[-1] in info.eos_token_ids
-            assert resp.stop_reason == "<|im_end|>"
+            assert resp.stop_reason == ""  # an end of sequence is no stop token of the request's
             assert "<|im_end|>" not in resp.text
             streamed = merge(stream_all(real, req))[0]
             assert streamed == resp.text
+        _real_model_over_openai(http_port)
+
+
+def _real_model_over_openai(http_port: int) -> None:
+    """What the openai client reads of the embedded model: an answer the model ends (EOS) has
+    finish_reason "stop" and a null stop_reason; a stream whose tokens end inside UTF-8 characters
+    (emoji are several byte tokens each) sends no chunk of empty text before its last."""
+    model, url = "smollm2-135m-instruct", f"http://127.0.0.1:{http_port}/v1"
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=64, temperature=0,
+        )
+        choice = answer.choices[0]
+        assert "Paris" in choice.message.content
+        assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] is None
+        chunks = client.completions.create(
+            model=model, prompt="I love pizza 🍕", max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        chunks = [c.choices[0] for c in chunks]
+        assert all(c.text for c in chunks[:-1]), [c.text for c in chunks]
+        ids = [t for c in chunks for t in c.model_extra["token_ids"]]
+        assert len(ids) == 24 and len(chunks) < 24  # tokens waited for the rest of their character
+        assert "\ufffd" not in "".join(c.text for c in chunks)

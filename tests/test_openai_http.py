@@ -205,6 +205,51 @@ def test_seeded_sampling_is_reproducible_and_matches_native(client: openai.OpenA
     assert seeded.text == first
 
 
+def test_top_p_zero_is_greedy_as_openai_reads_it(client: openai.OpenAI, stub: pb_grpc.TandemStub) -> None:
+    """top_p 0 keeps the likeliest token alone: whatever the temperature and seed, the greedy answer."""
+    for seed in (1, 2):
+        r = client.completions.create(
+            model=TINY_SERVER_MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0, seed=seed,
+            extra_body=NO_EOS,
+        )
+        assert r.choices[0].text == native(stub, 16).text
+    sampled = native(stub, 16, sampling=pb.SamplingParams(temperature=1.0, top_p=0.0, seed=5))
+    assert sampled.text == native(stub, 16).text  # the native API reads it so too
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_prompt_past_the_context_is_context_length_exceeded(client: openai.OpenAI, kind: str) -> None:
+    """OpenAI's error for a prompt the context cannot hold: code context_length_exceeded, on the field
+    that holds the prompt, with the numbers that matter and no word of max_tokens."""
+    long = "hello " * 2000  # the tiny model's context is 1,024 tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        if kind == "chat":
+            messages = [{"role": "user", "content": long}]
+            client.chat.completions.create(model=TINY_SERVER_MODEL, messages=messages)
+        else:
+            client.completions.create(model=TINY_SERVER_MODEL, prompt=long)
+    error = exc.value.body
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == ("messages" if kind == "chat" else "prompt")
+    assert "max_tokens" not in error["message"] and " -" not in error["message"], error["message"]
+    with pytest.raises(openai.BadRequestError) as exc:  # a prompt that fits, with too many new tokens
+        client.completions.create(model=TINY_SERVER_MODEL, prompt=PROMPT, max_tokens=5000)
+    assert (exc.value.body["code"], exc.value.body["param"]) == ("context_length_exceeded", "max_tokens")
+
+
+def test_a_stop_token_id_is_the_stop_reason(client: openai.OpenAI, stub: pb_grpc.TandemStub) -> None:
+    """A stop_token_id that ends the answer is its stop_reason (vLLM's extension); its text is not sent."""
+    ids = list(native(stub, 12).token_ids)
+    stop_id = ids[5]
+    r = client.completions.create(
+        model=TINY_SERVER_MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+        extra_body={**NO_EOS, "stop_token_ids": [stop_id], "return_token_ids": True},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop_id
+    assert choice.model_extra["token_ids"] == ids[: ids.index(stop_id) + 1]
+
+
 def test_unset_temperature_samples_as_openai_does(client: openai.OpenAI, stub: pb_grpc.TandemStub) -> None:
     """OpenAI's default temperature is 1, not the native API's greedy: a seed makes it reproducible."""
     r = client.completions.create(
@@ -306,7 +351,7 @@ BAD = [  # (path, body, status, param)
     (CHAT_PATH, {"messages": []}, 400, "messages"),
     (CHAT_PATH, {**M, "temperature": "hot"}, 400, "temperature"),
     (CHAT_PATH, {**M, "temperature": -1}, 400, "temperature"),
-    (CHAT_PATH, {**M, "top_p": 0}, 400, "top_p"),
+    (CHAT_PATH, {**M, "top_p": -0.1}, 400, "top_p"),
     (CHAT_PATH, {**M, "max_tokens": 0}, 400, "max_tokens"),
     (CHAT_PATH, {**M, "max_tokens": 10**6}, 400, "max_tokens"),
     (CHAT_PATH, {**M, "max_tokens": 2.5}, 400, "max_tokens"),

@@ -12,14 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from tandem.service.contract import Request, SamplingParams
 from tandem.service.engine.block_manager import BlockManager
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.service.engine.sequence import Sequence
 
 
 def seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
-    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), 0, 10_000)
+    request = Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+    return Sequence(request, list(tokens), len(tokens), 0, 10_000)
 
 
 def computed(blocks: BlockManager, s: Sequence) -> None:
@@ -59,17 +60,17 @@ def test_a_block_is_shared_only_within_its_cache_scope():
     blocks = BlockManager(32, 4, prefix_caching=True)
     tokens = list(range(9))
     shared, tenant = seq("shared", tokens), seq("tenant", tokens)
-    tenant.cache_scope = b"tenant-a"
+    tenant.request.cache_scope = b"tenant-a"
     computed(blocks, shared)
     assert blocks.match_prefix(tenant) == 0  # the shared scope's blocks are not the tenant's
     blocks.free(tenant)
     computed(blocks, tenant)
     assert shared.block_digests[0] != tenant.block_digests[0]
     again = seq("again", tokens)
-    again.cache_scope = b"tenant-a"
+    again.request.cache_scope = b"tenant-a"
     assert blocks.match_prefix(again) == 8 and again.block_ids == tenant.block_ids[:2]
     other = seq("other", tokens)
-    other.cache_scope = b"tenant-b"
+    other.request.cache_scope = b"tenant-b"
     assert blocks.match_prefix(other) == 0
     plain = seq("plain", tokens)
     assert blocks.match_prefix(plain) == 8 and plain.block_ids == shared.block_ids[:2]

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import random
 
+from tandem.service.contract import FinishReason, Request, SamplingParams
 from tandem.service.engine.block_manager import BlockManager
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import Scheduler
-from tandem.service.engine.sequence import FinishReason, Sequence
+from tandem.service.engine.sequence import Sequence
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    return Sequence(
-        rid,
-        list(range(prompt_len)),
-        prompt_len,
-        SamplingParams(max_tokens=max_tokens),
-        seed=0,
-        max_total_len=10_000,
-    )
+    prompt = list(range(prompt_len))
+    return Sequence(Request(rid, prompt, SamplingParams(max_tokens=max_tokens)), list(prompt), prompt_len,
+                    seed=0, max_total_len=10_000)
 
 
 def fake_step(s: Scheduler) -> dict[str, int]:

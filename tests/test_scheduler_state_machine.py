@@ -22,12 +22,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tandem.service.contract import FinishReason, Request, SamplingParams
 from tandem.service.engine.block_manager import BlockManager
 from tandem.service.engine.engine_core import MAX_FAILED_STEPS
 from tandem.service.engine.host_blocks import ON_DEVICE, HostBlocks
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import Scheduler, SchedulerOutput
-from tandem.service.engine.sequence import FinishReason, Sequence
+from tandem.service.engine.sequence import Sequence
 
 VOCAB = 6  # small, so that prompts and outputs often share blocks beyond the shared prefixes
 STOP = 99
@@ -140,8 +140,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt = (self.prefixes[prefix][:shared] + tail)[: self.capacity - 1] or [1]
             max_tokens = min(max_tokens, self.capacity - len(prompt))  # validation caps it so
             rid = f"r{len(self.seqs)}"
-            seq = Sequence(rid, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), 0,
-                           self.capacity, stop_ids=stop_ids, cache_scope=scope)  # fmt: skip
+            # the smallest stop id is the request's own stop_token_id, any other one stands for EOS
+            params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(sorted(stop_ids))[:1])
+            seq = Sequence(Request(rid, list(prompt), params, scope), list(prompt), len(prompt), 0,
+                           self.capacity, stop_ids=stop_ids)
             self.seqs[rid], self.handed[rid], self.pending[rid] = seq, [], deque()
             self.s.add(seq)
 
@@ -167,7 +169,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pressure(self, n: int) -> None:
         """Another request's room taken and given back, as one admitted and cancelled at once would:
         the least recently released cached blocks are evicted once the free ones are gone."""
-        other = Sequence("pressure", [], 0, SamplingParams(), 0, self.capacity)
+        other = Sequence(Request("pressure", []), [], 0, 0, self.capacity)
         self.blocks.grow(other, min(n, self.blocks.num_free))
         self.blocks.free(other)
 
@@ -222,8 +224,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             seq = step.out.chunks[i].seq
             rid, token = seq.request_id, step.tokens[i]
             self.handed[rid].append(token)
-            if token in seq.stop_ids:
-                assert seq.finish_reason is FinishReason.STOP and seq.stop_token == token
+            if token in seq.stop_ids:  # a stop reason only for the request's own stop_token_ids, not EOS
+                stop_reason = token if token in seq.params.stop_token_ids else None
+                assert seq.finish_reason is FinishReason.STOP and seq.stop_token == stop_reason
             elif len(self.handed[rid]) >= seq.params.max_tokens or len(seq.token_ids) >= self.capacity:
                 assert seq.finish_reason is FinishReason.LENGTH
             else:

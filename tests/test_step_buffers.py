@@ -8,10 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.service.engine.batch import build_attention_metadata, build_host_batch
+from tandem.service.contract import Request, SamplingParams
+from tandem.service.engine.batch import build_attention_metadata
+from tandem.service.engine.batch_builder import StepInputsBuilder
 from tandem.service.engine.block_manager import BlockManager
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
-from tandem.service.engine.sampling_params import SamplingParams
 from tandem.service.engine.scheduler import ScheduledChunk, Scheduler
 from tandem.service.engine.sequence import Sequence
 from tandem.service.engine.step_buffers import StepBuffers
@@ -20,8 +21,8 @@ from tandem.service.engine.step_buffers import StepBuffers
 def _decode_step() -> tuple[list, dict[int, int]]:
     s = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=64)
     for rid, n, temp in (("a", 6, 0.0), ("b", 3, 0.7), ("c", 9, 0.0)):
-        s.add(Sequence(rid, list(range(10, 10 + n)), n, SamplingParams(max_tokens=8, temperature=temp),
-                       seed=ord(rid), max_total_len=100, stop_ids=frozenset()))
+        s.add(Sequence(Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=8, temperature=temp)),
+                       list(range(10, 10 + n)), n, seed=ord(rid), max_total_len=100, stop_ids=frozenset()))
     first = s.schedule()  # prefills; their tokens are in flight when the next step is scheduled
     rows = {id(c.seq): i for i, c in enumerate(first.chunks)}
     return s.schedule().chunks, rows
@@ -29,7 +30,7 @@ def _decode_step() -> tuple[list, dict[int, int]]:
 
 def test_decode_step_padded_to_a_graph_bucket():
     chunks, rows = _decode_step()
-    batch = build_host_batch(chunks, 4, prev_rows=rows)
+    batch = StepInputsBuilder(4).build(chunks, rows)
     buf = StepBuffers(max_num_batched_tokens=16, max_num_seqs=8, max_blocks=8, device=torch.device("cpu"),
                       scratch_block=32, block_size=4)
     buf.dev["carry"].fill_(123)  # stale values from an earlier step must not leak through
@@ -38,25 +39,25 @@ def test_decode_step_padded_to_a_graph_bucket():
     assert dev.input_ids.tolist() == [0, 0, 0]  # placeholders: every input is still on the device
     assert d["carry"][:4].tolist() == [0, 1, 2, -1]
     assert d["positions"][:3].tolist() == [6, 3, 9]
-    assert d["ctx_lens"][:4].tolist() == [7, 4, 10, 1]  # padding row: one token of context
+    assert d["decode_ctx_lens"][:4].tolist() == [7, 4, 10, 1]  # padding row: one token of context
     assert d["slot_mapping"][3].item() == 32 * 4  # padding row writes the scratch block
-    assert d["block_table"][3, 0].item() == 32
+    assert d["decode_block_table"][3, 0].item() == 32
     assert d["temperature"][:4].tolist() == [0.0, 0.699999988079071, 0.0, 0.0]  # padding is greedy
-    assert d["logits_indices"][:4].tolist() == d["decode_idx"][:4].tolist() == [0, 1, 2, 3]  # own rows
+    assert d["logits_indices"][:4].tolist() == d["decode_token_idx"][:4].tolist() == [0, 1, 2, 3]  # own rows
     for i, c in enumerate(chunks):  # each decode row reads its own blocks
-        assert d["block_table"][i, : len(c.seq.block_ids)].tolist() == list(c.seq.block_ids)
-    assert dev.block_table.shape == (3, batch.decode_block_table.shape[1])
+        assert d["decode_block_table"][i, : len(c.seq.block_ids)].tolist() == list(c.seq.block_ids)
+    assert dev.decode_block_table.shape == (3, batch.decode_block_table.shape[1])
 
 
 def test_mixed_step_keeps_exact_sizes():
     s = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=64)
-    s.add(Sequence("a", list(range(5)), 5, SamplingParams(max_tokens=4), seed=1, max_total_len=100,
-                   stop_ids=frozenset()))
-    batch = build_host_batch(s.schedule().chunks, 4)
+    s.add(Sequence(Request("a", list(range(5)), SamplingParams(max_tokens=4)), list(range(5)), 5, seed=1,
+                   max_total_len=100, stop_ids=frozenset()))
+    batch = StepInputsBuilder(4).build(s.schedule().chunks)
     buf = StepBuffers(16, 8, 8, torch.device("cpu"), scratch_block=32, block_size=4)
     dev = buf.upload(batch)
     assert dev.input_ids.tolist() == list(range(5)) and dev.carry.tolist() == [-1] * 5
-    assert dev.logits_indices.tolist() == [4] and dev.block_table.shape[0] == 0
+    assert dev.logits_indices.tolist() == [4] and dev.decode_block_table.shape[0] == 0
     keep = buf.padded_logits_indices(1, 2)  # the compiled prefill's two rows, in the slot's own buffer
     assert keep.tolist() == [4, 0] and keep.data_ptr() == dev.logits_indices.data_ptr()
 
@@ -71,8 +72,8 @@ def test_capture_starts_every_device_row_as_a_padding_row():
     buf.pad_device_rows()
     d = buf.dev
     assert d["slot_mapping"].tolist() == [32 * 4] * 16 and d["carry"].tolist() == [-1] * 16
-    assert d["block_table"][:, 0].tolist() == [32] * 8 and d["ctx_lens"].tolist() == [1] * 8
-    assert d["logits_indices"].tolist() == d["decode_idx"].tolist() == list(range(8))
+    assert d["decode_block_table"][:, 0].tolist() == [32] * 8 and d["decode_ctx_lens"].tolist() == [1] * 8
+    assert d["logits_indices"].tolist() == d["decode_token_idx"].tolist() == list(range(8))
     assert d["temperature"].tolist() == [0.0] * 8 and d["top_p"].tolist() == [1.0] * 8
 
 
@@ -106,9 +107,9 @@ def _steps(draw: st.DrawFn) -> tuple[list[ScheduledChunk], dict[int, int], int]:
         n = draw(st.sampled_from([1, 1, 2, 7, 16, 33]))
         carried = draw(st.booleans())
         known = start + n - carried  # the carried input is not on the host yet
-        seq = Sequence(f"s{i}", list(range(1000 * i, 1000 * i + known)), 1,
-                       SamplingParams(temperature=draw(st.sampled_from([0.0, 0.5]))), seed=i,
-                       max_total_len=1000)
+        params = SamplingParams(temperature=draw(st.sampled_from([0.0, 0.5])))
+        seq = Sequence(Request(f"s{i}", [1000 * i], params), list(range(1000 * i, 1000 * i + known)), 1,
+                       seed=i, max_total_len=1000)
         seq.block_ids = array("i", [free.pop() for _ in range(-(-(start + n) // block_size))])
         rows[id(seq)] = draw(st.integers(0, 255))
         chunks.append(ScheduledChunk(seq, start, n, samples=draw(st.booleans()), carried=carried))
@@ -118,13 +119,13 @@ def _steps(draw: st.DrawFn) -> tuple[list[ScheduledChunk], dict[int, int], int]:
 @settings(max_examples=200, deadline=None)
 @given(_steps())
 def test_host_batch_is_each_tokens_definition_packed(step):
-    """build_host_batch against its definition, token by token: each chunk's inputs (a carried
+    """The inputs built row by row against their definition, token by token: each chunk's inputs (a carried
     one's placeholder and previous-step row), positions and cache slots (block of the position,
     offset in it), in chunk order; decode rows' block tables (zero past their own blocks) and
     contexts; prompt chunks' segments; the sampled rows; and the CUDA path's packed prompt chunks
     (each chunk's query rows, the cache slots of its whole context, their offsets)."""
     chunks, rows, bs = step
-    batch = build_host_batch(chunks, bs, prev_rows=rows)
+    batch = StepInputsBuilder(bs).build(chunks, rows)
     ids, pos, slots, carry, table, lens, segments, logits = [], [], [], [], [], [], [], []
     for c in chunks:
         q = len(ids)

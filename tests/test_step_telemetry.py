@@ -14,10 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from transformers import AutoModelForCausalLM
 
+from tandem.service.contract import SamplingParams, StepTiming
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
-from tandem.service.engine.sampling_params import SamplingParams
-from tandem.service.engine.timing import StepTiming
 from tandem.service.telemetry.cost import TokenWindow
 from tandem.service.telemetry.metrics import STEP_DURATION_BUCKETS, ServerMetrics
 from tandem.service.telemetry.steps import StepRecorder

@@ -1,6 +1,7 @@
 """A request's stream in the front: tokens that wait go out together, every token exactly once and in
 order, with the same text and stop-string cut as one token at a time; the stream interval holds
-messages back as set, but never the first token or the last. Real tokenizer, real asyncio, no server."""
+messages back as set, but never the first token or the last; no message but the last has empty text
+(a token ending inside a UTF-8 character waits for the rest). Real tokenizer, real asyncio, no server."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from tandem.service.engine.errors import ErrorKind, RequestError
-from tandem.service.engine.sampling_params import SamplingParams
-from tandem.service.engine.sequence import FinishReason
+from tandem.service.contract import (
+    ErrorKind,
+    FinishReason,
+    Request,
+    RequestError,
+    SamplingParams,
+    TokenLogprob,
+)
 from tandem.service.server.request_stream import RequestStream, StreamInterval
 
 PROMPT = "The story begins"
@@ -27,20 +33,23 @@ def tok(smol_dir):
 EVERY_TOKEN = StreamInterval()
 
 
-def _stream(tok, interval=EVERY_TOKEN, stop=(), released=None) -> RequestStream:
-    params = SamplingParams(max_tokens=1000, stop=tuple(stop))
+def _stream(tok, interval=EVERY_TOKEN, stop=(), released=None, logprobs=False) -> RequestStream:
+    params = SamplingParams(max_tokens=1000, stop=tuple(stop), logprobs=logprobs)
     sink = released if released is not None else []
-    return RequestStream("r", tok.encode(PROMPT), params, tok, interval, sink.append)
+    return RequestStream(Request("r", tok.encode(PROMPT), params), tok, interval, sink.append)
 
 
-async def _read_while_feeding(stream: RequestStream, ids: list[int], every_s: float, burst: int = 1):
+async def _read_while_feeding(
+    stream: RequestStream, ids: list[int], every_s: float, burst: int = 1,
+    finish: FinishReason = FinishReason.LENGTH, stop_token: int | None = None,
+):
     """Feed `ids` `burst` at a time every `every_s` seconds as the engine would, then finish."""
     async def feed() -> None:
         for i in range(0, len(ids), burst):
             for t in ids[i : i + burst]:
                 stream.token(t)
             if i + burst >= len(ids):
-                stream.finish(FinishReason.LENGTH, None)
+                stream.finish(finish, stop_token)
             await asyncio.sleep(every_s)
 
     feeder = asyncio.ensure_future(feed())
@@ -122,3 +131,53 @@ def test_a_failure_ends_the_stream_with_its_status(tok):
     with pytest.raises(RequestError) as err:
         asyncio.run(main())
     assert err.value.kind is ErrorKind.UNAVAILABLE
+
+
+EMOJI_TEXT = " Sunny 🌞 with rain 🌧️ later 🙂🙂"
+
+
+def test_no_message_but_the_last_has_empty_text(tok):
+    """Tokens ending inside a UTF-8 character (an emoji spans several byte tokens) wait for the token
+    that completes it: every message carries text, each token id goes out once, with its logprob."""
+    ids = tok.encode(EMOJI_TEXT, add_special_tokens=False)
+    stream = _stream(tok, logprobs=True)
+    assert len(ids) > len(EMOJI_TEXT.split())  # the emoji are several tokens each
+
+    async def main():
+        chunks = []
+
+        async def feed():
+            for i, t in enumerate(ids):
+                stream.token(t)
+                stream.logprob(TokenLogprob(-float(i)))
+                await asyncio.sleep(0.001)
+            stream.finish(FinishReason.LENGTH, None)
+
+        feeder = asyncio.ensure_future(feed())
+        async for chunk in stream.chunks():
+            chunks.append(chunk)
+        await feeder
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert all(c.text for c in chunks[:-1]), [c.text for c in chunks]
+    assert "".join(c.text for c in chunks) == EMOJI_TEXT
+    assert [t for c in chunks for t in c.token_ids] == ids
+    assert [lp.logprob for c in chunks for lp in c.logprobs] == [-float(i) for i in range(len(ids))]
+    assert len(chunks) < len(ids)  # some tokens waited for the rest of their character
+
+
+def test_an_end_of_sequence_sends_its_id_not_its_text_and_no_stop_reason(tok):
+    """The engine ends a request on EOS or one of its stop_token_ids with FinishReason.STOP; the stop
+    token's id is sent but not its text, and the stop reason is the stop token only where one of the
+    request's stop_token_ids ended it (None for an end of sequence, as vLLM reports it)."""
+    ids = tok.encode(" Hello there.", add_special_tokens=False)
+    stop_id = tok.encode(" world", add_special_tokens=False)[0]
+
+    for stop_token, reason in ((None, None), (stop_id, stop_id)):
+        chunks = asyncio.run(_read_while_feeding(
+            _stream(tok), [*ids, stop_id], 0.001, finish=FinishReason.STOP, stop_token=stop_token))
+        last = chunks[-1][1]
+        assert "".join(c.text for _, c in chunks) == " Hello there."
+        assert [t for _, c in chunks for t in c.token_ids] == [*ids, stop_id]
+        assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, reason)

@@ -1,7 +1,10 @@
-"""Batch builder: turn a scheduler step into flat host tensors, then into device inputs.
+"""A step's inputs: the host's (`StepInputs`, built by batch_builder.py), their device views
+(`DeviceBatch`, a slot's buffers: step_buffers.py), the attention metadata built from both, and the
+carry-over of tokens still in flight.
 
 All scheduled tokens are packed into one row ([1, T]) so prefill chunks and decodes of many
-sequences run in one forward; the attention metadata tells each token where its K/V live.
+sequences run in one forward; the attention metadata tells each token where its K/V live. Each
+buffer has one name, the same here, in the slot's buffers and in the attention metadata.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .ops.attention_metadata import AttentionMetadata, PrefillSegment
@@ -18,7 +20,6 @@ from .ops.attention_ref import causal_mask, decode_mask
 from .ops.deferred_rotary import DeferredRotary
 from .ops.kv_cache import KVCache
 from .ops.varlen_prefill import Stage, VarlenPrefill, upload
-from .scheduler import ScheduledChunk
 
 
 @dataclass
@@ -42,15 +43,16 @@ class DeviceBatch:
     slot_mapping: torch.Tensor  # [T]
     carry: torch.Tensor  # [T] row of the previous step's tokens to take, or -1
     logits_indices: torch.Tensor  # [S]
-    decode_idx: torch.Tensor  # [B] packed index of each decode's token
-    block_table: torch.Tensor  # [B, max_blocks] int32, decode rows
-    ctx_lens: torch.Tensor  # [B] int32
+    decode_token_idx: torch.Tensor  # [B] packed index of each decode's token
+    decode_block_table: torch.Tensor  # [B, max_blocks] int32, decode rows
+    decode_ctx_lens: torch.Tensor  # [B] int32
     sampling: SamplingTensors
 
 
 @dataclass
-class HostBatch:
-    """CPU tensors for one step (staged into a slot's pinned buffers on upload) and the result map."""
+class StepInputs:
+    """One step's inputs on the host (staged into a slot's pinned buffers on upload) and the map of
+    its sampled rows to the scheduler's chunks."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -65,106 +67,6 @@ class HostBatch:
     # async loop: per token, the row of the previous step's sampled tokens that is its input
     # (the host holds a placeholder there), or -1; None when nothing is carried
     carry: torch.Tensor | None = None
-
-
-def build_host_batch(
-    chunks: list[ScheduledChunk],
-    block_size: int,
-    prev_rows: dict[int, int] | None = None,
-) -> HostBatch:
-    """`prev_rows`: id(sequence) -> its row in the previous step's samples, for carried chunks.
-
-    At 256 sequences this runs once per step on the host, inside the device's step time: a
-    decode row costs a few scalar writes, a prompt chunk and the block table are array copies."""
-    total = sum(c.num_tokens for c in chunks)
-    input_ids = np.empty(total, np.int64)
-    positions = np.empty(total, np.int64)
-    slots = np.empty(total, np.int64)
-    carry = np.full(total, -1, np.int64)
-    carried = False
-    logits_indices: list[int] = []
-    sample_chunks: list[int] = []
-    decode_idx: list[int] = []
-    decode_tables: list[array] = []
-    decode_lens: list[int] = []
-    prefills: list[tuple[int, int, int, array | None]] = []
-    temps, top_ps, top_ks, seeds, steps = [], [], [], [], []
-    num_logprobs = -1
-
-    q = 0  # the chunk's first row in the packed step
-    for ci, chunk in enumerate(chunks):
-        seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-        blocks = seq.block_ids
-        if n == 1:
-            input_ids[q] = 0 if chunk.carried else seq.token_ids[start]
-            positions[q] = start
-            slots[q] = blocks[start // block_size] * block_size + start % block_size
-            decode_idx.append(q)
-            decode_tables.append(blocks)
-            decode_lens.append(start + 1)
-        else:
-            known = seq.token_ids[start : start + n]  # n tokens, or n - 1 with the last in flight
-            input_ids[q : q + len(known)] = known
-            positions[q : q + n] = np.arange(start, start + n)
-            slots[q : q + n] = _chunk_slots(blocks, start, n, block_size)
-            prefills.append((q, n, start + n, None if start == 0 else blocks[:]))
-        if chunk.carried:  # its input is still on the device: placeholder + where to take it from
-            input_ids[q + n - 1] = 0
-            carry[q + n - 1] = prev_rows[id(seq)]
-            carried = True
-        if chunk.samples:
-            p = seq.params
-            logits_indices.append(q + n - 1)
-            sample_chunks.append(ci)
-            temps.append(p.temperature)
-            top_ps.append(p.top_p)
-            top_ks.append(p.top_k)
-            seeds.append(seq.seed)
-            steps.append(seq.num_output + seq.num_inflight - 1)  # this token's index in the output
-            if p.logprobs:
-                num_logprobs = max(num_logprobs, p.top_logprobs)
-        q += n
-
-    sampling = SamplingTensors(
-        temperature=torch.tensor(temps, dtype=torch.float32),
-        top_p=torch.tensor(top_ps, dtype=torch.float32),
-        top_k=torch.tensor(top_ks, dtype=torch.int64),
-        seeds=torch.tensor(seeds, dtype=torch.int64),
-        steps=torch.tensor(steps, dtype=torch.int64),
-        all_greedy=all(t == 0.0 for t in temps),
-        needs_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
-        num_logprobs=num_logprobs,
-    )
-    return HostBatch(
-        input_ids=torch.from_numpy(input_ids),
-        positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        sample_chunks=sample_chunks,
-        decode_token_idx=decode_idx,
-        decode_block_table=_block_table(decode_tables) if decode_tables else None,
-        decode_ctx_lens=torch.tensor(decode_lens, dtype=torch.int64) if decode_tables else None,
-        prefills=prefills,
-        sampling=sampling,
-        carry=torch.from_numpy(carry) if carried else None,
-    )
-
-
-def _chunk_slots(blocks: array, start: int, n: int, block_size: int) -> np.ndarray:
-    """Cache slots of positions start .. start + n - 1 of a sequence with these blocks."""
-    first, last = start // block_size, (start + n - 1) // block_size
-    ids = np.array(blocks[first : last + 1], np.int64)
-    offset = start % block_size
-    return (ids[:, None] * block_size + np.arange(block_size)).ravel()[offset : offset + n]
-
-
-def _block_table(tables: list[array]) -> torch.Tensor:
-    """[rows, longest] int32: each row's block ids, then zeros (the kernels read a row up to its
-    context length only)."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    table = np.zeros((len(tables), int(lens.max())), np.int32)
-    table[np.arange(table.shape[1]) < lens[:, None]] = np.frombuffer(b"".join(tables), np.intc)
-    return torch.from_numpy(table)
 
 
 def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -183,14 +85,14 @@ def decode_metadata(dev: DeviceBatch, cache: KVCache, rotary: DeferredRotary | N
         block_size=cache.block_size,
         kv_cache=cache,
         decode_only=True,
-        decode_block_table=dev.block_table,
-        decode_ctx_lens=dev.ctx_lens,
+        decode_block_table=dev.decode_block_table,
+        decode_ctx_lens=dev.decode_ctx_lens,
         rotary=rotary,
     )
 
 
 def build_attention_metadata(
-    batch: HostBatch,
+    batch: StepInputs,
     dev: DeviceBatch,
     cache: KVCache,
     sliding_window: int | None = None,
@@ -216,15 +118,15 @@ def build_attention_metadata(
     if batch.decode_block_table is not None:
         if decode_kernel is not None:
             meta.decode_kernel = decode_kernel
-            meta.decode_token_idx = dev.decode_idx
-            meta.decode_block_table = dev.block_table
-            meta.decode_ctx_lens = dev.ctx_lens
+            meta.decode_token_idx = dev.decode_token_idx
+            meta.decode_block_table = dev.decode_block_table
+            meta.decode_ctx_lens = dev.decode_ctx_lens
         else:
             # whole blocks are gathered (one copy per block, not per token); the mask hides the tail
-            meta.decode_token_idx = dev.decode_idx
-            meta.decode_blocks = dev.block_table.long().flatten()
-            width = dev.block_table.shape[1] * block_size
-            meta.decode_mask = decode_mask(dev.ctx_lens.long(), width, sliding_window)
+            meta.decode_token_idx = dev.decode_token_idx
+            meta.decode_blocks = dev.decode_block_table.long().flatten()
+            width = dev.decode_block_table.shape[1] * block_size
+            meta.decode_mask = decode_mask(dev.decode_ctx_lens.long(), width, sliding_window)
     if varlen is not None and batch.prefills and not sliding_window:
         segments = [
             (q_start, q_len, batch.slot_mapping[q_start : q_start + q_len] if blocks is None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..contract import Request, SamplingParams, StepTiming
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_core import EngineCore
@@ -22,9 +23,7 @@ from .ops.decode_op import kernel_supports
 from .ops.fused_projections import fuse_projections
 from .ops.kv_cache import CacheShape, KVCache
 from .ops.varlen_prefill import varlen_supported
-from .sampling_params import GenerationRequest, SamplingParams
 from .scheduler import Scheduler
-from .timing import StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,7 @@ def compile_prefill_shapes(core: EngineCore) -> None:
         return
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i, prompt in enumerate([[0, 0], [0, 0, 0]]):
-        core.add(GenerationRequest(f"compile-prefill-{i}", prompt, params))
+        core.add(Request(f"compile-prefill-{i}", prompt, params))
     while core.scheduler.has_work:
         core.step()
 

@@ -1,7 +1,9 @@
 """The engine core: admit, schedule, run a step, hand the step's new tokens back; repeat.
 
 Driven by one thread (the engine process's loop, a benchmark, a test) that calls `add`, `abort` and
-`run_once` in turn; nothing in it is shared with another thread.
+`run_once` in turn; nothing in it is shared with another thread. It takes each request as admission
+made it (`contract.Request`) and fills each step's `contract.StepOutputs`, one per front, as it hands
+the step's tokens to their sequences.
 """
 
 from __future__ import annotations
@@ -10,16 +12,14 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from ..contract import EngineStats, ErrorKind, Outputs, Request, StepOutputs, StepTiming, TokenLogprob
 from .config import EngineConfig
 from .model_runner import LaunchedStep, ModelRunner
-from .outputs import EngineStats, SeqUpdate, TokenLogprob
 from .sampler import SampleOutput
-from .sampling_params import GenerationRequest
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .timing import IdleTracker, StepTiming
+from .timing import IdleTracker
 
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # a sequence in this many failed steps is failed, even if its lone steps pass
@@ -32,16 +32,6 @@ class EngineFailure(RuntimeError):
 def _is_fatal(exc: BaseException) -> bool:
     text = str(exc)
     return type(exc).__name__ == "AcceleratorError" or "CUDA error" in text or "CUBLAS_STATUS" in text
-
-
-@dataclass
-class InFlight:
-    """A launched step whose tokens the host has not seen yet (or, in the synchronous loop, has)."""
-
-    out: SchedulerOutput
-    step: LaunchedStep
-    started: float
-    scheduled: float = 0.0  # wall clock when its scheduling began (step observer)
 
 
 class EngineCore:
@@ -62,7 +52,7 @@ class EngineCore:
         self.async_loop = config.step_loop == "async"  # prepare step N+1 while the device runs step N
         self.step_observer = step_observer  # called once per finished step
         self.steps = 0
-        self._launched: InFlight | None = None  # the asynchronous loop's step in flight
+        self._launched: LaunchedStep | None = None  # the asynchronous loop's step in flight
         self._last_end = 0.0
         self.busy_seconds = 0.0  # device time of all steps so far (event-timed on CUDA's async loop)
         self.idle = IdleTracker(config.telemetry_window_s)
@@ -70,7 +60,7 @@ class EngineCore:
         self.prompt_tokens = 0  # of requests that got their first token
         self._observer_failed = False
 
-    def add(self, request: GenerationRequest) -> None:
+    def add(self, request: Request) -> None:
         self.scheduler.add(self._new_sequence(request))
 
     def abort(self, request_id: str) -> bool:
@@ -86,12 +76,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.step_in_flight
 
-    def run_once(self) -> list[SeqUpdate]:
-        """One turn of the configured step loop; the new tokens of the step that finished in it."""
+    def run_once(self) -> Outputs:
+        """One turn of the configured step loop; the outputs of the step that finished in it, by front."""
         if self.async_loop:
-            updates, self._launched = self.step_ahead(self._launched)
-            return updates
-        return self.step() if self.scheduler.has_work else []
+            outputs, self._launched = self.step_ahead(self._launched)
+            return outputs
+        return self.step() if self.scheduler.has_work else {}
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
@@ -121,36 +111,33 @@ class EngineCore:
         s.preempted_offload = s.preempted_recompute = s.blocks_offloaded = s.blocks_restored = 0
         s.blocks_reused = s.blocks_kept = 0
 
-    def _new_sequence(self, req: GenerationRequest) -> Sequence:
-        p = req.params
+    def _new_sequence(self, request: Request) -> Sequence:
+        p = request.params
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         return Sequence(
-            request_id=req.request_id,
-            token_ids=list(req.prompt_ids),
-            prompt_len=len(req.prompt_ids),
-            params=p,
+            request=request,
+            token_ids=list(request.prompt_ids),
+            prompt_len=len(request.prompt_ids),
             seed=p.seed if p.seed is not None else random.getrandbits(63),
             max_total_len=self.max_model_len,
             stop_ids=stop_ids,
-            cache_scope=req.cache_scope,
         )
 
-    def step(self) -> list[SeqUpdate]:
+    def step(self) -> Outputs:
         """One synchronous step."""
         t0 = time.time()
         out = self._schedule()
         if not out.chunks:
-            return []
+            return {}
         self._mark_scheduled(out, t0)
-        started = time.monotonic()
         try:
-            step = self.runner.launch(out.chunks, None)
+            step = self.runner.launch(out, None, t0)
             result = self.runner.wait(step)
         except Exception as exc:  # a failed step fails the request that caused it, not the server
-            return self._contain([out], exc)
-        return self._complete(InFlight(out, step, started, t0), result)
+            return self._contain([out], exc, {})
+        return self._complete(step, result)
 
-    def step_ahead(self, launched: InFlight | None) -> tuple[list[SeqUpdate], InFlight | None]:
+    def step_ahead(self, launched: LaunchedStep | None) -> tuple[Outputs, LaunchedStep | None]:
         """One turn of the asynchronous loop: schedule and launch step N+1, then finish step N.
 
         The scheduler treats tokens still in flight as known (carried over on the device), so the
@@ -163,28 +150,27 @@ class EngineCore:
         if out is not None and out.chunks:
             self._mark_scheduled(out, t0)
             try:
-                step = self.runner.launch(out.chunks, launched.step if launched else None)
-                nxt = InFlight(out, step, time.monotonic(), t0)
+                nxt = self.runner.launch(out, launched, t0)
             except Exception as exc:  # step N is sound unless its wait fails too: finish it first
-                failed, updates = [out], []
+                failed, outputs = [out], {}
                 if launched is not None:
                     try:
-                        result = self.runner.wait(launched.step)
+                        result = self.runner.wait(launched)
                     except Exception:
                         failed.insert(0, launched.out)
                     else:
-                        updates = self._complete(launched, result)
-                return updates + self._contain(failed, exc), None
+                        outputs = self._complete(launched, result)
+                return self._contain(failed, exc, outputs), None
         if launched is None:
-            return [], nxt
+            return {}, nxt
         try:
-            result = self.runner.wait(launched.step)
+            result = self.runner.wait(launched)
         except Exception as exc:  # step N+1 was built on step N's tokens: it goes too
             failed = [launched.out]
             if nxt is not None:
                 self._settle(nxt)
                 failed.append(nxt.out)
-            return self._contain(failed, exc), None
+            return self._contain(failed, exc, {}), None
         return self._complete(launched, result), nxt
 
     def _schedule(self) -> SchedulerOutput:
@@ -195,15 +181,15 @@ class EngineCore:
             self.runner.move_blocks(out.moves)
         return out
 
-    def _complete(self, launched: InFlight, result: SampleOutput[list]) -> list[SeqUpdate]:
+    def _complete(self, step: LaunchedStep, result: SampleOutput[list]) -> Outputs:
         """Both loops' tail: count the step's busy time, report its timing, hand out its tokens."""
         end = time.monotonic()
-        busy = launched.step.device_seconds()  # CUDA: from the stream's event timestamps
+        busy = step.device_seconds()  # CUDA: from the stream's event timestamps
         if busy is None:
-            busy = end - max(launched.started, self._last_end)
+            busy = end - max(step.launched, self._last_end)
         self._count_step(busy, end)
-        self._observe(launched.out, launched.step, launched.scheduled)
-        return self._process(launched.out, launched.step.batch.sample_chunks, result)
+        self._observe(step)
+        return self._process(step, result)
 
     def _count_step(self, busy: float, end: float) -> None:
         """A finished step that kept the device busy for `busy` seconds up to `end`."""
@@ -218,11 +204,12 @@ class EngineCore:
             if chunk.seq.scheduled_at is None:
                 chunk.seq.scheduled_at = now
 
-    def _observe(self, out: SchedulerOutput, step: LaunchedStep, scheduled: float) -> None:
+    def _observe(self, step: LaunchedStep) -> None:
         """prepare = scheduling + batch build (host clock); on CUDA h2d / compute / d2h come from
         the step's stream events, on CPU compute is the rest of the step on the host clock."""
         if self.step_observer is None:
             return
+        out = step.out
         try:
             built = step.prepare[1]
             if step.events is not None:
@@ -231,7 +218,7 @@ class EngineCore:
                 stages = {"compute": (built, time.time())}
             self.step_observer(
                 StepTiming(
-                    prepare=(scheduled, built),
+                    prepare=(step.scheduled, built),
                     **stages,
                     batch_size=len(out.chunks),
                     num_tokens=out.num_tokens,
@@ -246,37 +233,44 @@ class EngineCore:
                 log.exception("step observer failed; later failures are not logged")
                 self._observer_failed = True
 
-    def _process(
-        self, out: SchedulerOutput, sample_chunks: list[int], result: SampleOutput[list]
-    ) -> list[SeqUpdate]:
-        """Hand the step's tokens to their sequences; an update for each sequence that took one.
-        `sample_chunks`: the chunk index of each of `result`'s rows."""
+    def _process(self, step: LaunchedStep, result: SampleOutput[list]) -> Outputs:
+        """Hand the step's tokens to their sequences, and fill each front's outputs with those that
+        took one (`result`'s rows are the step's chunks `step.batch.sample_chunks`)."""
+        out, sample_chunks = step.out, step.batch.sample_chunks
         sampled = dict(zip(sample_chunks, result.tokens, strict=True))
         took = self.scheduler.finish_step(out, sampled)
         rows = {ci: row for row, ci in enumerate(sample_chunks)} if result.logprobs is not None else {}
-        updates = []
+        outputs: Outputs = {}
         for ci in took:
             seq = out.chunks[ci].seq
-            first = seq.num_output == 1
-            if first:
+            front = seq.request.front
+            o = outputs.get(front)
+            if o is None:
+                o = outputs[front] = StepOutputs()
+            row = len(o.request_ids)
+            o.request_ids.append(seq.request_id)
+            o.tokens.append(sampled[ci])
+            if seq.num_output == 1:
                 self.prompt_tokens += seq.prompt_len
-            lp = _logprob(result, rows[ci], seq.params.top_logprobs) if rows and seq.params.logprobs else None
-            # positional: built once per token, where keyword arguments cost measurably more
-            updates.append(SeqUpdate(seq.request_id, sampled[ci], lp, seq.finish_reason, seq.stop_token,
-                                     first, seq.scheduled_at, (seq.cached_tokens or 0) if first else 0))
-        self.generated_tokens += len(updates)
-        return updates
+                o.started.append((row, seq.scheduled_at, seq.cached_tokens or 0))
+            if rows and seq.params.logprobs:
+                o.logprobs.append((row, _logprob(result, rows[ci], seq.params.top_logprobs)))
+            if seq.finish_reason is not None:
+                o.finished.append((row, seq.finish_reason, seq.stop_token))
+        self.generated_tokens += len(took)
+        return outputs
 
-    def _settle(self, inflight: InFlight) -> None:
+    def _settle(self, step: LaunchedStep) -> None:
         """Wait for a launched step whose tokens are void, whatever it ends with."""
         try:
-            self.runner.wait(inflight.step)
+            self.runner.wait(step)
         except Exception as exc:
             log.debug("a step discarded after a failure failed as well: %s", exc)
 
-    def _contain(self, failed: list[SchedulerOutput], exc: Exception) -> list[SeqUpdate]:
+    def _contain(self, failed: list[SchedulerOutput], exc: Exception, outputs: Outputs) -> Outputs:
         """A step failed and nothing is in flight any more. A step of one sequence fails it; a batch
-        is quarantined, each sequence recomputed alone, so that only the culprit fails."""
+        is quarantined, each sequence recomputed alone, so that only the culprit fails. The failed
+        requests join `outputs` (those of a step that went through first), which is returned."""
         if _is_fatal(exc):
             raise EngineFailure(f"the device failed: {exc}") from exc
         seqs = list({id(c.seq): c.seq for out in failed for c in out.chunks if not c.seq.finished}.values())
@@ -288,12 +282,12 @@ class EngineCore:
             log.exception("engine step failed; failing its one request %s", seqs[0].request_id)
         else:
             log.exception("engine step of %d requests failed; running each alone to find why", len(seqs))
-        updates = []
         for seq in culprits:
             if self.scheduler.abort(seq.request_id) is not None:
-                updates.append(SeqUpdate(seq.request_id, None, error=f"engine step failed: {exc}"))
+                o = outputs.setdefault(seq.request.front, StepOutputs())
+                o.failed.append((seq.request_id, ErrorKind.INTERNAL, f"engine step failed: {exc}"))
         self.scheduler.quarantine([s for s in seqs if s not in culprits])
-        return updates
+        return outputs
 
 
 def _logprob(result: SampleOutput[list], row: int, top: int) -> TokenLogprob:

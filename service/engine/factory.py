@@ -8,14 +8,13 @@ from collections.abc import Callable
 
 import torch
 
+from ..contract import Limits, StepTiming
 from ..models.loader import LoadedModel
 from ..settings import ServerSettings
 from .config import EngineConfig
 from .core_builder import build_core
 from .engine_core import EngineCore
 from .ops.kv_cache import CacheShape, KVCache
-from .timing import StepTiming
-from .validation import Limits
 
 log = logging.getLogger(__name__)
 DEFAULT_OFFLOAD_GIB = 4.0  # the host pool on CUDA when TANDEM_KV_OFFLOAD_GIB is unset (vLLM's swap space)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
 
-GENERATIONS = 3
+from ..contract import GC_GENERATIONS as GENERATIONS
+from ..contract import GcTotals
 
 
 def freeze_start_up_heap() -> int:
@@ -24,16 +24,6 @@ def freeze_start_up_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-
-
-@dataclass(frozen=True)
-class GcTotals:
-    """Collections and the seconds they took, by generation (0, 1, 2), since the counting began;
-    the objects frozen at start-up."""
-
-    collections: tuple[int, ...] = (0,) * GENERATIONS
-    seconds: tuple[float, ...] = (0.0,) * GENERATIONS
-    frozen_objects: int = 0
 
 
 class GcPauses:

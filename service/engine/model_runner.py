@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import DeviceBatch, HostBatch, build_attention_metadata, carry_over
-from .batch_builder import HostBatchBuilder
+from .batch import DeviceBatch, StepInputs, build_attention_metadata, carry_over
+from .batch_builder import StepInputsBuilder
 from .config import EngineConfig
 from .forward import forward_and_sample
 from .kv_offload import KVOffload
@@ -27,7 +27,7 @@ from .ops.decode_op import num_sms
 from .ops.deferred_rotary import defer_rotary
 from .ops.kv_cache import KVCache
 from .sampler import SampleOutput, sample
-from .scheduler import BlockMoves, ScheduledChunk
+from .scheduler import BlockMoves, ScheduledChunk, SchedulerOutput
 from .step_buffers import StepBuffers
 from .streams import Streams, on
 
@@ -68,14 +68,20 @@ class StageEvents:
 
 @dataclass
 class LaunchedStep:
-    batch: HostBatch
+    """A step queued on the device, whose tokens the host has not seen yet (or, in the synchronous
+    loop, has): what it computes, its buffers, and when it was scheduled and launched."""
+
+    out: SchedulerOutput  # what the scheduler gave it
+    batch: StepInputs
     dev: DeviceBatch  # held until the step is done, so its buffers outlive the device's reads
     sampled: SampleOutput[torch.Tensor]  # on the device, held until the step is done (its copies read it)
     host: SampleOutput[torch.Tensor]  # its host copies (pinned on CUDA)
     rows: dict[int, int]  # id(sequence) -> its row in the slot's sampled tokens
     slot: int
     graph_bucket: int | None
-    prepare: tuple[float, float]  # host wall-clock (time.time) of scheduling's batch build
+    scheduled: float  # host wall clock (time.time) when its scheduling began
+    prepare: tuple[float, float]  # host wall clock of its batch build
+    launched: float  # host monotonic clock when its launch began
     events: StageEvents | None  # CUDA only
 
     def device_seconds(self) -> float | None:
@@ -128,7 +134,7 @@ class ModelRunner:
             for _ in range(2)
         ]
         self._next_slot = 0
-        self.batches = HostBatchBuilder(bs)  # each step's host tensors
+        self.inputs = StepInputsBuilder(bs)  # each step's inputs on the host
         self.streams = Streams(device) if device.type == "cuda" else None
         self.offload = None  # the host pool of preempted sequences' K/V (kv_offload.py)
         if config.kv_offload_blocks:
@@ -156,16 +162,18 @@ class ModelRunner:
         assert self.offload is not None, "the scheduler offloads only with a host pool"
         self.offload.queue(moves)
 
-    def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> HostBatch:
-        return self.batches.build(chunks, prev_rows)
+    def prepare(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> StepInputs:
+        return self.inputs.build(chunks, prev_rows)
 
     @torch.inference_mode()
-    def launch(self, chunks: list[ScheduledChunk], prev: LaunchedStep | None) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None, scheduled: float) -> LaunchedStep:
         """Queue one step and return without waiting for the device.
 
         `prev`: the step still in flight; inputs it samples are carried over on the device from
-        its slot's token buffer.
+        its slot's token buffer. `scheduled`: when the step's scheduling began (wall clock).
         """
+        launched = time.monotonic()
+        chunks = out.chunks
         started = time.time()
         batch = self.prepare(chunks, prev.rows if prev is not None else None)
         prepared = time.time()
@@ -190,7 +198,7 @@ class ModelRunner:
             if ev is not None:
                 st.compute.wait_event(ev.h2d_done)
                 ev.compute_start.record()
-            out = self._compute(batch, dev, s, bucket, prev_tokens)
+            sampled = self._compute(batch, dev, s, bucket, prev_tokens)
             if ev is not None:
                 ev.compute_done.record()
         with on(st and st.d2h):
@@ -199,15 +207,17 @@ class ModelRunner:
                 ev.d2h_start.record()
             host = SampleOutput(
                 buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True),
-                _to_host(out.logprobs), _to_host(out.top_ids), _to_host(out.top_logprobs),
+                _to_host(sampled.logprobs), _to_host(sampled.top_ids), _to_host(sampled.top_logprobs),
             )
             if ev is not None:
                 ev.d2h_done.record()
         rows = {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
-        return LaunchedStep(batch, dev, out, host, rows, s, bucket, (started, prepared), ev)
+        return LaunchedStep(out, batch, dev, sampled, host, rows, s, bucket, scheduled, (started, prepared),
+                            launched, ev)
 
     def _compute(
-        self, batch: HostBatch, dev: DeviceBatch, s: int, bucket: int | None, prev_tokens: torch.Tensor | None
+        self, batch: StepInputs, dev: DeviceBatch, s: int, bucket: int | None,
+        prev_tokens: torch.Tensor | None,
     ) -> SampleOutput[torch.Tensor]:
         """Forward + sample on the current stream; the sampled tokens land in slot `s`."""
         tokens = self.slots[s].tokens[: len(batch.sample_chunks)]

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import enum
 from array import array
 from dataclasses import dataclass, field
 
-from .sampling_params import SamplingParams
-
-
-class FinishReason(str, enum.Enum):
-    LENGTH = "length"
-    STOP = "stop"
-    CANCELLED = "cancelled"
+from ..contract import FinishReason, Request, SamplingParams
 
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    request_id: str
+    request: Request  # as admission made it: its id, prompt, parameters, cache scope and front
     token_ids: list[int]  # prompt followed by every generated token
     prompt_len: int
-    params: SamplingParams
     seed: int  # resolved seed: a request without one gets a random one at admission
     max_total_len: int  # prompt + generated tokens may not exceed this (context length)
-    stop_ids: frozenset[int] = frozenset()
-    cache_scope: bytes = b""  # shares cached prefix blocks with sequences of this scope only
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignored) and the request's stop_token_ids
     cached_tokens: int | None = None  # prompt tokens found cached when first admitted (its usage)
     # its KV blocks, as C ints: a step's block table is these rows' bytes joined (batch.py)
     block_ids: array = field(default_factory=lambda: array("i"))
@@ -38,10 +29,23 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     num_inflight: int = 0  # sampled by a launched step, not yet seen by the host (async loop)
     finish_reason: FinishReason | None = None
-    stop_token: int | None = None
+    stop_token: int | None = None  # the one of its stop_token_ids that ended it (None: EOS or no token)
     num_preemptions: int = 0
     num_failed_steps: int = 0  # steps that failed with it in the batch (failure containment)
     scheduled_at: float | None = None  # wall clock of the first step that computed any of it (telemetry)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def cache_scope(self) -> bytes:
+        """Shares cached prefix blocks with sequences of this scope only."""
+        return self.request.cache_scope
 
     @property
     def num_output(self) -> int:
@@ -73,6 +77,8 @@ class Sequence:
         tokens = self.token_ids
         tokens.append(token)
         if token in self.stop_ids:
-            self.finish_reason, self.stop_token = FinishReason.STOP, token
+            self.finish_reason = FinishReason.STOP
+            if token in self.params.stop_token_ids:  # an end of sequence has no stop reason, as vLLM's
+                self.stop_token = token
         elif len(tokens) - self.prompt_len >= self.params.max_tokens or len(tokens) >= self.max_total_len:
             self.finish_reason = FinishReason.LENGTH

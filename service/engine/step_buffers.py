@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from .batch import DeviceBatch, HostBatch, SamplingTensors
+from .batch import DeviceBatch, SamplingTensors, StepInputs
 
 # which of a step's counts a buffer's rows follow: packed tokens, sampled rows or decode rows
 Rows = Literal["tokens", "seqs", "decodes"]
@@ -32,45 +32,40 @@ class Pad(enum.Enum):
 
 @dataclass(frozen=True)
 class Field:
-    """One buffer of a slot: a field of DeviceBatch (or of its SamplingTensors), staged from the
-    HostBatch attribute `source`."""
+    """One buffer of a slot: the field of its name in StepInputs and DeviceBatch, or in their
+    SamplingTensors."""
 
     name: str
     dtype: torch.dtype
     rows: Rows
     pad: float | Pad  # what a graph's padding rows hold: inputs that touch only the scratch block
-    source: str  # attribute path in HostBatch
+    sampling: bool = False  # a field of the step's SamplingTensors
     wide: bool = False  # [rows, max_blocks], of which a step uses its own columns
 
     @functools.cached_property
-    def sampling(self) -> bool:
-        """A field of the batch's SamplingTensors."""
-        return self.source.startswith("sampling.")
+    def _get(self) -> Callable[[StepInputs], object]:
+        return attrgetter(f"sampling.{self.name}" if self.sampling else self.name)
 
-    @functools.cached_property
-    def _get(self) -> Callable[[HostBatch], object]:
-        return attrgetter(self.source)
-
-    def read(self, batch: HostBatch) -> torch.Tensor | None:
-        value = self._get(batch)
+    def read(self, inputs: StepInputs) -> torch.Tensor | None:
+        value = self._get(inputs)
         return torch.tensor(value, dtype=self.dtype) if isinstance(value, list) else value
 
 
 # every buffer of a slot, in the order the upload copies them
 FIELDS = (
-    Field("input_ids", torch.int64, "tokens", 0, "input_ids"),
-    Field("positions", torch.int64, "tokens", 0, "positions"),
-    Field("slot_mapping", torch.int64, "tokens", Pad.SCRATCH_SLOT, "slot_mapping"),
-    Field("carry", torch.int64, "tokens", -1, "carry"),  # -1: not carried
-    Field("logits_indices", torch.int64, "seqs", Pad.OWN_ROW, "logits_indices"),
-    Field("decode_idx", torch.int64, "decodes", Pad.OWN_ROW, "decode_token_idx"),
-    Field("ctx_lens", torch.int32, "decodes", 1, "decode_ctx_lens"),  # one token: the scratch slot
-    Field("temperature", torch.float32, "seqs", 0.0, "sampling.temperature"),  # greedy
-    Field("top_p", torch.float32, "seqs", 1.0, "sampling.top_p"),
-    Field("top_k", torch.int64, "seqs", 0, "sampling.top_k"),
-    Field("seeds", torch.int64, "seqs", 0, "sampling.seeds"),
-    Field("steps", torch.int64, "seqs", 0, "sampling.steps"),
-    Field("block_table", torch.int32, "decodes", Pad.SCRATCH_BLOCK, "decode_block_table", wide=True),
+    Field("input_ids", torch.int64, "tokens", 0),
+    Field("positions", torch.int64, "tokens", 0),
+    Field("slot_mapping", torch.int64, "tokens", Pad.SCRATCH_SLOT),
+    Field("carry", torch.int64, "tokens", -1),  # -1: not carried
+    Field("logits_indices", torch.int64, "seqs", Pad.OWN_ROW),
+    Field("decode_token_idx", torch.int64, "decodes", Pad.OWN_ROW),
+    Field("decode_ctx_lens", torch.int32, "decodes", 1),  # one token: the scratch slot
+    Field("temperature", torch.float32, "seqs", 0.0, sampling=True),  # greedy
+    Field("top_p", torch.float32, "seqs", 1.0, sampling=True),
+    Field("top_k", torch.int64, "seqs", 0, sampling=True),
+    Field("seeds", torch.int64, "seqs", 0, sampling=True),
+    Field("steps", torch.int64, "seqs", 0, sampling=True),
+    Field("decode_block_table", torch.int32, "decodes", Pad.SCRATCH_BLOCK, wide=True),
 )
 
 
@@ -118,7 +113,7 @@ class StepBuffers:
         dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n].view(values.shape)
 
-    def upload(self, batch: HostBatch, pad_to: int | None = None) -> DeviceBatch:
+    def upload(self, batch: StepInputs, pad_to: int | None = None) -> DeviceBatch:
         """Stage `batch` in pinned memory and queue its copies to the device (current stream).
 
         `pad_to`: a decode graph's bucket; rows past the batch get inputs that touch only the

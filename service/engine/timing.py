@@ -1,5 +1,5 @@
-"""The engine's timing records: when a step ran and its stages, and the share of a window the device
-spent idle. Telemetry reads these; the engine imports no telemetry.
+"""The share of a window the device spent idle, from the busy intervals of the engine's steps (each
+step's own timing, `StepTiming`, is a record of the contract: it goes to the supervisor's telemetry).
 """
 
 from __future__ import annotations
@@ -7,40 +7,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
-STAGES = ("prepare", "h2d", "compute", "d2h")
-Interval = tuple[float, float]  # (start, end), wall clock: time.time() seconds
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """One finished engine step. A stage that did not run on its own (e.g. h2d on CPU) is None."""
-
-    prepare: Interval | None = None  # CPU: scheduling and batch building
-    h2d: Interval | None = None
-    compute: Interval | None = None  # forward + sample
-    d2h: Interval | None = None
-    batch_size: int = 0  # sequences in the step
-    num_tokens: int = 0  # tokens computed (prefill chunks + decodes)
-    context_tokens: int = 0  # positions attended over all rows (the KV read)
-    prefill_tokens: int = 0  # tokens computed in prefill chunks (the rest are decodes, one per row)
-    slot: int | None = None  # input slot of the asynchronous loop
-    graph_bucket: int | None = None  # CUDA-graph batch-size bucket replayed, None = eager
-
-    def stages(self) -> Iterator[tuple[str, Interval]]:
-        for name in STAGES:
-            interval = getattr(self, name)
-            if interval is not None:
-                yield name, interval
-
-    @property
-    def bounds(self) -> Interval | None:
-        intervals = [i for _, i in self.stages()]
-        if not intervals:
-            return None
-        return min(s for s, _ in intervals), max(e for _, e in intervals)
+from ..contract import Interval
 
 
 class IdleTracker:

@@ -14,15 +14,10 @@ import time
 
 import zmq
 
+from .. import contract as c
 from ..engine.engine_core import EngineCore
-from ..engine.errors import ErrorKind
 from ..engine.factory import build_engine, configure_threads, resolve_device
 from ..engine.gc_pauses import GcPauses, freeze_start_up_heap
-from ..engine.outputs import SeqUpdate
-from ..engine.sampling_params import GenerationRequest
-from ..engine.timing import StepTiming
-from ..engine.validation import Limits, resolve_params
-from ..ipc import messages as m
 from ..ipc import sockets
 from ..models.loader import LoadedModel, load_model
 from ..settings import ServerSettings
@@ -32,18 +27,17 @@ log = logging.getLogger("tandem.engine")
 IDLE_REPORT_S = 0.5  # an idle engine still reports its load (and that it lives) this often
 
 
-def warm_up(core: EngineCore, limits: Limits) -> None:
+def warm_up(core: EngineCore, limits: c.Limits) -> None:
     """One short generation, so the first request does not pay for lazy initialisation."""
     prompt = [0] * min(8, limits.max_model_len - 2)
-    params = resolve_params(limits, len(prompt), max_tokens=2, ignore_eos=True)
-    core.add(GenerationRequest("warm-up", prompt, params))
+    core.add(c.Request("warm-up", prompt, c.SamplingParams(max_tokens=2, ignore_eos=True)))
     while core.has_work:
         core.run_once()
 
 
-def _model_info(loaded: LoadedModel, device: str) -> m.ModelInfo:
+def _model_info(loaded: LoadedModel, device: str) -> c.ModelInfo:
     model = loaded.model
-    return m.ModelInfo(
+    return c.ModelInfo(
         name=loaded.name,
         source=loaded.source,
         architecture=(model.config.architectures or [type(model).__name__])[0],
@@ -60,7 +54,7 @@ class EngineService:
     def __init__(
         self,
         core: EngineCore,
-        timings: list[StepTiming],
+        timings: list[c.StepTiming],
         max_waiting: int,
         inbox: zmq.Socket,
         fronts: list[zmq.Socket],
@@ -74,9 +68,8 @@ class EngineService:
         self.inbox = inbox
         self.fronts = fronts
         self.supervisor = supervisor
-        self.decoder = m.decoder(m.ToEngine)
-        self.front_of: dict[str, int] = {}  # request id -> the front that sent it
-        self.load_queries: list[m.LoadQuery] = []
+        self.decoder = c.decoder(c.ToEngine)
+        self.load_queries: list[c.LoadQuery] = []
         self.deadlines: list[tuple[float, str]] = []  # a heap of (wall clock, request id)
         self._reported = (core.generated_tokens, core.prompt_tokens)
         self._last_report = 0.0
@@ -88,11 +81,11 @@ class EngineService:
             if self._stopping:
                 break
             self._expire_waiting()
-            updates = self.core.run_once()
+            outputs = self.core.run_once()
             self._bound_queue()
             self._report()  # before the tokens go out: a client that has them finds them counted
-            if updates:
-                self._send_outputs(updates)
+            for front, out in outputs.items():
+                self._send(self.fronts[front], out)
         log.info("engine stopped")
 
     def _receive(self, block: bool) -> None:
@@ -108,18 +101,16 @@ class EngineService:
 
     def _handle(self, msg: object) -> None:
         core = self.core
-        if isinstance(msg, m.Submit):
-            self.front_of[msg.request_id] = msg.front
+        if isinstance(msg, c.Request):
             if msg.deadline is not None:
                 heapq.heappush(self.deadlines, (msg.deadline, msg.request_id))
-            core.add(GenerationRequest(msg.request_id, msg.prompt_ids, msg.params, msg.cache_scope))
-        elif isinstance(msg, m.Abort):
+            core.add(msg)
+        elif isinstance(msg, c.Abort):
             for request_id in msg.request_ids:
-                if self.front_of.pop(request_id, None) is not None:
-                    core.abort(request_id)
-        elif isinstance(msg, m.LoadQuery):
+                core.abort(request_id)
+        elif isinstance(msg, c.LoadQuery):
             self.load_queries.append(msg)  # answered after the step and the queue bound
-        elif isinstance(msg, m.Shutdown):
+        elif isinstance(msg, c.Shutdown):
             self._stopping = True
 
     def _bound_queue(self) -> None:
@@ -132,7 +123,7 @@ class EngineService:
         if excess <= 0:
             return
         refused = [seq.request_id for seq in reversed(waiting) if seq.num_preemptions == 0][:excess]
-        self._refuse(refused, ErrorKind.RESOURCE_EXHAUSTED, "the request queue is full; retry later")
+        self._refuse(refused, c.ErrorKind.RESOURCE_EXHAUSTED, "the request queue is full; retry later")
 
     def _expire_waiting(self) -> None:
         """Requests whose deadline passed while they waited never start (a running one is ended by
@@ -144,46 +135,17 @@ class EngineService:
         expired = []
         while heap and heap[0][0] <= now:
             _, rid = heapq.heappop(heap)
-            if rid in never_ran and rid in self.front_of:
+            if rid in never_ran:
                 expired.append(rid)
-        self._refuse(expired, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed while it waited")
+        self._refuse(expired, c.ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed while it waited")
 
-    def _refuse(self, request_ids: list[str], kind: ErrorKind, why: str) -> None:
+    def _refuse(self, request_ids: list[str], kind: c.ErrorKind, why: str) -> None:
         """End requests that have not started, with `kind`'s status, and tell their fronts."""
-        by_front: dict[int, m.StepOutputs] = {}
+        by_front: c.Outputs = {}
         for rid in request_ids:
-            self.core.abort(rid)
-            front = self.front_of.pop(rid)
-            by_front.setdefault(front, m.StepOutputs([], [])).failed.append((rid, kind, why))
-        for front, out in by_front.items():
-            self._send(self.fronts[front], out)
-
-    def _send_outputs(self, updates: list[SeqUpdate]) -> None:
-        """The step's updates in columns, one message per front (StepOutputs)."""
-        by_front: dict[int, m.StepOutputs] = {}
-        front_of = self.front_of
-        for u in updates:
-            rid = u.request_id
-            front = front_of.get(rid)
-            if front is None:  # aborted meanwhile
-                continue
-            out = by_front.get(front)
-            if out is None:
-                out = by_front[front] = m.StepOutputs([], [])
-            if u.error is not None:
-                out.failed.append((rid, u.error_kind, u.error))
-                del front_of[rid]
-                continue
-            row = len(out.request_ids)
-            out.request_ids.append(rid)
-            out.tokens.append(u.token)
-            if u.first:
-                out.started.append((row, u.scheduled_at, u.cached_tokens))
-            if u.logprob is not None:
-                out.logprobs.append((row, u.logprob))
-            if u.finish_reason is not None:
-                out.finished.append((row, u.finish_reason, u.stop_token))
-                del front_of[rid]
+            seq = self.core.scheduler.abort(rid)
+            if seq is not None:
+                by_front.setdefault(seq.request.front, c.StepOutputs()).failed.append((rid, kind, why))
         for front, out in by_front.items():
             self._send(self.fronts[front], out)
 
@@ -192,13 +154,13 @@ class EngineService:
         if self.load_queries:
             stats = core.stats()
             for query in self.load_queries:
-                self._send(self.fronts[query.front], m.LoadReply(query.query, stats))
+                self._send(self.fronts[query.front], c.LoadReply(query.query, stats))
             self.load_queries.clear()
         counted = (core.generated_tokens, core.prompt_tokens)
         now = time.monotonic()
         if not self.timings and counted == self._reported and now - self._last_report < IDLE_REPORT_S:
             return
-        report = m.StepReport(
+        report = c.StepReport(
             self.timings[:],
             counted[0] - self._reported[0],
             counted[1] - self._reported[1],
@@ -211,7 +173,7 @@ class EngineService:
 
     @staticmethod
     def _send(sock: zmq.Socket, msg: object) -> None:
-        sock.send(m.encode(msg), copy=False)
+        sock.send(c.encode(msg), copy=False)
 
 
 def engine_main(
@@ -227,7 +189,7 @@ def engine_main(
     device = resolve_device(settings.device)
     log.info("%d CPU threads", configure_threads(settings, device))
     loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
-    timings: list[StepTiming] = []
+    timings: list[c.StepTiming] = []
     core, limits = build_engine(loaded, settings, step_observer=timings.append)
     if settings.warmup:
         warm_up(core, limits)
@@ -235,7 +197,7 @@ def engine_main(
     core.reset_counters()
     frozen = freeze_start_up_heap()
     log.info("%d objects of the start-up frozen out of the garbage collector's walks", frozen)
-    ready = m.EngineReady(_model_info(loaded, str(device)), limits)
+    ready = c.EngineReady(_model_info(loaded, str(device)), limits)
     for sock in (*fronts, supervisor):
         EngineService._send(sock, ready)
     log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)

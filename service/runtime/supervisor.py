@@ -22,7 +22,7 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
-from ..ipc import messages as m
+from .. import contract as c
 from ..ipc import sockets
 from ..server.auth import TokenFile
 from ..server.tls import CertificateFiles
@@ -106,7 +106,7 @@ class Supervisor:
 
     # -- what the engine and fronts report ------------------------------------------------------
     def _receive(self) -> None:
-        decoder = m.decoder(m.ToSupervisor)
+        decoder = c.decoder(c.ToSupervisor)
         try:
             while not self._closing.is_set():
                 if not self.inbox.poll(RECEIVE_POLL_MS):
@@ -114,7 +114,7 @@ class Supervisor:
                 frame = self.inbox.recv(copy=False)
                 try:
                     msg = decoder.decode(frame)
-                    if isinstance(msg, m.FrontReady):
+                    if isinstance(msg, c.FrontReady):
                         self._front_ready(msg.front)
                     else:
                         self.telemetry.record(msg)
@@ -129,7 +129,7 @@ class Supervisor:
         if len(self._ready_fronts) == len(self.fronts):
             for i in range(len(self.fronts)):
                 to_front = sockets.push(self.zmq, self.endpoints.front(i))
-                to_front.send(m.encode(m.PodReady()))
+                to_front.send(c.encode(c.PodReady()))
                 to_front.close()
             log.info("every front is ready")
 
@@ -209,7 +209,7 @@ class Supervisor:
             _stop(self.engine, STOP_WAIT_S)
             return
         to_engine = sockets.push(self.zmq, self.endpoints.engine)
-        to_engine.send(m.encode(m.Shutdown()))
+        to_engine.send(c.encode(c.Shutdown()))
         _stop(self.engine, STOP_WAIT_S)
         to_engine.close()
 
@@ -222,7 +222,7 @@ class Supervisor:
         for i, front in enumerate(self.fronts):
             if front.is_alive():
                 to_front = sockets.push(self.zmq, self.endpoints.front(i))
-                to_front.send(m.encode(m.EngineGone(reason)))
+                to_front.send(c.encode(c.EngineGone(reason)))
                 to_front.close()
         for front in self.fronts:
             _stop(front, ENGINE_GONE_WAIT_S)

@@ -1,3 +1,4 @@
+
 """Who may share a request's cached prefix: its cache scope, made here, opaque to the engine.
 
 A cached prefix is a side channel: a request that finds its prompt cached runs faster, so a caller
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..engine.errors import invalid
+from ..contract import invalid
 
 MAX_SALT_CHARS = 256
 SHARED = b""  # the scope of a request with no token to isolate and no salt
@@ -34,5 +35,5 @@ def cache_scope(token: bytes | None, salt: str | None) -> bytes:
 def check_salt(salt: str | None) -> str | None:
     """A request's `cache_salt` as given, or INVALID_ARGUMENT when it is not one."""
     if salt is not None and not (0 < len(salt) <= MAX_SALT_CHARS and salt.isprintable()):
-        raise invalid(f"cache_salt must be 1 to {MAX_SALT_CHARS} printable characters")
+        raise invalid(f"cache_salt must be 1 to {MAX_SALT_CHARS} printable characters", "cache_salt")
     return salt

@@ -1,9 +1,11 @@
-"""What a front's servicers share: the served model, its tokenizer and limits, and admission.
+"""What a front's APIs share: the served model, its tokenizer and limits, admission and generation.
 
-`ModelContext.admit` is the one place a request is admitted, in one order for every API: readiness,
-model name (KServe checks it itself, first), the API's own field checks, prefix-cache scope, prompt
-tokens, sampling parameters. Each front only adapts its wire format to `WireRequest` and maps
-RequestError onto its own errors.
+`ModelContext.generate` is the one path of a generation for every API: admit the request, tell its
+trace, send it to the engine and stream its chunks (or the whole answer). Admission (`admit`) checks
+in one order for every API: model name, readiness, the API's own field checks, prefix-cache scope,
+prompt tokens, sampling parameters; it makes the request's
+`contract.Request`, which the engine keeps. Each API only adapts its wire format to `WireRequest`
+and maps RequestError onto its own errors, so another API is a thin mapping.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.errors import ErrorKind, RequestError, invalid
-from ..engine.sampling_params import SamplingParams
-from ..engine.validation import Limits, resolve_params, validate_prompt
-from ..ipc.messages import ModelInfo
+from ..contract import ErrorKind, Limits, ModelInfo, Request, RequestError, invalid
+from ..telemetry.requests import RequestTrace
 from .cache_scope import cache_scope, check_salt
 from .engine_client import EngineClient
-from .request_stream import GenerationChunk
+from .request_stream import GenerationChunk, whole
+from .validation import CONTEXT_LENGTH_EXCEEDED, resolve_params, validate_prompt
 
 INLINE_CHARS = 8192  # shorter text is tokenized on the event loop: a thread costs more than it saves
 
@@ -43,9 +44,18 @@ class Chat:
 Prompt = str | list[int] | Chat  # text (the tokenizer adds its BOS, if any), token ids, or a chat
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """How a request is answered: in chunks as they come, or whole; and its own time bound."""
+
+    stream: bool
+    timeout_s: float | None = None  # the request's own bound (KServe's `timeout`); None: none
+
+
 class WireRequest(Protocol):
     """A generation request as admission reads it, each API's fields adapted by its front.
-    `ModelContext.admit` reads it in the order written here, which keeps each API's error precedence."""
+    `ModelContext.generate` reads it in the order written here, which keeps each API's error
+    precedence."""
 
     @property
     def model(self) -> str | None: ...  # the model asked for; empty or None: the served one
@@ -59,14 +69,7 @@ class WireRequest(Protocol):
 
     def sampling(self) -> dict[str, Any]: ...  # resolve_params's keyword arguments
 
-
-@dataclass(frozen=True)
-class Admitted:
-    """An admitted request: what the engine is sent (ModelContext.generate)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    scope: bytes  # its prefix-cache scope (cache_scope.py)
+    def delivery(self) -> Delivery: ...  # read once the request is admitted
 
 
 @dataclass
@@ -101,13 +104,15 @@ class ModelContext:
         if not self.is_ready():
             raise RequestError(ErrorKind.UNAVAILABLE, "the server is not ready (warming up or draining)")
 
-    def _check_fits(self, chars: int, what: str) -> None:
+    def _check_fits(self, chars: int, what: str, param: str) -> None:
         """Refuse, before tokenizing it, text too long to fit the context whatever its tokens."""
         most = self.limits.max_model_len * self.max_token_chars
         if chars > most:
             raise invalid(
-                f"{what} has {chars} characters: it cannot fit the context length of "
-                f"{self.limits.max_model_len} tokens (at most {most} characters)"
+                f"{what} has {chars} characters: it cannot fit the model's context length of "
+                f"{self.limits.max_model_len} tokens (at most {most} characters)",
+                param,
+                CONTEXT_LENGTH_EXCEEDED,
             )
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -118,17 +123,17 @@ class ModelContext:
 
     async def encode_text(self, text: str) -> list[int]:
         if not text:
-            raise invalid("prompt is empty")
-        self._check_fits(len(text), "the prompt")
+            raise invalid("prompt is empty", "prompt")
+        self._check_fits(len(text), "the prompt", "prompt")
         return await self.tokenize(text)
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"model {self.name!r} has no chat template")
+            raise invalid(f"model {self.name!r} has no chat template", "messages")
         if not messages:
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, "chat has no messages")
+            raise invalid("chat has no messages", "messages")
         chars = sum(len(m["content"]) for m in messages)
-        self._check_fits(chars, "the chat")
+        self._check_fits(chars, "the chat", "messages")
         try:
             render = self.tokenizer.apply_chat_template
             kwargs = {"add_generation_prompt": True, "tokenize": True}
@@ -137,7 +142,7 @@ class ModelContext:
             else:
                 out = await asyncio.to_thread(render, messages, **kwargs)
         except Exception as exc:  # template errors (e.g. roles out of order) are the caller's
-            raise RequestError(ErrorKind.INVALID_ARGUMENT, f"chat template failed: {exc}") from exc
+            raise invalid(f"chat template failed: {exc}", "messages") from exc
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def cache_scope(self, token: bytes | None, salt: str | None) -> bytes:
@@ -145,11 +150,11 @@ class ModelContext:
         None) with `cache_salt` `salt` (INVALID_ARGUMENT if it is not a valid one)."""
         return cache_scope(token if self.isolate_tokens else None, check_salt(salt))
 
-    async def admit(self, request: WireRequest, token: bytes | None) -> Admitted:
+    async def admit(self, request: WireRequest, token: bytes | None) -> Request:
         """Admit `request` or refuse it (RequestError). `token`: the caller's bearer token, as verified
         by the auth layer (None: none), which names its prefix-cache scope where tenants are isolated."""
-        self.check_ready()
         self.check_model(request.model or "")
+        self.check_ready()
         request.check()
         scope = self.cache_scope(token, request.cache_salt)
         prompt = request.prompt_input()
@@ -159,35 +164,57 @@ class ModelContext:
             prompt_ids = await self.encode_text(prompt)
         else:
             prompt_ids = list(prompt)
-        return Admitted(prompt_ids, resolve_params(self.limits, len(prompt_ids), **request.sampling()), scope)
+        validate_prompt(prompt_ids, self.limits, "messages" if isinstance(prompt, Chat) else "prompt")
+        params = resolve_params(self.limits, len(prompt_ids), **request.sampling())
+        return self.engine.new_request(prompt_ids, params, scope)
 
-    def _last_checks(self, request: Admitted, time_left: float | None) -> float | None:
-        """What generate and generate_all check before the engine: the prompt's tokens, then the time
-        left (RequestError if either fails). Returns the deadline (wall clock): the caller's time left
-        or the server's bound, whichever ends first; None if neither is set."""
-        validate_prompt(request.prompt_ids, self.limits)
-        bounds = [t for t in (time_left, self.request_timeout_s) if t is not None]
-        if not bounds:
+    def _deadline(self, *bounds: float | None) -> float | None:
+        """The wall clock by which a request must end: the tightest of the caller's `bounds` (seconds
+        left; None: none) and the server's own; None if none is set. DEADLINE_EXCEEDED if it passed."""
+        given = [t for t in (*bounds, self.request_timeout_s) if t is not None]
+        if not given:
             return None
-        left = min(bounds)
+        left = min(given)
         if left <= 0:
             raise RequestError(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline had passed on arrival")
         return time.time() + left
 
-    def generate(self, request: Admitted, time_left: float | None = None) -> AsyncIterator[GenerationChunk]:
-        """Send an admitted request to the engine (RequestError if its last checks fail) and stream its
-        chunks. `time_left`: seconds the caller allows (None = no deadline of its own)."""
-        deadline = self._last_checks(request, time_left)
-        return self.engine.generate(
-            request.prompt_ids, request.params, self.tokenizer, deadline, request.scope
-        )
+    async def generate(
+        self,
+        request: WireRequest,
+        token: bytes | None,
+        trace: RequestTrace,
+        response_id: str,
+        time_left: float | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        """Admit `request` (RequestError if refused), send it to the engine and yield its chunks as
+        they come, or one chunk with everything where it is answered whole; each chunk is told to
+        `trace`, which ends with the generation. `token`: the caller's verified bearer token (None:
+        none); `response_id`: the id the API answers with; `time_left`: seconds the caller allows."""
+        with trace:
+            admitted = await self.admit(request, token)
+            delivery = request.delivery()
+            trace.admitted(response_id, len(admitted.prompt_ids), admitted.params, delivery.stream)
+            admitted.deadline = self._deadline(time_left, delivery.timeout_s)
+            chunks = self.engine.generate(admitted, self.tokenizer)
+            if delivery.stream:
+                async for chunk in chunks:
+                    trace.chunk(chunk)
+                    yield chunk
+            else:
+                answer = await whole(chunks, admitted.params.logprobs)
+                trace.chunk(answer)
+                yield answer
 
-    async def generate_all(self, request: Admitted, time_left: float | None = None) -> GenerationChunk:
-        """As generate, run to completion: one chunk with everything."""
-        deadline = self._last_checks(request, time_left)
-        return await self.engine.generate_all(
-            request.prompt_ids, request.params, self.tokenizer, deadline, request.scope
-        )
+
+async def whole_answer(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    """The one chunk of a generation answered whole (its delivery does not stream), run to its end so
+    that its trace ends with it."""
+    answer = None
+    async for chunk in chunks:
+        answer = chunk
+    assert answer is not None, "a generation ends with a chunk or an error"
+    return answer
 
 
 class ContextHolder:

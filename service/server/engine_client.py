@@ -15,10 +15,8 @@ import zmq
 import zmq.asyncio
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.errors import ErrorKind, RequestError
-from ..engine.outputs import EngineStats
-from ..engine.sampling_params import SamplingParams
-from ..ipc import messages as m
+from .. import contract as c
+from ..contract import EngineStats, ErrorKind, Request, RequestError, SamplingParams
 from ..ipc import sockets
 from .request_stream import GenerationChunk, RequestStream, StreamInterval
 
@@ -36,12 +34,12 @@ class EngineClient:
         self._to_engine = sockets.push(self._zmq, endpoints.engine)
         self._inbox = sockets.pull(self._zmq, endpoints.front(front))
         self._inbox_now = zmq.Socket.shadow(self._inbox.underlying)  # non-blocking reads, no future
-        self._decoder = m.decoder(m.ToFront)
+        self._decoder = c.decoder(c.ToFront)
         self._ids = (f"{front}-{n}" for n in itertools.count())
         self.streams: dict[str, RequestStream] = {}
         self._loads: dict[int, asyncio.Future[EngineStats]] = {}
         self._queries = itertools.count()
-        self.ready: asyncio.Future[m.EngineReady] = asyncio.get_running_loop().create_future()
+        self.ready: asyncio.Future[c.EngineReady] = asyncio.get_running_loop().create_future()
         self.gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.pod_ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # every front
 
@@ -65,22 +63,22 @@ class EngineClient:
                 self._handle(self._decoder.decode(frame))
 
     def _handle(self, msg: object) -> None:
-        if isinstance(msg, m.StepOutputs):
+        if isinstance(msg, c.StepOutputs):
             self._route(msg)
-        elif isinstance(msg, m.LoadReply):
+        elif isinstance(msg, c.LoadReply):
             future = self._loads.pop(msg.query, None)
             if future is not None and not future.done():
                 future.set_result(msg.stats)
-        elif isinstance(msg, m.EngineReady):
+        elif isinstance(msg, c.EngineReady):
             if not self.ready.done():
                 self.ready.set_result(msg)
-        elif isinstance(msg, m.PodReady):
+        elif isinstance(msg, c.PodReady):
             if not self.pod_ready.done():
                 self.pod_ready.set_result(None)
-        elif isinstance(msg, m.EngineGone):
+        elif isinstance(msg, c.EngineGone):
             self.engine_gone(msg.reason)
 
-    def _route(self, out: m.StepOutputs) -> None:
+    def _route(self, out: c.StepOutputs) -> None:
         """One engine step's outputs to their streams (a stream closed meanwhile is skipped)."""
         streams, ids = self.streams, out.request_ids
         for rid, token in zip(ids, out.tokens, strict=True):
@@ -114,57 +112,29 @@ class EngineClient:
                 future.set_exception(error)
 
     def _send(self, msg: object) -> None:
-        self._to_engine.send(m.encode(msg), copy=False)
+        self._to_engine.send(c.encode(msg), copy=False)
+
+    def new_request(self, prompt_ids: list[int], params: SamplingParams, cache_scope: bytes) -> Request:
+        """The record of an admitted request, under an id of this front's own: unique in the pod, so
+        clients that pick the same `request_id` (only echoed back to them) never collide."""
+        return Request(next(self._ids), prompt_ids, params, cache_scope, self.front)
 
     def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        tokenizer: PreTrainedTokenizerBase,
-        deadline: float | None = None,
-        cache_scope: bytes = b"",
+        self, request: Request, tokenizer: PreTrainedTokenizerBase
     ) -> AsyncIterator[GenerationChunk]:
-        """Send one validated request to the engine; its chunks as they come. `deadline`: wall clock;
-        `cache_scope`: who may share its cached prefix (cache_scope.py).
-
-        The engine knows the request by the front's own id, unique in the pod: a client's
-        `request_id` is only echoed, so independent clients that pick the same one never collide.
-        """
+        """Send an admitted request to the engine; its chunks as they come."""
         if self.gone.done():
             raise RequestError(ErrorKind.UNAVAILABLE, "the engine process has stopped; retry")
-        stream = RequestStream(
-            next(self._ids), prompt_ids, params, tokenizer, self.interval, self.release, deadline
-        )
+        stream = RequestStream(request, tokenizer, self.interval, self.release)
         self.streams[stream.request_id] = stream
-        self._send(m.Submit(stream.request_id, self.front, list(prompt_ids), params, deadline, cache_scope))
+        self._send(request)
         return stream.chunks()
 
     def release(self, stream: RequestStream) -> None:
         """A stream's reader is done with it (finished, failed or gone)."""
         self.streams.pop(stream.request_id, None)
         if not stream.engine_done and not self.gone.done():
-            self._send(m.Abort([stream.request_id]))  # client gone, or a stop string ended it early
-
-    async def generate_all(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        tokenizer: PreTrainedTokenizerBase,
-        deadline: float | None = None,
-        cache_scope: bytes = b"",
-    ) -> GenerationChunk:
-        """Run to completion; one chunk with everything."""
-        merged = GenerationChunk(text="", token_ids=[], logprobs=[] if params.logprobs else None)
-        async for chunk in self.generate(prompt_ids, params, tokenizer, deadline, cache_scope):
-            merged.text += chunk.text
-            merged.token_ids += chunk.token_ids
-            if merged.logprobs is not None and chunk.logprobs:
-                merged.logprobs += chunk.logprobs
-            merged.finish_reason, merged.stop_reason = chunk.finish_reason, chunk.stop_reason
-            merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
-            merged.cached_tokens = chunk.cached_tokens
-            merged.times = chunk.times
-        return merged
+            self._send(c.Abort([stream.request_id]))  # client gone, or a stop string ended it early
 
     async def load(self) -> EngineStats:
         """The engine's load right now (answered at its next step boundary)."""
@@ -173,7 +143,7 @@ class EngineClient:
         query = next(self._queries)
         future = asyncio.get_running_loop().create_future()
         self._loads[query] = future
-        self._send(m.LoadQuery(self.front, query))
+        self._send(c.LoadQuery(self.front, query))
         try:
             return await asyncio.wait_for(future, LOAD_TIMEOUT_S)
         except asyncio.TimeoutError as exc:

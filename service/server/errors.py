@@ -1,3 +1,4 @@
+
 """Map engine request errors to gRPC status codes."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import asyncio
 import grpc
 from google.protobuf.message import Message
 
-from ..engine.errors import ErrorKind, RequestError
+from ..contract import ErrorKind, RequestError
 
 STATUS = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,

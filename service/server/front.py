@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tandem.kserve import grpc_service_pb2, grpc_service_pb2_grpc
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
-from ..ipc import messages as m
+from .. import contract as c
 from ..ipc import sockets
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
@@ -77,7 +77,7 @@ class FrontServer:
         self._tasks: list[asyncio.Task] = []
 
     def _tell_supervisor(self, msg: object) -> None:
-        self._to_supervisor.send(m.encode(msg))
+        self._to_supervisor.send(c.encode(msg))
 
     def _ready(self) -> bool:
         return self.serving and not self.draining
@@ -178,7 +178,7 @@ class FrontServer:
             self.client, tokenizer, ready.limits, info, self._ready, longest, s.request_timeout_s,
             isolate_tokens=s.prefix_cache_isolation == "token" and s.auth_token_file is not None,
         )
-        self._tell_supervisor(m.FrontReady(self.index))
+        self._tell_supervisor(c.FrontReady(self.index))
         await self.client.pod_ready  # SERVING on one front only once every front would answer as well
         if self.draining or self.client.gone.done():
             return

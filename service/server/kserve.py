@@ -11,6 +11,7 @@ with the parameter triton_final_response=true.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -24,11 +25,12 @@ from tandem.kserve import grpc_service_pb2 as pb
 from tandem.kserve import grpc_service_pb2_grpc as pb_grpc
 from tandem.kserve import model_config_pb2 as mc
 
-from ..engine.errors import RequestError, invalid
-from ..telemetry.requests import RequestTelemetry, RequestTrace
-from .context import Admitted, ContextHolder, ModelContext
+from ..contract import RequestError, invalid
+from ..telemetry.requests import RequestTelemetry
+from .context import ContextHolder, Delivery, ModelContext, whole_answer
 from .errors import abort, abort_if_too_large
 from .kserve_tensors import bytes_output, read_inputs
+from .request_stream import GenerationChunk
 from .servicer import Servicer
 
 INPUTS = (  # name, KServe datatype, model-config type, optional
@@ -112,20 +114,23 @@ def _check_tensors(request: pb.ModelInferRequest) -> None:
 class LlmRequest:
     """A ModelInferRequest read as Triton's LLM tensors: by admission first (context.WireRequest: the
     tensors' names and datatypes, the cache salt, the prompt and sampling options, the sampling numbers),
-    then for how to answer (`read_answer`). Read in this order, its errors keep their precedence."""
+    then for how to answer (`delivery`). Read in this order, its errors keep their precedence.
+    `unary`: ModelInfer, answered whole whatever the `stream` input says."""
 
-    model = None  # the servicer checks the name itself, before readiness (KServeServicer._model)
-
-    def __init__(self, request: pb.ModelInferRequest) -> None:
+    def __init__(self, request: pb.ModelInferRequest, unary: bool) -> None:
         self.request = request
+        self.unary = unary
         self.prompt = ""  # text_input, once read
-        self.stream = False  # these three once read_answer has read them
-        self.exclude_input = False
-        self.timeout_s: float | None = None  # the request's `timeout` parameter (Triton's: microseconds)
+        self.exclude_input = False  # once `delivery` has read it
         self._values: dict[str, list] = {}
         self._sampling: dict = {}
         self._stop: list[str] = []
         self._max_tokens: object = None
+
+    @property
+    def model(self) -> str:
+        """KServe names the model on every call: an empty name is no model's."""
+        return self.request.model_name or "<empty>"
 
     def check(self) -> None:
         _check_tensors(self.request)
@@ -183,11 +188,15 @@ class LlmRequest:
             "stop": self._stop,
         }
 
-    def read_answer(self) -> None:
+    def delivery(self) -> Delivery:
         """The inputs and parameter that shape the answer, not the generation: once admitted."""
-        self.stream = bool(_scalar(self._values, "stream", False))
+        stream = bool(_scalar(self._values, "stream", False))
         self.exclude_input = bool(_scalar(self._values, "exclude_input_in_output", False))
-        self.timeout_s = _timeout(self.request)
+        return Delivery(stream and not self.unary, _timeout(self.request))
+
+    def answer(self, text: str) -> str:
+        """The text a response carries: the prompt first unless the request excludes it."""
+        return text if self.exclude_input else self.prompt + text
 
 
 SERVICE = "inference.GRPCInferenceService"
@@ -273,72 +282,35 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------------
-    async def _admit(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[LlmRequest, Admitted]:
-        """The request read and admitted (RequestError if not): the servicer has checked its model."""
-        req = LlmRequest(request)
-        admitted = await self.admit(context, req)
-        req.read_answer()
-        return req, admitted
-
-    @staticmethod
-    def _time_left(context: grpc.aio.ServicerContext, req: LlmRequest) -> float | None:
-        bounds = [t for t in (context.time_remaining(), req.timeout_s) if t is not None]
-        return min(bounds) if bounds else None
+    def _generate(
+        self, context: grpc.aio.ServicerContext, req: LlmRequest, method: str
+    ) -> AsyncIterator[GenerationChunk]:
+        """The request's `id` only correlates responses on the client's stream (it is not unique
+        across clients), so the engine gets an id of its own. Triton's LLM tensors carry a raw
+        prompt: a text completion."""
+        return self.generate(context, req, f"{SERVICE}/{method}", "text_completion", req.request.id)
 
     def _response(
-        self, ctx: ModelContext, request: pb.ModelInferRequest, text: str, final: bool | None
+        self, request: pb.ModelInferRequest, text: str, final: bool | None
     ) -> pb.ModelInferResponse:
         tensor, raw = bytes_output(OUTPUT, [text.encode()])
         resp = pb.ModelInferResponse(
-            model_name=ctx.name, model_version="1", id=request.id, outputs=[tensor], raw_output_contents=[raw]
+            model_name=self.ctx.name, model_version="1", id=request.id, outputs=[tensor],
+            raw_output_contents=[raw],
         )
         if final is not None:
             resp.parameters["triton_final_response"].bool_param = final
         return resp
 
-    def _trace(self, context: grpc.aio.ServicerContext, method: str) -> RequestTrace:
-        # Triton's LLM tensors carry a raw prompt: a text completion
-        return self.trace(context, f"{SERVICE}/{method}", "text_completion")
-
-    async def _texts(
-        self, request: pb.ModelInferRequest, trace: RequestTrace, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[tuple[ModelContext, LlmRequest, str, bool]]:
-        """Validated request -> (ctx, request, text piece, is last); the pieces per `stream`."""
-        ctx = self.ctx
-        req, admitted = await self._admit(request, context)
-        trace.admitted(request.id, len(admitted.prompt_ids), admitted.params, req.stream)
-        # request.id only correlates responses on the client's stream (echoed in _response); it is not
-        # unique across clients, so the engine gets its own id
-        stream = ctx.generate(admitted, self._time_left(context, req))
-        prefix = "" if req.exclude_input else req.prompt
-        if req.stream:
-            async for chunk in stream:
-                trace.chunk(chunk)
-                yield ctx, req, prefix + chunk.text, chunk.finish_reason is not None
-                prefix = ""
-        else:
-            text = prefix
-            async for chunk in stream:
-                trace.chunk(chunk)
-                text += chunk.text
-            yield ctx, req, text, True
-
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         try:
-            with self._trace(context, "ModelInfer") as trace:
-                ctx = self._model(request.model_name)
-                req, admitted = await self._admit(request, context)
-                trace.admitted(request.id, len(admitted.prompt_ids), admitted.params, stream=False)
-                done = await ctx.generate_all(admitted, self._time_left(context, req))
-                trace.chunk(done)
+            req = LlmRequest(request, unary=True)
+            done = await whole_answer(self._generate(context, req, "ModelInfer"))
         except RequestError as err:
             await abort(context, err)
-        text = done.text if req.exclude_input else req.prompt + done.text
-        response = self._response(ctx, request, text, None)
+        response = self._response(request, req.answer(done.text), None)
         await abort_if_too_large(context, response, self.max_message_bytes)
         return response
 
@@ -351,11 +323,15 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                with self._trace(context, "ModelStreamInfer") as trace:
-                    self._model(request.model_name)
-                    async for ctx, _req, text, last in self._texts(request, trace, context):
-                        response = self._response(ctx, request, text, last)
+                req = LlmRequest(request, unary=False)
+                chunks = self._generate(context, req, "ModelStreamInfer")
+                text = req.answer
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        last = chunk.finish_reason is not None
+                        response = self._response(request, text(chunk.text), last)
                         await out.put(pb.ModelStreamInferResponse(infer_response=response))
+                        text = str  # the prompt goes with the first response only
             except RequestError as err:
                 await out.put(pb.ModelStreamInferResponse(error_message=err.message))
             except Exception as exc:  # a fault of ours: this request fails, the stream goes on

@@ -1,3 +1,4 @@
+
 """Reading and writing KServe v2 tensors (typed contents or raw little-endian bytes)."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ import struct
 
 from tandem.kserve import grpc_service_pb2 as pb
 
-from ..engine.errors import invalid
+from ..contract import invalid
 
 
 def _raw_bytes_elements(raw: bytes) -> list[bytes]:

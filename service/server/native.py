@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,10 +13,8 @@ import grpc
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-from ..engine.errors import RequestError, invalid
-from ..engine.sequence import FinishReason
-from ..telemetry.requests import RequestTrace
-from .context import Chat, Prompt
+from ..contract import FinishReason, RequestError, invalid
+from .context import Chat, Delivery, Prompt, whole_answer
 from .errors import abort, abort_if_too_large
 from .request_stream import GenerationChunk
 from .servicer import Servicer
@@ -40,9 +39,10 @@ def _echoed_id(request: pb.GenerateRequest) -> str:
 
 @dataclass
 class _Generation:
-    """A GenerateRequest as admission reads it (context.WireRequest)."""
+    """A GenerateRequest as admission reads it (context.WireRequest); `stream`: the RPC streams."""
 
     request: pb.GenerateRequest
+    stream: bool
 
     @property
     def model(self) -> str:
@@ -80,13 +80,21 @@ class _Generation:
             "top_logprobs": lp.top_logprobs,
         }
 
+    def delivery(self) -> Delivery:
+        return Delivery(self.stream)
+
+    @property
+    def operation(self) -> str:
+        """The GenAI operation: a chat, or a completion of text or token ids."""
+        return "chat" if self.request.WhichOneof("input") == "chat" else "text_completion"
+
 
 class TandemServicer(Servicer, pb_grpc.TandemServicer):
-    def _trace(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
-    ) -> RequestTrace:
-        operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
-        return self.trace(context, f"tandem.v1.Tandem/{method}", operation)
+    def _generate(
+        self, context: grpc.aio.ServicerContext, request: pb.GenerateRequest, method: str, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        wire = _Generation(request, stream=method == "GenerateStream")
+        return self.generate(context, wire, f"tandem.v1.Tandem/{method}", wire.operation, request_id)
 
     def _token(self, token_id: int) -> str:
         return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
@@ -124,14 +132,10 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
     ) -> pb.GenerateResponse:
         request_id = _echoed_id(request)
         try:
-            with self._trace(request, context, "Generate") as trace:
-                admitted = await self.admit(context, _Generation(request))
-                trace.admitted(request_id, len(admitted.prompt_ids), admitted.params, stream=False)
-                merged = await self.ctx.generate_all(admitted, context.time_remaining())
-                trace.chunk(merged)
+            answer = await whole_answer(self._generate(context, request, "Generate", request_id))
         except RequestError as err:
             await abort(context, err)
-        response = self._response(request_id, merged)
+        response = self._response(request_id, answer)
         await abort_if_too_large(context, response, self.max_message_bytes)
         return response
 
@@ -140,11 +144,9 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = _echoed_id(request)
         try:
-            with self._trace(request, context, "GenerateStream") as trace:
-                admitted = await self.admit(context, _Generation(request))
-                trace.admitted(request_id, len(admitted.prompt_ids), admitted.params, stream=True)
-                async for chunk in self.ctx.generate(admitted, context.time_remaining()):
-                    trace.chunk(chunk)
+            chunks = self._generate(context, request, "GenerateStream", request_id)
+            async with contextlib.aclosing(chunks):  # the client gone: its generation ends now
+                async for chunk in chunks:
                     yield self._response(request_id, chunk)
         except RequestError as err:
             await abort(context, err)

@@ -12,6 +12,7 @@ aborts its request in the engine. Every /v1 request needs the bearer token when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -24,11 +25,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive
 
-from ..engine.errors import RequestError, invalid
-from ..telemetry.requests import RequestTelemetry, RequestTrace
+from ..contract import RequestError, invalid
+from ..telemetry.requests import RequestTelemetry
 from . import sse
 from .auth import TokenFile, bearer_token
-from .context import ContextHolder, ModelContext
+from .context import ContextHolder, ModelContext, whole_answer
 from .interceptor_kit import RateLimitedLog
 from .openai_responses import (
     ChatResponse,
@@ -254,41 +255,25 @@ class OpenAIApi:
         trace = self.telemetry.http_request(request.headers, route, operation)
         out = self._response(ctx, body, rid)
         headers = {"x-request-id": rid}
+        chunks = ctx.generate(body, token, trace, out.id)
         if body.streams:
-            events = self._events(ctx, trace, body, out, token)
+            events = self._events(chunks, body, out)
             first = await _unless_gone(request, events.__anext__())
             if first is None:
                 return Response(status_code=CLIENT_GONE)
             return StreamingResponse(
                 _prepend(first, events), media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers}
             )
-        done = await _unless_gone(request, self._complete(ctx, trace, body, out.id, token))
+        done = await _unless_gone(request, whole_answer(chunks))
         if done is None:
             return Response(status_code=CLIENT_GONE)
         return _json(out.whole(done), headers=headers)
 
-    async def _complete(
-        self,
-        ctx: ModelContext,
-        trace: RequestTrace,
-        body: ChatCompletionRequest | CompletionRequest,
-        response_id: str,
-        token: bytes | None,
-    ) -> GenerationChunk:
-        with trace:
-            admitted = await ctx.admit(body, token)
-            trace.admitted(response_id, len(admitted.prompt_ids), admitted.params, stream=False)
-            done = await ctx.generate_all(admitted)
-            trace.chunk(done)
-        return done
-
     async def _events(
         self,
-        ctx: ModelContext,
-        trace: RequestTrace,
+        chunks: AsyncIterator[GenerationChunk],
         body: ChatCompletionRequest | CompletionRequest,
         out: ChatResponse | CompletionResponse,
-        token: bytes | None,
     ) -> AsyncIterator[bytes]:
         """The stream's events. An error before the first one raises (the handler answers with its
         status); after it, the stream ends with an error event, as vLLM's do."""
@@ -296,11 +281,8 @@ class OpenAIApi:
         last: GenerationChunk | None = None
         usage = body.include_usage
         try:
-            with trace:
-                admitted = await ctx.admit(body, token)
-                trace.admitted(out.id, len(admitted.prompt_ids), admitted.params, stream=True)
-                async for chunk in ctx.generate(admitted):
-                    trace.chunk(chunk)
+            async with contextlib.aclosing(chunks):  # the client gone: its generation ends now
+                async for chunk in chunks:
                     last = chunk
                     yield sse.event(out.stream_chunk(chunk, usage))
                     sent = True

@@ -16,9 +16,7 @@ from typing import ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.errors import ErrorKind, RequestError
-from ..engine.outputs import TokenLogprob
-from ..engine.sequence import FinishReason
+from ..contract import ErrorKind, FinishReason, RequestError, TokenLogprob
 from .request_stream import GenerationChunk
 
 FINISH = {
@@ -43,30 +41,18 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-# fields named by the first word of an engine-side refusal (validation.py's messages)
-_PARAMS = {"temperature", "top_p", "top_k", "seed", "max_tokens", "top_logprobs", "stop_token_ids", "prompt"}
-
-
 def _param(err: RequestError) -> str | None:
-    """The request field an error is about, where its message says (OpenAI's `param`)."""
-    if (param := getattr(err, "param", None)) is not None:
-        return param
-    if err.kind is ErrorKind.NOT_FOUND:
+    """The request field an error is about (OpenAI's `param`): the one admission named, or the
+    model's for NOT_FOUND."""
+    if err.param is None and err.kind is ErrorKind.NOT_FOUND:
         return "model"
-    if err.kind is not ErrorKind.INVALID_ARGUMENT:
-        return None
-    words = err.message.split()[:2]
-    if words and words[0] in _PARAMS:
-        return words[0]
-    if "stop" in words:  # "stop strings must not be empty", "a stop string has", "17 stop strings given"
-        return "stop"
-    return "messages" if words[:1] == ["chat"] else None
+    return err.param
 
 
 def request_error(err: RequestError) -> tuple[int, dict]:
     """A request error as (HTTP status, OpenAI error body)."""
     status, type_, code = STATUS[err.kind]
-    return status, error_body(err.message, type_, _param(err), code)
+    return status, error_body(err.message, type_, _param(err), err.code or code)
 
 
 def usage(chunk: GenerationChunk) -> dict:
@@ -105,7 +91,7 @@ class _Response:
             "logprobs": self._logprobs(chunk),
             "finish_reason": FINISH[chunk.finish_reason],
         }
-        if chunk.finish_reason is not None and chunk.stop_reason is not None:
+        if chunk.finish_reason is not None:  # null where the model ended it (EOS), as vLLM's
             choice["stop_reason"] = chunk.stop_reason
         if self.token_ids:
             choice["token_ids"] = chunk.token_ids

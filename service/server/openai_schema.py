@@ -15,18 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..engine.errors import ErrorKind, RequestError
-from .context import Chat
+from ..contract import invalid
+from .context import Chat, Delivery
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's when a request names none (the native API's default is greedy)
 
-
-class InvalidField(RequestError):
-    """An invalid value of one field, which the OpenAI error body names as its `param`."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(ErrorKind.INVALID_ARGUMENT, message)
-        self.param = param
 
 
 class _Body(BaseModel):
@@ -52,9 +45,9 @@ class ChatMessage(_Body):
         texts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise InvalidField(
-                    f"messages.{index}.content",
+                raise invalid(
                     f"content parts of type {part.type!r} are not supported: only text",
+                    f"messages.{index}.content",
                 )
             texts.append(part.text)
         return "\n".join(texts)  # as vLLM joins text parts
@@ -85,20 +78,23 @@ class _Request(_Body):
     def streams(self) -> bool:
         return bool(self.stream)
 
+    def delivery(self) -> Delivery:
+        return Delivery(self.streams)
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _check_common(self) -> None:
         if self.n not in (None, 1):
-            raise InvalidField("n", f"n must be 1, got {self.n}: Tandem returns one choice per request")
+            raise invalid(f"n must be 1, got {self.n}: Tandem returns one choice per request", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise InvalidField(name, f"{name} is not supported (only 0)")
+                raise invalid(f"{name} is not supported (only 0)", name)
         if self.logit_bias:
-            raise InvalidField("logit_bias", "logit_bias is not supported")
+            raise invalid("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.streams:
-            raise InvalidField("stream_options", "stream_options is only allowed when stream is true")
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -134,11 +130,11 @@ class ChatCompletionRequest(_Request):
     def check(self) -> None:
         self._check_common()
         if self.tools:
-            raise InvalidField("tools", "tools (function calling) are not supported")
+            raise invalid("tools (function calling) are not supported", "tools")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise InvalidField("response_format", "only response_format {'type': 'text'} is supported")
+            raise invalid("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
-            raise InvalidField("top_logprobs", "top_logprobs needs logprobs: true")
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 
     def prompt_input(self) -> Chat:
         """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
@@ -164,13 +160,13 @@ class CompletionRequest(_Request):
     def check(self) -> None:
         self._check_common()
         if self.echo:
-            raise InvalidField("echo", "echo is not supported (the engine returns no prompt logprobs)")
+            raise invalid("echo is not supported (the engine returns no prompt logprobs)", "echo")
         if self.suffix:
-            raise InvalidField("suffix", "suffix is not supported")
+            raise invalid("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
-            raise InvalidField("best_of", f"best_of must be 1, got {self.best_of}")
+            raise invalid(f"best_of must be 1, got {self.best_of}", "best_of")
         if self.logprobs is not None and self.logprobs < 0:
-            raise InvalidField("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+            raise invalid(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt: text or token ids (a list of several prompts is refused, as n > 1 is)."""
@@ -179,7 +175,7 @@ class CompletionRequest(_Request):
             return p
         if p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise InvalidField("prompt", f"{len(p)} prompts given: Tandem takes one prompt per request")
+                raise invalid(f"{len(p)} prompts given: Tandem takes one prompt per request", "prompt")
             return p[0]
         return p
 

@@ -4,7 +4,8 @@ A stream turns its tokens into text where the client's call runs, off the engine
 detokenization and stop strings. Tokens that arrive while the stream is still sending (a slow client,
 a busy front) wait and go out together in its next message; `StreamInterval` (the settings
 `stream_interval` and `stream_interval_ms`) makes it wait on purpose, but never for the first token
-or the last.
+or the last. No chunk but the last has empty text: tokens whose text is not out yet (a token that
+ends inside a UTF-8 character, text that may begin a stop string) wait for the next chunk with text.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.errors import ErrorKind, RequestError
-from ..engine.outputs import TokenLogprob
-from ..engine.sampling_params import SamplingParams
-from ..engine.sequence import FinishReason
+from ..contract import ErrorKind, FinishReason, Request, RequestError, TokenLogprob
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -41,7 +39,7 @@ class GenerationChunk:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (known from the first token)
@@ -62,32 +60,30 @@ class RequestStream:
 
     def __init__(
         self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        request: Request,
         tokenizer: PreTrainedTokenizerBase,
         interval: StreamInterval,
         release: Callable[[RequestStream], None],
-        deadline: float | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request.request_id
         self.interval = interval
         self.release = release  # called once its reader is done with it
-        self.prompt_len = len(prompt_ids)
-        self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.prompt_len = len(request.prompt_ids)
+        self.params = params = request.params
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids)
         self.stops = StopStringMatcher(params.stop)
         self.times = RequestTimes(arrival=time.time())
         self.cached_tokens = 0  # set with the first token (engine_client.py)
-        self._ids: list[int] = []  # arrived, not yet sent
+        self._ids: list[int] = []  # arrived, not yet taken
         self._logprobs: list[TokenLogprob] = []
+        self._unsent: tuple[list[int], list[TokenLogprob]] = ([], [])  # taken, their text not out yet
         self._finish: FinishReason | None = None
         self._stop_token: int | None = None
         self._error: RequestError | None = None
         self._event = asyncio.Event()
         self._last_sent: float | None = None  # monotonic time of the last chunk
         self.engine_done = False  # the engine has let go of the request
-        self._deadline = deadline  # wall clock; the stream ends with DEADLINE_EXCEEDED there
+        self._deadline = request.deadline  # wall clock; the stream ends with DEADLINE_EXCEEDED there
 
     # -- fed by the client's receive loop ---------------------------------------------------------
     def token(self, token: int) -> None:
@@ -143,9 +139,10 @@ class RequestStream:
             logprobs, self._logprobs = self._logprobs, []
         return ids, logprobs, self._finish, self._stop_token
 
-    def _text(self, ids: list[int], stop_token: int | None) -> tuple[list[int], str, str | None]:
-        """(the ids to send, their text, the stop string that ended generation in them)."""
-        text_ids = ids if stop_token is None else ids[:-1]  # a stop token's id is sent, not its text
+    def _text(self, ids: list[int], ends_on_token: bool) -> tuple[list[int], str, str | None]:
+        """(the ids to send, their text, the stop string that ended generation in them).
+        `ends_on_token`: the last id is the stop token (EOS or a stop_token_id) that ended generation."""
+        text_ids = ids[:-1] if ends_on_token else ids  # a stop token's id is sent, not its text
         if not self.params.stop:
             return ids, self.stops.feed(self.detok.add(text_ids))[0], None
         text = ""
@@ -155,6 +152,16 @@ class RequestStream:
             if hit is not None:
                 return ids[: i + 1], text, hit
         return ids, text, None
+
+    def _with_unsent(
+        self, ids: list[int], logprobs: list[TokenLogprob] | None
+    ) -> tuple[list[int], list[TokenLogprob] | None]:
+        """`ids` (and their logprobs) after those taken before whose text was not out yet."""
+        unsent_ids, unsent_logprobs = self._unsent
+        if not unsent_ids:
+            return ids, logprobs
+        self._unsent = ([], [])
+        return unsent_ids + ids, None if logprobs is None else unsent_logprobs + logprobs
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         completion = 0
@@ -167,12 +174,16 @@ class RequestStream:
                 if self._error is not None:
                     raise self._error
                 ids, logprobs, finish, stop_reason = self._take()
-                ids, text, hit = self._text(ids, stop_reason)
+                ids, text, hit = self._text(ids, finish is FinishReason.STOP)
                 if hit is not None:
                     finish, stop_reason = FinishReason.STOP, hit
                     logprobs = logprobs[: len(ids)] if logprobs is not None else None
                 elif finish is not None:
                     text += self.stops.flush()
+                ids, logprobs = self._with_unsent(ids, logprobs)
+                if not text and finish is None:  # nothing to read yet: these wait for text
+                    self._unsent = (ids, logprobs or [])
+                    continue
                 completion += len(ids)
                 if ids:
                     self.times.last_token = time.time()
@@ -195,3 +206,18 @@ class RequestStream:
             if timer is not None:
                 timer.cancel()
             self.release(self)
+
+
+async def whole(chunks: AsyncIterator[GenerationChunk], logprobs: bool) -> GenerationChunk:
+    """A request's chunks run to completion, as one chunk with everything (`logprobs`: it asked)."""
+    merged = GenerationChunk(text="", token_ids=[], logprobs=[] if logprobs else None)
+    async for chunk in chunks:
+        merged.text += chunk.text
+        merged.token_ids += chunk.token_ids
+        if merged.logprobs is not None and chunk.logprobs:
+            merged.logprobs += chunk.logprobs
+        merged.finish_reason, merged.stop_reason = chunk.finish_reason, chunk.stop_reason
+        merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+        merged.cached_tokens = chunk.cached_tokens
+        merged.times = chunk.times
+    return merged

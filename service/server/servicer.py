@@ -1,12 +1,15 @@
-"""What the native and KServe servicers share: the model context, admission, telemetry and message limit."""
+"""What the native and KServe servicers share: the model context, generation, and the message limit."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
-from ..telemetry.requests import RequestTelemetry, RequestTrace
+from ..telemetry.requests import RequestTelemetry
 from .auth import presented_token
-from .context import Admitted, ContextHolder, ModelContext, WireRequest
+from .context import ContextHolder, ModelContext, WireRequest
+from .request_stream import GenerationChunk
 
 
 class Servicer:
@@ -22,11 +25,18 @@ class Servicer:
         """The served model; UNAVAILABLE (RequestError) while it is still loading."""
         return self.holder.get()
 
-    async def admit(self, context: grpc.aio.ServicerContext, request: WireRequest) -> Admitted:
-        """Admit a call's request or refuse it (RequestError): ModelContext.admit, the caller known by
-        the call's bearer token."""
-        return await self.ctx.admit(request, presented_token(context.invocation_metadata()))
-
-    def trace(self, context: grpc.aio.ServicerContext, rpc_method: str, operation: str) -> RequestTrace:
-        """The telemetry of one generation call, joined to the caller's trace context."""
-        return self.telemetry.request(context.invocation_metadata(), rpc_method, operation)
+    def generate(
+        self,
+        context: grpc.aio.ServicerContext,
+        request: WireRequest,
+        rpc_method: str,
+        operation: str,
+        response_id: str,
+    ) -> AsyncIterator[GenerationChunk]:
+        """ModelContext.generate for one call: traced under `rpc_method` ("tandem.v1.Tandem/Generate")
+        as a GenAI `operation`, joined to the caller's trace context, the caller known by its bearer
+        token, within the call's deadline."""
+        ctx = self.ctx
+        metadata = context.invocation_metadata()
+        trace = self.telemetry.request(metadata, rpc_method, operation)
+        return ctx.generate(request, presented_token(metadata), trace, response_id, context.time_remaining())

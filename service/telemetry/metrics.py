@@ -11,9 +11,7 @@ from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from ..engine.gc_pauses import GcTotals
-from ..engine.outputs import EngineStats
-from ..ipc.messages import RequestRecord
+from ..contract import EngineStats, GcTotals, RequestRecord
 from .cost import TokenWindow, cost_per_million_tokens
 
 # Bucket boundaries of the OpenTelemetry GenAI semantic conventions (gen-ai-metrics)

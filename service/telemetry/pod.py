@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from ..engine.gc_pauses import GcTotals
-from ..engine.outputs import EngineStats
-from ..engine.timing import StepTiming
-from ..ipc import messages as m
+from .. import contract as c
+from ..contract import EngineStats, GcTotals, StepTiming
 from ..settings import ServerSettings
 from .capacity import CapacityModel
 from .cost import TokenWindow
@@ -64,7 +62,7 @@ class PodTelemetry:
 
     def record(self, msg: object) -> None:
         """One message from the engine or a front (on the supervisor's receiving thread)."""
-        if isinstance(msg, m.StepReport):
+        if isinstance(msg, c.StepReport):
             for timing in msg.timings:
                 self.steps(timing)
                 self._observe_step(timing)
@@ -75,9 +73,9 @@ class PodTelemetry:
                 self.metrics.prompt_tokens.add(msg.prompt_tokens)
             self.stats, self.gc = msg.stats, msg.gc
             self.capacity.kv_tokens = msg.stats.kv_blocks_total * self.block_size
-        elif isinstance(msg, m.RequestRecord):
+        elif isinstance(msg, c.RequestRecord):
             self.metrics.record_request(msg)
-        elif isinstance(msg, m.EngineReady):
+        elif isinstance(msg, c.EngineReady):
             self.engine_ready = True
 
     def shutdown(self) -> None:

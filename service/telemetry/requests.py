@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from ..engine.errors import RequestError
-from ..engine.sampling_params import SamplingParams
-from ..ipc import messages as m
+from .. import contract as c
+from ..contract import RequestError, SamplingParams
 from ..settings import ServerSettings
 from .otel import SCOPE, tracer_provider
 
@@ -37,7 +36,7 @@ class RequestTelemetry:
     def __init__(
         self,
         tracer: trace.Tracer,
-        record: Callable[[m.RequestRecord], None],
+        record: Callable[[c.RequestRecord], None],
         close: Callable[[], None] = lambda: None,
     ) -> None:  # close: flushes the spans still buffered
         self.tracer = tracer
@@ -46,7 +45,7 @@ class RequestTelemetry:
         self.model = ""  # the served model's name, known once it has loaded
 
     @classmethod
-    def for_front(cls, settings: ServerSettings, send: Callable[[m.RequestRecord], None]) -> RequestTelemetry:
+    def for_front(cls, settings: ServerSettings, send: Callable[[c.RequestRecord], None]) -> RequestTelemetry:
         """Spans exported by this front; records sent (`send`) to the supervisor's metrics."""
         provider = tracer_provider(settings)
         tracer = provider.get_tracer(SCOPE) if provider else trace.NoOpTracer()
@@ -140,7 +139,7 @@ class RequestTrace:
         ended = time.time()
         error = None if exc is None else _error_type(exc)
         self._phases(ended)
-        record = m.RequestRecord(self.operation, self.model, ended - self.started, error=error)
+        record = c.RequestRecord(self.operation, self.model, ended - self.started, error=error)
         if error is None and self.times is not None and self.times.first_token is not None:
             first, last = self.times.first_token, self.times.last_token or self.times.first_token
             record.time_to_first_token = first - self.started

@@ -1,3 +1,4 @@
+
 """Engine-step spans and stage durations: what one step spent in each stage of the step loop.
 
 The engine hands a `StepTiming` to its `step_observer` once per finished step and its process
@@ -16,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Histogram
 
-from ..engine.timing import Interval, StepTiming
+from ..contract import Interval, StepTiming
 
 log = logging.getLogger(__name__)
 
