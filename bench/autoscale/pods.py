@@ -1,7 +1,7 @@
 """Simulated Tandem pods and the cluster of them, at one-second resolution.
 
-A pod's speed comes from Tandem's measurements on one H200, Llama-3.1-8B shape, bf16
-(docs/benchmarks.md, bench/results/gpu_sync_8b*.json): a decode step of c sequences takes
+A pod's speed comes from Tandem's measurements on one H200, Llama-3.1-8B shape, bf16 (docs/autoscaling.md,
+bench/results/2026-11-29_h200_gpu_8b-*-pod-model.json): a decode step of c sequences takes
 7.85 ms + 0.0494 ms x c (126 tokens/s for one stream, 3,404 tokens/s at 32, 12,163 at 256).
 Prefill runs at PREFILL_TOKENS_PER_S (an estimate, not measured: ~40% of the H200's dense bf16
 peak at 16 GFLOP per token of the 8B model) and takes its time out of the same second as decode.
