@@ -10,7 +10,6 @@ import http.client
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import free_port, running_server
+from serverproc import free_port, peer_ports, pod_pids, running_server
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -38,37 +37,6 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # a channel of its own
 
 def request(max_tokens: int, text: str = "Once upon a time") -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
-
-
-def pids(log: Path) -> tuple[int, list[int]]:
-    """(engine, fronts) from the supervisor's start-up line."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = re.search(r"engine process (\d+), front process\(es\) ([\d, ]+) on port", log.read_text())
-        if found:
-            return int(found.group(1)), [int(p) for p in found.group(2).split(", ")]
-        time.sleep(0.1)
-    raise AssertionError(f"no process ids in {log}")
-
-
-def peer_ports(pid: int, port: int) -> set[int]:
-    """Remote ports of the established TCP connections process `pid` holds on local `port`."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    peers = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            local, remote, state, inode = f[1], f[2], f[3], f[9]
-            if state == "01" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
-                peers.add(int(remote.rsplit(":", 1)[1], 16))
-    return peers
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -92,7 +60,7 @@ class Pod:
         self.address, self.proc, self.log, self.metrics_url = address, proc, log, metrics_url
         self.port = int(address.rsplit(":", 1)[1])
         self.http_port = http_port
-        self.engine, self.fronts = pids(log)
+        self.engine, self.fronts = pod_pids(log)
 
 
 def http_post(port: int, body: dict, conn: http.client.HTTPConnection | None = None) -> tuple[int, bytes]:
@@ -275,7 +243,7 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
     log = tmp_path / "server.log"
     http_port = free_port()
     with running_server(tiny_model_dir("llama"), "--http-port", str(http_port), log=log) as (address, proc):
-        engine, _ = pids(log)
+        engine, _ = pod_pids(log)
         with grpc.insecure_channel(address) as ch:
             health = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
             assert next(health).status == SERVING
@@ -320,7 +288,7 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
 def test_a_killed_supervisor_takes_its_processes_with_it(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
-        engine, fronts = pids(log)
+        engine, fronts = pod_pids(log)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10

@@ -107,6 +107,7 @@ class Supervisor:
     # -- what the engine and fronts report ------------------------------------------------------
     def _receive(self) -> None:
         decoder = m.decoder(m.ToSupervisor)
+        replies: dict[int, zmq.Socket] = {}  # to each front that asked something, this thread's own
         try:
             while not self._closing.is_set():
                 if not self.inbox.poll(RECEIVE_POLL_MS):
@@ -116,11 +117,18 @@ class Supervisor:
                     msg = decoder.decode(frame)
                     if isinstance(msg, m.FrontReady):
                         self._front_ready(msg.front)
+                    elif isinstance(msg, m.StatisticsQuery):
+                        if msg.front not in replies:
+                            replies[msg.front] = sockets.push(self.zmq, self.endpoints.front(msg.front))
+                        reply = m.StatisticsReply(msg.query, self.telemetry.statistics.models())
+                        replies[msg.front].send(m.encode(reply))
                     else:
                         self.telemetry.record(msg)
                 except Exception:  # telemetry must never take the pod down, nor stop with one bad message
                     log.exception("a report could not be recorded")
         finally:
+            for sock in replies.values():
+                sock.close()
             self.inbox.close()
 
     def _front_ready(self, front: int) -> None:

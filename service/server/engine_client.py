@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -44,6 +44,8 @@ class EngineClient:
         self.ready: asyncio.Future[m.EngineReady] = asyncio.get_running_loop().create_future()
         self.gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.pod_ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # every front
+        # the supervisor's answers to statistics queries (pod_statistics.py)
+        self.on_statistics: Callable[[m.StatisticsReply], None] = lambda reply: None
 
     @property
     def num_active(self) -> int:
@@ -79,6 +81,8 @@ class EngineClient:
                 self.pod_ready.set_result(None)
         elif isinstance(msg, m.EngineGone):
             self.engine_gone(msg.reason)
+        elif isinstance(msg, m.StatisticsReply):
+            self.on_statistics(msg)
 
     def _route(self, out: m.StepOutputs) -> None:
         """One engine step's outputs to their streams (a stream closed meanwhile is skipped)."""

@@ -27,6 +27,7 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 from ..ipc import messages as m
 from ..ipc import sockets
+from ..models.default_model import served_name
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
@@ -39,6 +40,7 @@ from .kserve import KServeServicer
 from .malformed import MalformedRequests
 from .native import TandemServicer
 from .openai_http import OpenAIApi
+from .pod_statistics import PodStatistics
 from .request_stream import StreamInterval
 from .tls import CertificateFiles
 
@@ -94,6 +96,8 @@ class FrontServer:
         self.client = EngineClient(
             self.endpoints, self.index, StreamInterval(s.stream_interval, s.stream_interval_ms / 1000)
         )
+        statistics = PodStatistics(self.index, self._tell_supervisor)
+        self.client.on_statistics = statistics.answer
         limit = s.max_message_bytes
         # grpc core drops calls the server has not picked up yet past a pending limit (1,000, and
         # at random towards 3,000) as CANCELLED, which clients seldom retry: keep it far above the
@@ -116,7 +120,11 @@ class FrontServer:
             TandemServicer(self.holder, self.telemetry, limit), self.server
         )
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeServicer(self.holder, self.telemetry, limit, is_live=self._live), self.server
+            KServeServicer(
+                self.holder, self.telemetry, limit, is_live=self._live, statistics=statistics.models,
+                served_name=served_name(s.model, s.model_name),
+            ),
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if s.reflection:

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -24,7 +24,8 @@ from tandem.kserve import grpc_service_pb2 as pb
 from tandem.kserve import grpc_service_pb2_grpc as pb_grpc
 from tandem.kserve import model_config_pb2 as mc
 
-from ..engine.errors import RequestError, invalid
+from ..engine.errors import ErrorKind, RequestError, invalid
+from ..ipc import messages as m
 from ..telemetry.requests import RequestTelemetry, RequestTrace
 from .context import Admitted, ContextHolder, ModelContext
 from .errors import abort, abort_if_too_large
@@ -191,7 +192,35 @@ class LlmRequest:
 
 
 SERVICE = "inference.GRPCInferenceService"
+VERSION = "1"  # the served model's one version
 log = logging.getLogger(__name__)
+
+
+async def _no_statistics() -> list[m.ModelStats]:
+    return []
+
+
+def _duration(d: m.Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _model_statistics(s: m.ModelStats) -> pb.ModelStatistics:
+    stats = pb.InferStatistics(
+        success=_duration(s.success),
+        fail=_duration(s.fail),
+        queue=_duration(s.queue),
+        compute_input=_duration(s.compute_input),
+        compute_infer=_duration(s.compute_infer),
+        compute_output=_duration(s.compute_output),
+    )
+    return pb.ModelStatistics(
+        name=s.name,
+        version=VERSION,
+        last_inference=s.last_inference_ms,
+        inference_count=s.inference_count,
+        execution_count=s.execution_count,
+        inference_stats=stats,
+    )
 
 
 class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
@@ -201,9 +230,13 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         telemetry: RequestTelemetry,
         max_message_bytes: int | None = None,
         is_live: Callable[[], bool] = lambda: True,
+        statistics: Callable[[], Awaitable[list[m.ModelStats]]] = _no_statistics,
+        served_name: str = "",
     ) -> None:
         super().__init__(holder, telemetry, max_message_bytes)
         self.is_live = is_live  # False once the engine process is gone
+        self.statistics = statistics  # the pod's, every front's requests together (pod_statistics.py)
+        self.served_name = served_name  # the model's name while it still loads
 
     def _ready(self) -> bool:
         return self.holder.ctx is not None and self.holder.ctx.is_ready()
@@ -229,7 +262,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
-            name="tandem", version=__version__, extensions=["model_configuration"]
+            name="tandem", version=__version__, extensions=["model_configuration", "statistics"]
         )
 
     def _model(self, name: str) -> ModelContext:
@@ -248,7 +281,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         T = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=ctx.name,
-            versions=["1"],
+            versions=[VERSION],
             platform="tandem",
             inputs=[T(name=n, datatype=dt, shape=[1]) for n, dt, _, _ in INPUTS],
             outputs=[T(name=OUTPUT, datatype="BYTES", shape=[-1])],
@@ -272,6 +305,40 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         )
         return pb.ModelConfigResponse(config=config)
 
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        """Triton's statistics of the served model (an empty name: every model, i.e. it)."""
+        try:
+            ctx = self._model(request.name) if request.name else self.ctx
+            if request.version not in ("", VERSION):
+                why = f"model {ctx.name!r} has no version {request.version!r}; it has {VERSION!r}"
+                raise RequestError(ErrorKind.NOT_FOUND, why)
+            models = {s.name: s for s in await self.statistics()}
+        except RequestError as err:
+            await abort(context, err)
+        stats = models.get(ctx.name, m.ModelStats(ctx.name))  # none yet: all zero
+        return pb.ModelStatisticsResponse(model_stats=[_model_statistics(stats)])
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        """The one served model: READY exactly when ModelReady says so, else UNAVAILABLE and why."""
+        ctx = self.holder.ctx
+        if ctx is None:
+            entry = (self.served_name, "UNAVAILABLE", "the model is loading")
+        elif self._ready():
+            entry = (ctx.name, "READY", "")
+        elif not self.is_live():
+            entry = (ctx.name, "UNAVAILABLE", "the engine process has stopped")
+        else:
+            entry = (ctx.name, "UNAVAILABLE", "the server is warming up or draining")
+        name, state, reason = entry
+        if request.ready and state != "READY":
+            return pb.RepositoryIndexResponse()
+        index = pb.RepositoryIndexResponse.ModelIndex(name=name, version=VERSION, state=state, reason=reason)
+        return pb.RepositoryIndexResponse(models=[index])
+
     # -- inference ------------------------------------------------------------------------------
     async def _admit(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -292,7 +359,8 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         tensor, raw = bytes_output(OUTPUT, [text.encode()])
         resp = pb.ModelInferResponse(
-            model_name=ctx.name, model_version="1", id=request.id, outputs=[tensor], raw_output_contents=[raw]
+            model_name=ctx.name, model_version=VERSION, id=request.id, outputs=[tensor],
+            raw_output_contents=[raw],
         )
         if final is not None:
             resp.parameters["triton_final_response"].bool_param = final
