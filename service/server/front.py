@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import zmq
@@ -43,6 +44,7 @@ from .openai_http import OpenAIApi
 from .pod_statistics import PodStatistics
 from .request_stream import StreamInterval
 from .tls import CertificateFiles
+from .tokenizer_files import tokenizer_files
 
 log = logging.getLogger("tandem.front")
 
@@ -54,9 +56,11 @@ SERVICE_NAMES = (
 )
 
 
-def _load_tokenizer(path: str) -> tuple[PreTrainedTokenizerBase, int]:
+def _load_tokenizer(path: str) -> tuple[PreTrainedTokenizerBase, int, dict[str, Path]]:
+    """The tokenizer, its longest token's characters, and its files (those clients may fetch)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return tokenizer, longest_token_chars(tokenizer)
+    files = tokenizer_files(Path(path), tokenizer.vocab_files_names.values())
+    return tokenizer, longest_token_chars(tokenizer), files
 
 
 class FrontServer:
@@ -179,12 +183,14 @@ class FrontServer:
         assert self.client is not None
         ready = await self.client.ready
         info = ready.model
-        tokenizer, longest = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
+        loaded = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
+        tokenizer, longest, files = loaded
         self.telemetry.model = info.name
         s = self.settings
         self.holder.ctx = ModelContext(
             self.client, tokenizer, ready.limits, info, self._ready, longest, s.request_timeout_s,
             isolate_tokens=s.prefix_cache_isolation == "token" and s.auth_token_file is not None,
+            tokenizer_files=files,
         )
         self._tell_supervisor(m.FrontReady(self.index))
         await self.client.pod_ready  # SERVING on one front only once every front would answer as well
