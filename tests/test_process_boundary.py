@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import free_port, peer_ports, pod_pids, running_server
+from serverproc import free_port, peer_ports, pod_pids, running_server, wait_gone
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -291,16 +291,4 @@ def test_a_killed_supervisor_takes_its_processes_with_it(tiny_model_dir, tmp_pat
         engine, fronts = pod_pids(log)
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 10
-        alive = {engine, *fronts}
-        while alive and time.monotonic() < deadline:
-            alive = {p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
-            time.sleep(0.1)
-        assert not alive, "children outlived the supervisor"
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    except OSError:
-        return "Z"
+        assert not wait_gone({engine, *fronts}, 10), "children outlived the supervisor"

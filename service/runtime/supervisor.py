@@ -3,7 +3,8 @@ serves the pod's one metrics endpoint from what they report, and decides how the
 
 - SIGTERM / SIGINT: every front drains (NOT_SERVING, running streams finish, at most
   `drain_timeout_s`), then the engine stops; exit status 0. Before the model is ready nothing is
-  waited for: the load is abandoned.
+  waited for: the load is abandoned. A SIGTERM sent to the whole process group (a service manager,
+  `timeout`) does the same: the fronts drain on their own, a serving engine ignores it.
 - The engine process dies: the fronts turn NOT_SERVING and end their streams with UNAVAILABLE, and
   the pod exits with status 1, so that Kubernetes restarts it. A front that dies ends the pod too.
 """
@@ -191,6 +192,8 @@ class Supervisor:
             ended = multiprocessing.connection.wait(list(children), timeout=0.2)
             if not ended:
                 continue
+            if self.stop_requested.is_set():  # a SIGTERM to the whole process group reached it too
+                break
             proc = children[ended[0]]
             proc.join(1.0)  # reaped: its exit code is known
             if proc is self.engine:
@@ -213,9 +216,7 @@ class Supervisor:
             return
         if not self.telemetry.engine_ready:
             log.info("stopped before the model was ready; not waiting for the load")
-            self.engine.terminate()
-            _stop(self.engine, STOP_WAIT_S)
-            return
+            self.engine.terminate()  # one that turned ready meanwhile ignores it: Shutdown stops that one
         to_engine = sockets.push(self.zmq, self.endpoints.engine)
         to_engine.send(m.encode(m.Shutdown()))
         _stop(self.engine, STOP_WAIT_S)
