@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import http.client
 import json
 import math
@@ -23,8 +24,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import free_port, peer_ports, pod_pids, running_server, wait_gone
+from serverproc import descendants, free_port, peer_ports, pod_pids, running_server, wait_gone
 
+from tandem.health import wait_serving
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -292,3 +294,36 @@ def test_a_killed_supervisor_takes_its_processes_with_it(tiny_model_dir, tmp_pat
         proc.kill()
         proc.wait()
         assert not wait_gone({engine, *fronts}, 10), "children outlived the supervisor"
+
+
+# Starts `tandem serve` (argv[1:]) and waits on it, as a script or a test harness would; prints its pid.
+LAUNCHER = "import subprocess, sys; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); p.wait()"
+
+
+def test_a_server_whose_parent_dies_stops(tiny_model_dir, tmp_path):
+    """The process that started `tandem serve` is killed: the server stops as on SIGTERM, its
+    processes with it (outside a container: there its parent is an init that never dies)."""
+    log = tmp_path / "server.log"
+    port = free_port()
+    cmd = [sys.executable, "-c", LAUNCHER, sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--device", "cpu", "--http-port", "0", "--metrics-port", "0",
+           "--kv-cache-cpu-gib", "0.25", "--model", str(tiny_model_dir("llama"))]  # fmt: skip
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, cwd="/",
+                                    env={**os.environ, "PYTHONSAFEPATH": "1"})  # fmt: skip
+    server = None
+    try:
+        server = int(launcher.stdout.readline())
+        wait_serving(f"127.0.0.1:{port}", 180.0, lambda: launcher.poll() is None)
+        processes = {server, *descendants(server)}
+        assert len(processes) >= 3  # the supervisor, the engine, a front (and the resource tracker)
+        launcher.kill()
+        launcher.wait()
+        left = wait_gone(processes, 15)
+        assert not left, f"still running after their parent was killed: {left}"
+        assert "has ended; stopping" in log.read_text()
+    finally:  # whatever failed, nothing is left running
+        launcher.kill()
+        for pid in {server, *descendants(server)} if server else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -7,6 +7,9 @@ serves the pod's one metrics endpoint from what they report, and decides how the
   `timeout`) does the same: the fronts drain on their own, a serving engine ignores it.
 - The engine process dies: the fronts turn NOT_SERVING and end their streams with UNAVAILABLE, and
   the pod exits with status 1, so that Kubernetes restarts it. A front that dies ends the pod too.
+- The process that started `tandem serve` ends (a test harness, a script, a tool that was killed):
+  the pod stops as on SIGTERM, exit status 0. Not where that process is an init (PID 1, or outside
+  the PID namespace, as in a container, where `tandem serve` is PID 1 itself): it outlives the pod.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import shutil
 import signal
 import socket
@@ -87,9 +91,17 @@ def _stop(proc: BaseProcess, timeout: float) -> None:
         proc.join()
 
 
+def _watched_parent() -> int | None:
+    """The process whose end stops the pod: the one that started it, unless it is an init (PID 1, or 0:
+    a parent outside our PID namespace), which never ends before the pod does."""
+    parent = os.getppid()
+    return None if parent <= 1 else parent
+
+
 class Supervisor:
     def __init__(self, settings: ServerSettings, log_level: str) -> None:
         self.settings = settings
+        self.parent = _watched_parent()
         self.log_level = log_level
         self.folder = tempfile.mkdtemp(prefix="tandem-")
         self.endpoints = sockets.Endpoints(self.folder)
@@ -189,6 +201,9 @@ class Supervisor:
         assert self.engine is not None
         children = {proc.sentinel: proc for proc in (self.engine, *self.fronts)}
         while not self.stop_requested.is_set():
+            if self.parent is not None and os.getppid() != self.parent:
+                log.warning("the process that started the server (%d) has ended; stopping", self.parent)
+                break
             ended = multiprocessing.connection.wait(list(children), timeout=0.2)
             if not ended:
                 continue
