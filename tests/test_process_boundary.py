@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serverproc import descendants, free_port, peer_ports, pod_pids, running_server, wait_gone
 
 from tandem.health import wait_serving
+from tandem.service.api_processes import auto_api_processes
+from tandem.service.cpus import usable_cores
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -287,10 +289,15 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
     assert "the engine process ended" in log.read_text()
 
 
-def test_a_killed_supervisor_takes_its_processes_with_it(tiny_model_dir, tmp_path):
+def test_a_default_server_sizes_its_fronts_and_a_killed_supervisor_ends_them(tiny_model_dir, tmp_path):
+    """`--api-processes auto`, the default, as its rule says for this host (the engine on the CPU: 1);
+    then the supervisor is killed, and its processes go with it."""
     log = tmp_path / "server.log"
     with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
         engine, fronts = pod_pids(log)
+        expected = auto_api_processes(usable_cores(), on_cuda=False)
+        assert len(fronts) == expected
+        assert f"api_processes auto: {expected} front process(es), the engine on the CPU" in log.read_text()
         proc.kill()
         proc.wait()
         assert not wait_gone({engine, *fronts}, 10), "children outlived the supervisor"

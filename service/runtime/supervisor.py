@@ -27,6 +27,8 @@ from multiprocessing.process import BaseProcess
 
 import zmq
 
+from ..api_processes import api_processes, engine_on_cuda
+from ..cpus import usable_cores
 from ..ipc import messages as m
 from ..ipc import sockets
 from ..server.auth import TokenFile
@@ -169,6 +171,12 @@ class Supervisor:
             if extra:
                 _check_port_free(s.host, extra)
         _check_security_files(s)
+        fronts = api_processes(s)
+        if s.api_processes == "auto":
+            where = "CUDA" if engine_on_cuda(s.device) else "the CPU"
+            log.info("api_processes auto: %d front process(es), the engine on %s, %d cores", fronts, where,
+                     usable_cores())  # fmt: skip
+        s = self.settings = s.model_copy(update={"api_processes": fronts})
         self._receiver.start()
         if s.metrics_port:
             host = s.metrics_host or s.host
