@@ -27,6 +27,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,15 @@ def engine_only(levels: list[dict], warmup: dict | None, env: dict[str, str], fo
 FRONTS = {"grpc": ["grpc"], "http": ["http"], "both": ["grpc", "http"]}
 
 
+def fronts_started(log: Path) -> int | None:
+    """How many front processes the server whose log this is started (None: no log, no such line)."""
+    try:
+        found = re.search(r"front process\(es\) ([\d, ]+) on port", log.read_text())
+    except OSError:
+        return None
+    return len(found.group(1).split(", ")) if found else None
+
+
 def serve_levels(
     a: argparse.Namespace,
     levels: list[dict],
@@ -224,7 +234,7 @@ def serve_levels(
     try:
         wait_serving(health, 1800, lambda: proc is None or proc.poll() is None)
         how = "TLS" if tls_ca else "plaintext"
-        processes = env.get("TANDEM_API_PROCESSES", "1")
+        processes = env.get("TANDEM_API_PROCESSES", "auto")
         where = ", ".join(f"{f} at {targets[f]}" for f in fronts)
         print(f"server SERVING: {where} ({processes} front process(es), {how})", flush=True)
         if warmup is not None:
@@ -476,7 +486,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--api-processes",
         type=_ints,
         default=[],
-        help="the server's gRPC front processes; several (1,2,4): one server each, same levels",
+        help="the server's front processes (default: the server's own, auto); several (1,2,4): one "
+        "server each, same levels",
     )
     ap.add_argument(
         "--tls",
@@ -561,8 +572,10 @@ def main(argv: list[str] | None = None) -> int:
                 if caching is not None:
                     env_c = {**server_env, "TANDEM_PREFIX_CACHING": str(caching == "on").lower()}
                     tags["prefix_caching"] = caching == "on"
-                log = folder / f"server-{fronts or 1}-{transport}-{caching or 'default'}.log"
+                log = folder / f"server-{fronts or 'auto'}-{transport}-{caching or 'default'}.log"
                 got, code = serve_levels(a, levels, warmup, engine_results, env_c, log, tls_ca)
+                if fronts is None:  # the server's default, auto: as many as it started
+                    tags["api_processes"] = fronts_started(log) or 1
                 rows += [{**row, **tags} for row in got]
                 exit_codes.append(code)
     exit_code = next((c for c in exit_codes if c not in (0, None)), exit_codes[-1])

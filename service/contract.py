@@ -4,8 +4,9 @@ fronts and the supervisor import this module and nothing of the engine's.
 
     front      ──Request / Abort / LoadQuery──▶  engine      (one PULL socket, every front PUSHes to it)
     engine     ──EngineReady / StepOutputs / LoadReply──▶  front k   (its own PULL socket)
-    supervisor ──PodReady / EngineGone──▶ front k,  ──Shutdown──▶ engine
-    engine     ──EngineReady / StepReport──▶  supervisor,   front ──FrontReady / RequestRecord──▶  supervisor
+    supervisor ──PodReady / EngineGone / StatisticsReply──▶ front k,  ──Shutdown──▶ engine
+    engine     ──EngineReady / StepReport──▶  supervisor,
+    front      ──FrontReady / RequestRecord / StatisticsQuery──▶  supervisor
 
 A request is admitted in a front (server/context.py), which makes its `Request`; the engine keeps
 that record as the request's (the `Sequence` it schedules holds it), and fills each step's
@@ -283,13 +284,54 @@ class RequestRecord(msgspec.Struct, tag=True, array_like=True):
     time_to_first_token: float | None = None
     time_per_output_token: float | None = None
     error: str | None = None
+    # Triton's statistics extension (telemetry/model_statistics.py): when it ended (wall clock), and
+    # its time in the front's admission, the engine's queue, the engine, and the response's last part
+    ended: float = 0.0
+    compute_input: float | None = None
+    queue: float | None = None
+    compute_infer: float | None = None
+    compute_output: float | None = None
+
+
+class Duration(msgspec.Struct, array_like=True):
+    """A count of requests and their time together, in nanoseconds (Triton's StatisticDuration)."""
+
+    count: int = 0
+    ns: int = 0
+
+
+class ModelStats(msgspec.Struct, array_like=True):
+    """One model's statistics since the pod started, every front's requests together."""
+
+    name: str
+    last_inference_ms: int = 0  # when its last request ended, milliseconds since the epoch
+    inference_count: int = 0
+    execution_count: int = 0
+    success: Duration = msgspec.field(default_factory=Duration)
+    fail: Duration = msgspec.field(default_factory=Duration)
+    queue: Duration = msgspec.field(default_factory=Duration)
+    compute_input: Duration = msgspec.field(default_factory=Duration)
+    compute_infer: Duration = msgspec.field(default_factory=Duration)
+    compute_output: Duration = msgspec.field(default_factory=Duration)
+
+
+class StatisticsQuery(msgspec.Struct, tag=True, array_like=True):
+    """A front asks the supervisor for the pod's model statistics (KServe ModelStatistics)."""
+
+    front: int
+    query: int
+
+
+class StatisticsReply(msgspec.Struct, tag=True, array_like=True):
+    query: int
+    models: list[ModelStats]
 
 
 # -- the wire -------------------------------------------------------------------------------------
 
 ToEngine = Union[Request, Abort, LoadQuery, Shutdown]  # noqa: UP007 - msgspec takes the typing form
-ToFront = Union[EngineReady, StepOutputs, LoadReply, EngineGone, PodReady]  # noqa: UP007
-ToSupervisor = Union[EngineReady, StepReport, RequestRecord, FrontReady]  # noqa: UP007
+ToFront = Union[EngineReady, StepOutputs, LoadReply, EngineGone, PodReady, StatisticsReply]  # noqa: UP007
+ToSupervisor = Union[EngineReady, StepReport, RequestRecord, FrontReady, StatisticsQuery]  # noqa: UP007
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -168,12 +168,12 @@ class ServerSettings(BaseSettings):
         4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
     )
     warmup: bool = Field(True, description="Run a short generation before health turns SERVING.")
-    api_processes: int = Field(
-        1,
-        ge=1,
-        le=64,
+    api_processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        "auto",
         description="Front processes, all on `port` and `http_port` (SO_REUSEPORT) and all feeding the one "
-        "engine process; more when one front cannot keep up with the engine's tokens.",
+        "engine process (1 to 64). auto: 1 when the engine runs on the CPU; on CUDA one per core the pod "
+        "may use (affinity and cgroup CPU quota) beyond 2 kept for the engine, at most 4 "
+        "(docs/architecture.md).",
     )
     stream_interval: int = Field(
         1,

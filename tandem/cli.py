@@ -64,6 +64,13 @@ def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(generate_to_terminal(args))
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from tandem.tokenizer_fetch import run
+
+    return run(args.server, args.folder, args.model, args.token_file, args.tls_ca_file, args.tls_cert_file,
+               args.tls_key_file)  # fmt: skip
+
+
 def _operator(args: argparse.Namespace) -> int:
     from tandem.operator.main import main as run_operator
     from tandem.operator.settings import OperatorSettings
@@ -145,6 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     _add_connection_flags(gen)
     gen.add_argument("--log-level", default="WARNING")
     gen.set_defaults(func=_generate)
+
+    tok = sub.add_parser(
+        "tokenizer",
+        help="fetch the served model's tokenizer files into a folder (for AutoTokenizer.from_pretrained, "
+        "guidellm --processor)",
+    )
+    tok.add_argument("folder", help="where the files go (created if missing)")
+    tok.add_argument("--server", default="http://localhost:8000", help="the server's HTTP API (--http-port)")
+    tok.add_argument("--model", default=None, help="the served model's name (default: the one served)")
+    tok.add_argument("--tls-ca-file", help="connect with TLS (an https:// server), trusting this PEM CA")
+    tok.add_argument("--tls-cert-file", help="mutual TLS: this client's PEM certificate chain")
+    tok.add_argument("--tls-key-file", help="mutual TLS: this client's PEM private key")
+    tok.add_argument("--token-file", help="send the bearer token in this file (its first token line)")
+    tok.add_argument("--log-level", default="WARNING")
+    tok.set_defaults(func=_tokenizer)
 
     from tandem.operator.settings import ENV_PREFIX, OperatorSettings
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,3 +94,70 @@ def wait_idle(stub: pb_grpc.TandemStub, timeout: float = 5.0) -> pb.Load:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle {timeout} s after the last request: {load}")
         time.sleep(0.05)
+
+
+def pod_pids(log: Path) -> tuple[int, list[int]]:
+    """(engine, fronts) from the supervisor's start-up line in a server's log."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"engine process (\d+), front process\(es\) ([\d, ]+) on port", log.read_text())
+        if found:
+            return int(found.group(1)), [int(p) for p in found.group(2).split(", ")]
+        time.sleep(0.1)
+    raise AssertionError(f"no process ids in {log}")
+
+
+def peer_ports(pid: int, port: int) -> set[int]:
+    """Remote ports of the established TCP connections process `pid` holds on local `port`."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    peers = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote, state, inode = f[1], f[2], f[3], f[9]
+            if state == "01" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
+                peers.add(int(remote.rsplit(":", 1)[1], 16))
+    return peers
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, or not yet reaped by anyone (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int], timeout: float) -> set[int]:
+    """Wait until none of `pids` runs; returns those still running after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left

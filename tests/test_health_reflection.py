@@ -22,7 +22,7 @@ import pytest
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from serverproc import TINY_SERVER_MODEL, free_port
+from serverproc import TINY_SERVER_MODEL, descendants, free_port, wait_gone
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -146,15 +146,27 @@ def test_reflection_is_enough_to_call_the_server(channel: grpc.Channel) -> None:
 # -- start-up and drain -------------------------------------------------------------------------
 
 
-def spawn(model: Path, log: Path, *extra: str) -> tuple[str, subprocess.Popen]:
-    """Start `tandem serve` without waiting for it (serverproc.running_server waits for SERVING)."""
+def spawn(model: Path, log: Path, *extra: str, own_group: bool = False) -> tuple[str, subprocess.Popen]:
+    """Start `tandem serve` without waiting for it (serverproc.running_server waits for SERVING);
+    `own_group`: in a process group (and session) of its own, as a service manager starts it."""
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--http-port", "0", "--model", str(model), *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd="/",
-                                env={**os.environ, "PYTHONSAFEPATH": "1"})
+                                env={**os.environ, "PYTHONSAFEPATH": "1"}, start_new_session=own_group)
     return f"127.0.0.1:{port}", proc
+
+
+def assert_clean_exit(proc: subprocess.Popen, processes: set[int], log: Path) -> None:
+    """The server exited with 0, every process it started is gone (the resource tracker, which reports
+    what the others leaked, writes to the log last), and the log holds no warning of a leak or a
+    traceback."""
+    assert proc.wait(timeout=15) == 0, log.read_text()[-3000:]
+    assert not wait_gone(processes, 15), "processes outlived the server"
+    text = log.read_text()
+    for sign in ("leaked", "resource_tracker", "Traceback", "exited with code"):
+        assert sign not in text, text[-3000:]
 
 
 def http_get(port: int, path: str, body: dict | None = None) -> tuple[int, bytes]:
@@ -229,6 +241,7 @@ def test_not_serving_until_ready_then_graceful_drain(
         sse.request("POST", "/v1/completions", json.dumps(body))
         http_stream = sse.getresponse()
         assert http_stream.status == 200
+        processes = descendants(proc.pid)  # the engine, the fronts, the resource tracker
         proc.send_signal(signal.SIGTERM)
         assert wait_for_status(channel, NOT_SERVING, timeout=2.0) < 2.0
         for service in ("tandem.v1.Tandem", "inference.GRPCInferenceService"):
@@ -256,8 +269,32 @@ def test_not_serving_until_ready_then_graceful_drain(
         t_done = time.monotonic()
 
     # no stream left: the server stops well before the 60 s drain timeout, and exits cleanly
-    assert proc.wait(timeout=15) == 0
+    assert_clean_exit(proc, processes, tmp_path / "server.log")
     assert time.monotonic() - t_done < 15
+
+
+def test_sigterm_to_the_whole_process_group_drains_as_well(
+    tiny_model_dir, tmp_path: Path, stop_leftover: list[subprocess.Popen]
+) -> None:
+    """A service manager (systemd's default) or `timeout` signals every process of the server at once:
+    the streams still finish, and the server exits as cleanly as when only it is signalled."""
+    log = tmp_path / "server.log"
+    address, proc = spawn(tiny_model_dir("llama"), log, "--drain-timeout-s", "60", own_group=True)
+    stop_leftover.append(proc)
+    with grpc.insecure_channel(address, options=FAST_RECONNECT) as channel:
+        first_health(channel, proc)
+        wait_for_status(channel, SERVING, timeout=120)
+        n_tokens = 200
+        stream = pb_grpc.TandemStub(channel).GenerateStream(long_request(n_tokens), timeout=TIMEOUT)
+        got = len(next(stream).token_ids)
+        processes = descendants(proc.pid)
+        assert len(processes) >= 3  # the engine, a front, the resource tracker
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert wait_for_status(channel, NOT_SERVING, timeout=2.0) < 2.0
+        for message in stream:
+            got += len(message.token_ids)
+        assert got == n_tokens
+    assert_clean_exit(proc, processes, log)
 
 
 def test_drain_timeout_cuts_long_streams(

@@ -110,7 +110,7 @@ def test_server_metadata(client: tc.InferenceServerClient) -> None:
     meta = client.get_server_metadata()
     assert meta.name == "tandem"
     assert meta.version
-    assert "model_configuration" in list(meta.extensions)
+    assert {"model_configuration", "statistics"} <= set(meta.extensions)
 
 
 def test_model_metadata(client: tc.InferenceServerClient) -> None:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
@@ -134,6 +138,66 @@ def test_models_health_and_readiness(client: openai.OpenAI, base_url: str) -> No
         conn = http.client.HTTPConnection(urlsplit(base_url).netloc, timeout=TIMEOUT)
         conn.request("GET", path)
         assert conn.getresponse().status == 200
+
+
+# -- the tokenizer's files ------------------------------------------------------------------------
+
+
+def http_get(base_url: str, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(urlsplit(base_url).netloc, timeout=TIMEOUT)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def test_the_fetched_tokenizer_tokenizes_as_the_server(
+    client: openai.OpenAI, base_url: str, stub: pb_grpc.TandemStub, tmp_path: Path
+) -> None:
+    """`tandem tokenizer` writes the files /v1/models names; AutoTokenizer loads them, and counts tokens
+    as the server's Tokenize does, for a text and for a chat through the chat template."""
+    from transformers import AutoTokenizer
+
+    card = client.models.retrieve(TINY_SERVER_MODEL).model_extra["tokenizer"]
+    assert card["url"] == f"/v1/models/{TINY_SERVER_MODEL}/tokenizer"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(card["files"])
+    info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=TIMEOUT)
+    assert list(info.tokenizer_files) == card["files"]
+    assert json.loads(http_get(base_url, card["url"])[1]) == card
+
+    folder = tmp_path / "tokenizer"
+    cmd = [sys.executable, "-m", "tandem.cli", "tokenizer", str(folder), "--server", base_url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd="/",
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == card["files"]
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for text in (PROMPT, "naïve café, 東京 🚀"):
+        served = stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=True), timeout=TIMEOUT)
+        assert tokenizer.encode(text) == list(served.token_ids)
+    chat = pb.TokenizeRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT]))
+    served = stub.Tokenize(chat, timeout=TIMEOUT)
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == list(served.token_ids)
+
+
+@pytest.mark.parametrize(
+    "file",
+    ["config.json", "model.safetensors", "../config.json", "..%2Fconfig.json", "%2e%2e/config.json",
+     "/etc/passwd", "./tokenizer.json", "tokenizer.json/", "additional_chat_templates/../config.json"],
+)  # fmt: skip
+def test_only_the_tokenizer_s_own_files_are_served(base_url: str, file: str) -> None:
+    """The model's weights and config are in the same folder: a name that is not one of the tokenizer's
+    files, or a path that would lead elsewhere, is 404 with an OpenAI error body."""
+    status, body = http_get(base_url, f"/v1/models/{TINY_SERVER_MODEL}/tokenizer/{file}")
+    assert status == 404, body[:200]
+    error = json.loads(body)["error"]
+    assert error["code"] == "not_found" and "is not a file of the tokenizer" in error["message"]
+
+
+def test_another_model_s_tokenizer_is_not_found(base_url: str) -> None:
+    status, body = http_get(base_url, "/v1/models/no-such-model/tokenizer/tokenizer.json")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
 
 
 # -- generation against the native API ----------------------------------------------------------

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import http.client
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,8 +24,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import free_port, running_server
+from serverproc import descendants, free_port, peer_ports, pod_pids, running_server, wait_gone
 
+from tandem.health import wait_serving
+from tandem.service.api_processes import auto_api_processes
+from tandem.service.cpus import usable_cores
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -38,37 +41,6 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # a channel of its own
 
 def request(max_tokens: int, text: str = "Once upon a time") -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
-
-
-def pids(log: Path) -> tuple[int, list[int]]:
-    """(engine, fronts) from the supervisor's start-up line."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = re.search(r"engine process (\d+), front process\(es\) ([\d, ]+) on port", log.read_text())
-        if found:
-            return int(found.group(1)), [int(p) for p in found.group(2).split(", ")]
-        time.sleep(0.1)
-    raise AssertionError(f"no process ids in {log}")
-
-
-def peer_ports(pid: int, port: int) -> set[int]:
-    """Remote ports of the established TCP connections process `pid` holds on local `port`."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    peers = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            local, remote, state, inode = f[1], f[2], f[3], f[9]
-            if state == "01" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
-                peers.add(int(remote.rsplit(":", 1)[1], 16))
-    return peers
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -92,7 +64,7 @@ class Pod:
         self.address, self.proc, self.log, self.metrics_url = address, proc, log, metrics_url
         self.port = int(address.rsplit(":", 1)[1])
         self.http_port = http_port
-        self.engine, self.fronts = pids(log)
+        self.engine, self.fronts = pod_pids(log)
 
 
 def http_post(port: int, body: dict, conn: http.client.HTTPConnection | None = None) -> tuple[int, bytes]:
@@ -275,7 +247,7 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
     log = tmp_path / "server.log"
     http_port = free_port()
     with running_server(tiny_model_dir("llama"), "--http-port", str(http_port), log=log) as (address, proc):
-        engine, _ = pids(log)
+        engine, _ = pod_pids(log)
         with grpc.insecure_channel(address) as ch:
             health = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
             assert next(health).status == SERVING
@@ -317,22 +289,48 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
     assert "the engine process ended" in log.read_text()
 
 
-def test_a_killed_supervisor_takes_its_processes_with_it(tiny_model_dir, tmp_path):
+def test_a_default_server_sizes_its_fronts_and_a_killed_supervisor_ends_them(tiny_model_dir, tmp_path):
+    """`--api-processes auto`, the default, as its rule says for this host (the engine on the CPU: 1);
+    then the supervisor is killed, and its processes go with it."""
     log = tmp_path / "server.log"
     with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
-        engine, fronts = pids(log)
+        engine, fronts = pod_pids(log)
+        expected = auto_api_processes(usable_cores(), on_cuda=False)
+        assert len(fronts) == expected
+        assert f"api_processes auto: {expected} front process(es), the engine on the CPU" in log.read_text()
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 10
-        alive = {engine, *fronts}
-        while alive and time.monotonic() < deadline:
-            alive = {p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
-            time.sleep(0.1)
-        assert not alive, "children outlived the supervisor"
+        assert not wait_gone({engine, *fronts}, 10), "children outlived the supervisor"
 
 
-def _state(pid: int) -> str:
+# Starts `tandem serve` (argv[1:]) and waits on it, as a script or a test harness would; prints its pid.
+LAUNCHER = "import subprocess, sys; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); p.wait()"
+
+
+def test_a_server_whose_parent_dies_stops(tiny_model_dir, tmp_path):
+    """The process that started `tandem serve` is killed: the server stops as on SIGTERM, its
+    processes with it (outside a container: there its parent is an init that never dies)."""
+    log = tmp_path / "server.log"
+    port = free_port()
+    cmd = [sys.executable, "-c", LAUNCHER, sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--device", "cpu", "--http-port", "0", "--metrics-port", "0",
+           "--kv-cache-cpu-gib", "0.25", "--model", str(tiny_model_dir("llama"))]  # fmt: skip
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=out, text=True, cwd="/",
+                                    env={**os.environ, "PYTHONSAFEPATH": "1"})  # fmt: skip
+    server = None
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    except OSError:
-        return "Z"
+        server = int(launcher.stdout.readline())
+        wait_serving(f"127.0.0.1:{port}", 180.0, lambda: launcher.poll() is None)
+        processes = {server, *descendants(server)}
+        assert len(processes) >= 3  # the supervisor, the engine, a front (and the resource tracker)
+        launcher.kill()
+        launcher.wait()
+        left = wait_gone(processes, 15)
+        assert not left, f"still running after their parent was killed: {left}"
+        assert "has ended; stopping" in log.read_text()
+    finally:  # whatever failed, nothing is left running
+        launcher.kill()
+        for pid in {server, *descendants(server)} if server else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -29,6 +29,8 @@ RPCS = {
     "ModelInfer",
     "ModelStreamInfer",
     "ModelConfig",
+    "ModelStatistics",
+    "RepositoryIndex",
 }
 
 # Imports the given _pb2 modules and writes their files as a serialized FileDescriptorSet.
@@ -128,6 +130,10 @@ def test_fields_match_triton(ours, triton) -> None:
         "inference.ModelOutput",
         "inference.ModelTransactionPolicy",
         "inference.ModelParameter",
+        "inference.ModelStatistics",
+        "inference.InferStatistics",
+        "inference.StatisticDuration",
+        "inference.RepositoryIndexResponse.ModelIndex",
     ]:
         assert name in our_msgs, name
     assert set(our_msgs) <= set(their_msgs), sorted(set(our_msgs) - set(their_msgs))

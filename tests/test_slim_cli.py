@@ -1,6 +1,6 @@
 """The CLI as the slim operator image runs it (no torch, transformers, gguf, accelerate): `tandem health`,
 the check `helm test` runs, against a real `tandem serve` and a NOT_SERVING server; `tandem generate`,
-the client docs/install.md runs in the cluster from that image."""
+the client docs/install.md runs in the cluster from that image; `tandem tokenizer`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -97,3 +98,10 @@ def test_generate_streams_without_the_model_stack(server: str) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), "some text came back"
     assert "completion tokens]" in result.stderr
+
+
+def test_tokenizer_fetches_without_the_model_stack(tiny_server_http: str, tmp_path) -> None:
+    result = slim_tandem("tokenizer", str(tmp_path / "tok"), "--server", tiny_server_http)
+    assert result.returncode == 0, result.stderr
+    written = result.stdout.split()
+    assert str(tmp_path / "tok" / "tokenizer.json") in written and all(Path(f).is_file() for f in written)

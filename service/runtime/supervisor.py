@@ -3,9 +3,13 @@ serves the pod's one metrics endpoint from what they report, and decides how the
 
 - SIGTERM / SIGINT: every front drains (NOT_SERVING, running streams finish, at most
   `drain_timeout_s`), then the engine stops; exit status 0. Before the model is ready nothing is
-  waited for: the load is abandoned.
+  waited for: the load is abandoned. A SIGTERM sent to the whole process group (a service manager,
+  `timeout`) does the same: the fronts drain on their own, a serving engine ignores it.
 - The engine process dies: the fronts turn NOT_SERVING and end their streams with UNAVAILABLE, and
   the pod exits with status 1, so that Kubernetes restarts it. A front that dies ends the pod too.
+- The process that started `tandem serve` ends (a test harness, a script, a tool that was killed):
+  the pod stops as on SIGTERM, exit status 0. Not where that process is an init (PID 1, or outside
+  the PID namespace, as in a container, where `tandem serve` is PID 1 itself): it outlives the pod.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import shutil
 import signal
 import socket
@@ -23,6 +28,8 @@ from multiprocessing.process import BaseProcess
 import zmq
 
 from .. import contract as c
+from ..api_processes import api_processes, engine_on_cuda
+from ..cpus import usable_cores
 from ..ipc import sockets
 from ..server.auth import TokenFile
 from ..server.tls import CertificateFiles
@@ -86,9 +93,17 @@ def _stop(proc: BaseProcess, timeout: float) -> None:
         proc.join()
 
 
+def _watched_parent() -> int | None:
+    """The process whose end stops the pod: the one that started it, unless it is an init (PID 1, or 0:
+    a parent outside our PID namespace), which never ends before the pod does."""
+    parent = os.getppid()
+    return None if parent <= 1 else parent
+
+
 class Supervisor:
     def __init__(self, settings: ServerSettings, log_level: str) -> None:
         self.settings = settings
+        self.parent = _watched_parent()
         self.log_level = log_level
         self.folder = tempfile.mkdtemp(prefix="tandem-")
         self.endpoints = sockets.Endpoints(self.folder)
@@ -107,6 +122,7 @@ class Supervisor:
     # -- what the engine and fronts report ------------------------------------------------------
     def _receive(self) -> None:
         decoder = c.decoder(c.ToSupervisor)
+        replies: dict[int, zmq.Socket] = {}  # to each front that asked something, this thread's own
         try:
             while not self._closing.is_set():
                 if not self.inbox.poll(RECEIVE_POLL_MS):
@@ -116,11 +132,18 @@ class Supervisor:
                     msg = decoder.decode(frame)
                     if isinstance(msg, c.FrontReady):
                         self._front_ready(msg.front)
+                    elif isinstance(msg, c.StatisticsQuery):
+                        if msg.front not in replies:
+                            replies[msg.front] = sockets.push(self.zmq, self.endpoints.front(msg.front))
+                        reply = c.StatisticsReply(msg.query, self.telemetry.statistics.models())
+                        replies[msg.front].send(c.encode(reply))
                     else:
                         self.telemetry.record(msg)
                 except Exception:  # telemetry must never take the pod down, nor stop with one bad message
                     log.exception("a report could not be recorded")
         finally:
+            for sock in replies.values():
+                sock.close()
             self.inbox.close()
 
     def _front_ready(self, front: int) -> None:
@@ -148,6 +171,12 @@ class Supervisor:
             if extra:
                 _check_port_free(s.host, extra)
         _check_security_files(s)
+        fronts = api_processes(s)
+        if s.api_processes == "auto":
+            where = "CUDA" if engine_on_cuda(s.device) else "the CPU"
+            log.info("api_processes auto: %d front process(es), the engine on %s, %d cores", fronts, where,
+                     usable_cores())  # fmt: skip
+        s = self.settings = s.model_copy(update={"api_processes": fronts})
         self._receiver.start()
         if s.metrics_port:
             host = s.metrics_host or s.host
@@ -180,9 +209,14 @@ class Supervisor:
         assert self.engine is not None
         children = {proc.sentinel: proc for proc in (self.engine, *self.fronts)}
         while not self.stop_requested.is_set():
+            if self.parent is not None and os.getppid() != self.parent:
+                log.warning("the process that started the server (%d) has ended; stopping", self.parent)
+                break
             ended = multiprocessing.connection.wait(list(children), timeout=0.2)
             if not ended:
                 continue
+            if self.stop_requested.is_set():  # a SIGTERM to the whole process group reached it too
+                break
             proc = children[ended[0]]
             proc.join(1.0)  # reaped: its exit code is known
             if proc is self.engine:
@@ -205,9 +239,7 @@ class Supervisor:
             return
         if not self.telemetry.engine_ready:
             log.info("stopped before the model was ready; not waiting for the load")
-            self.engine.terminate()
-            _stop(self.engine, STOP_WAIT_S)
-            return
+            self.engine.terminate()  # one that turned ready meanwhile ignores it: Shutdown stops that one
         to_engine = sockets.push(self.zmq, self.endpoints.engine)
         to_engine.send(c.encode(c.Shutdown()))
         _stop(self.engine, STOP_WAIT_S)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
@@ -82,6 +83,8 @@ class ModelContext:
     max_token_chars: int = 1024  # the longest text one token decodes to (longest_token_chars)
     request_timeout_s: float | None = None  # the server's bound on any request (settings)
     isolate_tokens: bool = False  # a bearer token names its own prefix-cache scope (cache_scope.py)
+    # the tokenizer's files clients may fetch, by name (tokenizer_files.py)
+    tokenizer_files: dict[str, Path] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

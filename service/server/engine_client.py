@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -42,6 +42,8 @@ class EngineClient:
         self.ready: asyncio.Future[c.EngineReady] = asyncio.get_running_loop().create_future()
         self.gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.pod_ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # every front
+        # the supervisor's answers to statistics queries (pod_statistics.py)
+        self.on_statistics: Callable[[c.StatisticsReply], None] = lambda reply: None
 
     @property
     def num_active(self) -> int:
@@ -77,6 +79,8 @@ class EngineClient:
                 self.pod_ready.set_result(None)
         elif isinstance(msg, c.EngineGone):
             self.engine_gone(msg.reason)
+        elif isinstance(msg, c.StatisticsReply):
+            self.on_statistics(msg)
 
     def _route(self, out: c.StepOutputs) -> None:
         """One engine step's outputs to their streams (a stream closed meanwhile is skipped)."""

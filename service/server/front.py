@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import zmq
@@ -27,6 +28,7 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 from .. import contract as c
 from ..ipc import sockets
+from ..models.default_model import served_name
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
@@ -39,8 +41,10 @@ from .kserve import KServeServicer
 from .malformed import MalformedRequests
 from .native import TandemServicer
 from .openai_http import OpenAIApi
+from .pod_statistics import PodStatistics
 from .request_stream import StreamInterval
 from .tls import CertificateFiles
+from .tokenizer_files import tokenizer_files
 
 log = logging.getLogger("tandem.front")
 
@@ -52,9 +56,11 @@ SERVICE_NAMES = (
 )
 
 
-def _load_tokenizer(path: str) -> tuple[PreTrainedTokenizerBase, int]:
+def _load_tokenizer(path: str) -> tuple[PreTrainedTokenizerBase, int, dict[str, Path]]:
+    """The tokenizer, its longest token's characters, and its files (those clients may fetch)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return tokenizer, longest_token_chars(tokenizer)
+    files = tokenizer_files(Path(path), tokenizer.vocab_files_names.values())
+    return tokenizer, longest_token_chars(tokenizer), files
 
 
 class FrontServer:
@@ -94,6 +100,8 @@ class FrontServer:
         self.client = EngineClient(
             self.endpoints, self.index, StreamInterval(s.stream_interval, s.stream_interval_ms / 1000)
         )
+        statistics = PodStatistics(self.index, self._tell_supervisor)
+        self.client.on_statistics = statistics.answer
         limit = s.max_message_bytes
         # grpc core drops calls the server has not picked up yet past a pending limit (1,000, and
         # at random towards 3,000) as CANCELLED, which clients seldom retry: keep it far above the
@@ -116,7 +124,11 @@ class FrontServer:
             TandemServicer(self.holder, self.telemetry, limit), self.server
         )
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            KServeServicer(self.holder, self.telemetry, limit, is_live=self._live), self.server
+            KServeServicer(
+                self.holder, self.telemetry, limit, is_live=self._live, statistics=statistics.models,
+                served_name=served_name(s.model, s.model_name),
+            ),
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if s.reflection:
@@ -171,12 +183,14 @@ class FrontServer:
         assert self.client is not None
         ready = await self.client.ready
         info = ready.model
-        tokenizer, longest = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
+        loaded = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
+        tokenizer, longest, files = loaded
         self.telemetry.model = info.name
         s = self.settings
         self.holder.ctx = ModelContext(
             self.client, tokenizer, ready.limits, info, self._ready, longest, s.request_timeout_s,
             isolate_tokens=s.prefix_cache_isolation == "token" and s.auth_token_file is not None,
+            tokenizer_files=files,
         )
         self._tell_supervisor(c.FrontReady(self.index))
         await self.client.pod_ready  # SERVING on one front only once every front would answer as well

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -25,7 +25,8 @@ from tandem.kserve import grpc_service_pb2 as pb
 from tandem.kserve import grpc_service_pb2_grpc as pb_grpc
 from tandem.kserve import model_config_pb2 as mc
 
-from ..contract import RequestError, invalid
+from .. import contract as c
+from ..contract import ErrorKind, RequestError, invalid
 from ..telemetry.requests import RequestTelemetry
 from .context import ContextHolder, Delivery, ModelContext, whole_answer
 from .errors import abort, abort_if_too_large
@@ -200,7 +201,35 @@ class LlmRequest:
 
 
 SERVICE = "inference.GRPCInferenceService"
+VERSION = "1"  # the served model's one version
 log = logging.getLogger(__name__)
+
+
+async def _no_statistics() -> list[c.ModelStats]:
+    return []
+
+
+def _duration(d: c.Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _model_statistics(s: c.ModelStats) -> pb.ModelStatistics:
+    stats = pb.InferStatistics(
+        success=_duration(s.success),
+        fail=_duration(s.fail),
+        queue=_duration(s.queue),
+        compute_input=_duration(s.compute_input),
+        compute_infer=_duration(s.compute_infer),
+        compute_output=_duration(s.compute_output),
+    )
+    return pb.ModelStatistics(
+        name=s.name,
+        version=VERSION,
+        last_inference=s.last_inference_ms,
+        inference_count=s.inference_count,
+        execution_count=s.execution_count,
+        inference_stats=stats,
+    )
 
 
 class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
@@ -210,9 +239,13 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         telemetry: RequestTelemetry,
         max_message_bytes: int | None = None,
         is_live: Callable[[], bool] = lambda: True,
+        statistics: Callable[[], Awaitable[list[c.ModelStats]]] = _no_statistics,
+        served_name: str = "",
     ) -> None:
         super().__init__(holder, telemetry, max_message_bytes)
         self.is_live = is_live  # False once the engine process is gone
+        self.statistics = statistics  # the pod's, every front's requests together (pod_statistics.py)
+        self.served_name = served_name  # the model's name while it still loads
 
     def _ready(self) -> bool:
         return self.holder.ctx is not None and self.holder.ctx.is_ready()
@@ -238,7 +271,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
-            name="tandem", version=__version__, extensions=["model_configuration"]
+            name="tandem", version=__version__, extensions=["model_configuration", "statistics"]
         )
 
     def _model(self, name: str) -> ModelContext:
@@ -257,7 +290,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         T = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=ctx.name,
-            versions=["1"],
+            versions=[VERSION],
             platform="tandem",
             inputs=[T(name=n, datatype=dt, shape=[1]) for n, dt, _, _ in INPUTS],
             outputs=[T(name=OUTPUT, datatype="BYTES", shape=[-1])],
@@ -281,6 +314,40 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
         )
         return pb.ModelConfigResponse(config=config)
 
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        """Triton's statistics of the served model (an empty name: every model, i.e. it)."""
+        try:
+            ctx = self._model(request.name) if request.name else self.ctx
+            if request.version not in ("", VERSION):
+                why = f"model {ctx.name!r} has no version {request.version!r}; it has {VERSION!r}"
+                raise RequestError(ErrorKind.NOT_FOUND, why)
+            models = {s.name: s for s in await self.statistics()}
+        except RequestError as err:
+            await abort(context, err)
+        stats = models.get(ctx.name, c.ModelStats(ctx.name))  # none yet: all zero
+        return pb.ModelStatisticsResponse(model_stats=[_model_statistics(stats)])
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        """The one served model: READY exactly when ModelReady says so, else UNAVAILABLE and why."""
+        ctx = self.holder.ctx
+        if ctx is None:
+            entry = (self.served_name, "UNAVAILABLE", "the model is loading")
+        elif self._ready():
+            entry = (ctx.name, "READY", "")
+        elif not self.is_live():
+            entry = (ctx.name, "UNAVAILABLE", "the engine process has stopped")
+        else:
+            entry = (ctx.name, "UNAVAILABLE", "the server is warming up or draining")
+        name, state, reason = entry
+        if request.ready and state != "READY":
+            return pb.RepositoryIndexResponse()
+        index = pb.RepositoryIndexResponse.ModelIndex(name=name, version=VERSION, state=state, reason=reason)
+        return pb.RepositoryIndexResponse(models=[index])
+
     # -- inference ------------------------------------------------------------------------------
     def _generate(
         self, context: grpc.aio.ServicerContext, req: LlmRequest, method: str
@@ -295,7 +362,7 @@ class KServeServicer(Servicer, pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         tensor, raw = bytes_output(OUTPUT, [text.encode()])
         resp = pb.ModelInferResponse(
-            model_name=self.ctx.name, model_version="1", id=request.id, outputs=[tensor],
+            model_name=self.ctx.name, model_version=VERSION, id=request.id, outputs=[tensor],
             raw_output_contents=[raw],
         )
         if final is not None:

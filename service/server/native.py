@@ -184,6 +184,7 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             device=self.ctx.model.device,
             eos_token_ids=sorted(self.ctx.model.eos_token_ids),
             has_chat_template=self.ctx.has_chat_template,
+            tokenizer_files=sorted(self.ctx.tokenizer_files),
         )
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:

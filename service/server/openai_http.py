@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of a front: `/v1/chat/completions`, `/v1/completions` (streamed as
-server-sent events or whole), `/v1/models`, and the probes `/health` (liveness) and `/ready`
-(readiness, as the front's gRPC health).
+server-sent events or whole), `/v1/models` (with where the model's tokenizer files are, and the
+files themselves), and the probes `/health` (liveness) and `/ready` (readiness, as the front's gRPC
+health).
 
 It admits requests through the same `ModelContext` as the gRPC servicers and feeds the same
 `EngineClient`, on the front's event loop. Every refusal is an OpenAI error body with its HTTP
@@ -18,9 +19,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive
@@ -146,6 +148,10 @@ class OpenAIApi:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        # before /v1/models/{model:path}, which would take these paths for a model's name
+        tokenizer = "/v1/models/{model:path}/tokenizer"
+        app.add_api_route(tokenizer, self.tokenizer, methods=["GET"])
+        app.add_api_route(tokenizer + "/{file:path}", self.tokenizer_file, methods=["GET"])
         app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/ready", self.ready, methods=["GET"])
@@ -311,7 +317,12 @@ class OpenAIApi:
             "created": self.started,
             "owned_by": "tandem",
             "max_model_len": ctx.limits.max_model_len,  # vLLM's extension
+            "tokenizer": self._tokenizer(ctx),  # Tandem's: where its files are (tokenizer_files.py)
         }
+
+    @staticmethod
+    def _tokenizer(ctx: ModelContext) -> dict:
+        return {"url": f"/v1/models/{quote(ctx.name)}/tokenizer", "files": sorted(ctx.tokenizer_files)}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -322,6 +333,25 @@ class OpenAIApi:
         ctx = self.holder.get()
         ctx.check_model(model)
         return _json(self._card(ctx))
+
+    async def tokenizer(self, request: Request, model: str) -> Response:
+        """Where the served model's tokenizer files are: GET {url}/{file} for each of `files`."""
+        self._authorize(request)
+        ctx = self.holder.get()
+        ctx.check_model(model)
+        return _json(self._tokenizer(ctx))
+
+    async def tokenizer_file(self, request: Request, model: str, file: str) -> Response:
+        """One file of the served model's tokenizer; any other name, a path included, is 404."""
+        self._authorize(request)
+        ctx = self.holder.get()
+        ctx.check_model(model)
+        path = ctx.tokenizer_files.get(file)
+        if path is None:
+            files = ", ".join(sorted(ctx.tokenizer_files))
+            message = f"{file!r} is not a file of the tokenizer of {ctx.name!r}; its files: {files}"
+            raise ApiError(404, message, "invalid_request_error", "not_found")
+        return FileResponse(path)
 
     async def health(self) -> Response:
         """Liveness: 200 while the front can serve at all (loading and draining included)."""

@@ -2,8 +2,8 @@
 
 The engine reports each step (stage timings, tokens generated, its load right after the step) and,
 when idle, its load every so often; each front reports every request it finished. From these come
-the one /metrics endpoint of the pod (and the OTLP metrics), however many fronts there are, and the
-sampled `step` spans.
+the one /metrics endpoint of the pod (and the OTLP metrics), however many fronts there are, the
+sampled `step` spans, and the model statistics a front answers KServe's ModelStatistics with.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ..settings import ServerSettings
 from .capacity import CapacityModel
 from .cost import TokenWindow
 from .metrics import ServerMetrics
+from .model_statistics import ModelStatistics
 from .otel import SCOPE, meter_provider, tracer_provider
 from .steps import StepRecorder
 
@@ -38,6 +39,7 @@ class PodTelemetry:
         self.stats: EngineStats | None = None  # the engine's latest report
         self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
         self.engine_ready = False
+        self.statistics = ModelStatistics()  # KServe ModelStatistics, every front's requests together
 
     def _engine_stats(self) -> EngineStats | None:
         return self.stats
@@ -75,6 +77,7 @@ class PodTelemetry:
             self.capacity.kv_tokens = msg.stats.kv_blocks_total * self.block_size
         elif isinstance(msg, c.RequestRecord):
             self.metrics.record_request(msg)
+            self.statistics.record(msg)
         elif isinstance(msg, c.EngineReady):
             self.engine_ready = True
 

@@ -139,12 +139,13 @@ class RequestTrace:
         ended = time.time()
         error = None if exc is None else _error_type(exc)
         self._phases(ended)
-        record = c.RequestRecord(self.operation, self.model, ended - self.started, error=error)
+        record = c.RequestRecord(self.operation, self.model, ended - self.started, error=error, ended=ended)
         if error is None and self.times is not None and self.times.first_token is not None:
             first, last = self.times.first_token, self.times.last_token or self.times.first_token
             record.time_to_first_token = first - self.started
             if self.completion_tokens > 1:
                 record.time_per_output_token = (last - first) / (self.completion_tokens - 1)
+            self._stages(record, ended)
         self.telemetry.record(record)
         span = self.span
         span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
@@ -157,6 +158,17 @@ class RequestTrace:
             span.set_attribute("error.type", error)
             span.set_status(Status(StatusCode.ERROR, str(exc) or error))
         span.end(end_time=_ns(ended))
+
+    def _stages(self, record: c.RequestRecord, ended: float) -> None:
+        """A finished request's time cut where the pod handed it on (model_statistics.py)."""
+        t = self.times
+        assert t is not None and t.first_token is not None
+        scheduled = t.scheduled if t.scheduled is not None else t.arrival
+        last = t.last_token or t.first_token
+        record.compute_input = t.arrival - self.started
+        record.queue = scheduled - t.arrival
+        record.compute_infer = last - scheduled
+        record.compute_output = ended - last
 
     def _phases(self, ended: float) -> None:
         """Children from the front's milestones: queue -> prefill -> decode (those that were reached)."""

@@ -74,6 +74,16 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
                 response_deserializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+                _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=tandem_dot_kserve_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=tandem_dot_kserve_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
 
 
 class GRPCInferenceServiceServicer(object):
@@ -132,6 +142,20 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStatistics(self, request, context):
+        """Triton's statistics extension: per model, every request since the server started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryIndex(self, request, context):
+        """Triton's model repository extension, its index only: the served model and its state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +198,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelConfig,
                     request_deserializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelConfigRequest.FromString,
                     response_serializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=tandem_dot_kserve_dot_grpc__service__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=tandem_dot_kserve_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=tandem_dot_kserve_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +426,60 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/ModelConfig',
             tandem_dot_kserve_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
             tandem_dot_kserve_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelStatistics',
+            tandem_dot_kserve_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+            tandem_dot_kserve_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            tandem_dot_kserve_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+            tandem_dot_kserve_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,7 +169,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "source", "architecture", "vocab_size", "max_context_length", "dtype", "device", "eos_token_ids", "has_chat_template")
+    __slots__ = ("model", "source", "architecture", "vocab_size", "max_context_length", "dtype", "device", "eos_token_ids", "has_chat_template", "tokenizer_files")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
     model: str
     source: str
     architecture: str
@@ -188,7 +189,8 @@ class ModelInfo(_message.Message):
     device: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., source: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: bool = ...) -> None: ...
+    tokenizer_files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., source: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: bool = ..., tokenizer_files: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
