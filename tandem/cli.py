@@ -71,31 +71,40 @@ def _operator(args: argparse.Namespace) -> int:
     return run_operator(_settings_from(args, OperatorSettings))
 
 
-BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it runs
-    "gpu": "gpu_sync.py",
-    "serve": "serve.py",
-    "soak": "soak.py",
-    "gpu-profile": "profile_gpu.py",
-    "cpu": "cpu_throughput.py",
-    "autoscale": "autoscale_sim.py",
-    "workloads": "workloads.py",
-    "host": "host_step.py",
-    "offload-bound": "offload_bound.py",
-    "kernel-resources": "kernel_resources.py",
+BENCHMARKS = {  # `tandem bench NAME`: the module of tandem.bench whose main(argv) runs it
+    "gpu": "engine.gpu_sync",
+    "cpu": "engine.cpu_throughput",
+    "cpu-profile": "engine.profile_cpu",
+    "host": "engine.host_step",
+    "timeline": "engine.timeline",
+    "serve": "serve.benchmark",
+    "soak": "soak.benchmark",
+    "workloads": "workloads.features",
+    "offload-bound": "workloads.offload_bound",
+    "gpu-profile": "kernels.profile_gpu",
+    "kernel-resources": "kernels.kernel_resources",
+    "autoscale": "autoscale.compare",
 }
+# the distribution that installs an importable name, where the two differ
+_DISTRIBUTIONS = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "yaml": "pyyaml"}
+
+
+def bench_main(name: str) -> typing.Callable[[list[str]], int]:
+    """The main(argv) of `tandem bench NAME`."""
+    import importlib
+
+    return importlib.import_module(f"tandem.bench.{BENCHMARKS[name]}").main
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "bench" / BENCHMARKS[args.name]
-    if not script.exists():
-        sys.exit(f"tandem bench: {script} not found (benchmarks run from a source checkout)")
-    sys.argv = [str(script), *args.bench_args]
-    sys.path.insert(0, str(script.parent))
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    try:
+        return bench_main(args.name)(args.bench_args)
+    except ModuleNotFoundError as exc:  # a library of its own (torch on the slim image, matplotlib, ...)
+        missing = (exc.name or "").split(".")[0]
+        if not missing or missing == "tandem":
+            raise
+        install = _DISTRIBUTIONS.get(missing, missing)
+        sys.exit(f"tandem bench {args.name} needs {missing}: pip install {install}")
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser, token: bool = True) -> None:
@@ -154,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser(
         "bench",
-        help="run a benchmark (gpu: engine vs transformers with the roofline; serve; soak; cpu; autoscale; "
-        "workloads: mixed, shared-prefix, oversubscribed and long-generation workloads; host: the engine's "
-        "host work per step; offload-bound: what KV offload can gain over recompute)",
-        description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them.",
+        help="run a benchmark (gpu: engine vs transformers with the roofline; serve: the server vs the "
+        "engine alone; soak; cpu; autoscale; workloads: mixed, shared-prefix, oversubscribed and "
+        "long-generation workloads; host: the engine's host work per step; offload-bound: what KV "
+        "offload can gain over recompute; gpu-profile, cpu-profile, kernel-resources; timeline: draw "
+        "`bench gpu --timeline`'s trace)",
+        description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them. "
+        "Results go to bench/results/ in a source checkout, else the current directory.",
     )
     bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
