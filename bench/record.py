@@ -127,11 +127,12 @@ class ResultFile:
             shape = shape.replace("_", "-")  # underscores part the name's fields
             self.path = where / f"{utc_date()}_{short_gpu(self.gpu)}_{benchmark}_{shape}.json"
 
-    def write(self, record: dict, markdown: str | None = None,
+    def write(self, record: dict, markdown: str | Callable[[dict], str] | None = None,
               draw: Callable[[Path], Path | None] | None = None) -> Path:
         """The record as JSON after the facts (and the machine's, as `environment`, unless the
-        benchmark states its own), `markdown` beside it (.md), and the figure `draw` makes at the
-        .png path. Safe to call again as a run goes on: a run cut short keeps what it measured."""
+        benchmark states its own), `markdown` beside it (.md; a callable renders it from the whole
+        record), and the figure `draw` makes at the .png path. Safe to call again as a run goes
+        on: a run cut short keeps what it measured."""
         clash = self.facts.keys() & record.keys()
         assert not clash, f"the record states {clash} itself: the writer's facts"
         full = {**self.facts, **record}
@@ -139,7 +140,8 @@ class ResultFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(full, indent=2) + "\n")
         if markdown is not None:
-            self.path.with_suffix(".md").write_text(markdown + "\n")
+            text = markdown if isinstance(markdown, str) else markdown(full)
+            self.path.with_suffix(".md").write_text(text + "\n")
         if draw is not None:
             self.figure = draw(self.path.with_suffix(".png"))
         return self.path

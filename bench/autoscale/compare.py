@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(report, runs, load, args.plot or png)
         return args.plot or png
 
-    out = result_file.write(report, markdown(report), None if args.no_plot else draw)
+    out = result_file.write(report, markdown, None if args.no_plot else draw)
     for name, per_seed in report["verdicts"].items():
         met = sum(v["target_met"] for v in per_seed.values())
         print(f"{name}: target met on {met} of {len(per_seed)} seeds", file=sys.stderr)

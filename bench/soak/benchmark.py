@@ -316,9 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"serving {a.shape or a.model or 'the embedded model'} on {device}"
     )
     record = judged(a, env, device, serve_and_soak(a, env, folder), folder)
-    md = report.markdown(record)
-    out = result_file.write(record, md)
-    print(md)
+    out = result_file.write(record, report.markdown)
+    print(out.with_suffix(".md").read_text(), end="")
     why = record["failed"] or "the server or a pass"
     print(f"wrote {out}" + ("" if record["passed"] else f"; FAILED: {why}"))
     return 0 if record["passed"] else 1
