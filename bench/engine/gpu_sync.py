@@ -308,6 +308,47 @@ def print_stalls(results: dict[str, RunStats]) -> None:
                     print(f"  {seen['seconds']} s in {seen['stack']}")
 
 
+def build_models(a: argparse.Namespace, bandwidth: float
+                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, dict]:
+    """The model the engines run and transformers' twin (same seed, same weights: building a Tandem
+    engine fuses its model's projections in place, which must not change the baseline); their facts."""
+    start = time.perf_counter()
+    model = build_model(a.shape, a.device, a.dtype)
+    hf_model = None if a.skip_hf else build_model(a.shape, a.device, a.dtype)
+    facts = {"build_s": time.perf_counter() - start,
+             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+             "kv_per_token": CacheShape.of(model.config).bytes_per_token(a.dtype)}
+    print(f"model {a.shape} built in {facts['build_s']:.1f} s: {facts['weight_bytes'] / 1e9:.2f} GB of "
+          f"weights; copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
+    return model, hf_model, facts
+
+
+def bounds(a: argparse.Namespace, model: torch.nn.Module, facts: dict, bandwidth: float
+           ) -> tuple[dict, dict | None]:
+    """The decode roofline, and the GEMM floor of the model the first engine runs (fused where it fuses)."""
+    roof = roofline(facts["weight_bytes"], facts["kv_per_token"], bandwidth, a.requests, a.prompt, a.new)
+    floor = workload_floor(model, facts["kv_per_token"], bandwidth, a.requests, a.prompt, a.new,
+                           a.max_num_seqs, a.max_num_batched_tokens)
+    if floor is not None:
+        floor["of_roofline"] = round(roof["seconds"] / floor["seconds"], 4)
+    return roof, floor
+
+
+def print_summary(rows: list[list[object]], report: dict, vram: dict | None, max_num_seqs: int,
+                  results: dict[str, RunStats], leaked: list[str]) -> None:
+    print(markdown_table(["engine", "tokens", "seconds", "tokens/s", "ms/step", "of roofline",
+                          "median step of roofline step", "of GEMM floor", "GPU busy", "engine idle",
+                          "warm-up s"], rows))
+    if "ratio_tandem_over_transformers" in report:
+        print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
+              f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")
+    if vram:
+        print(f"decode graph memory (max batch {max_num_seqs}): {vram}")
+    print_stalls(results)
+    if leaked:
+        print(f"WARNING: imported {leaked}: this would fail on a host without the server's dependencies")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
@@ -318,17 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = env.get("gpu", env["cpu"])
     print(f"torch {env['torch']}, transformers {env['transformers']}, {where}", flush=True)
     bandwidth = copy_bandwidth(a.device, a.copy_bytes)
-    start = time.perf_counter()
-    model = build_model(a.shape, a.device, a.dtype)
-    # transformers runs a twin (same seed, same weights): building a Tandem engine fuses its model's
-    # projections in place, which must not change the baseline
-    hf_model = None if a.skip_hf else build_model(a.shape, a.device, a.dtype)
-    build_s = time.perf_counter() - start
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = CacheShape.of(model.config).bytes_per_token(a.dtype)
-    print(f"model {a.shape} built in {build_s:.1f} s: {weight_bytes / 1e9:.2f} GB of weights; copy bandwidth "
-          f"{bandwidth / 1e12:.3f} TB/s", flush=True)
-
+    model, hf_model, facts = build_models(a, bandwidth)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.config.vocab_size - 2, (a.requests, a.prompt), generator=g).tolist()
     spec = EngineConfig(blocks_for(a.requests, a.prompt + a.new, a.block_size), a.block_size, a.max_num_seqs,
@@ -341,13 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = step_telemetry(a, cores, prompts)
     if hf_model is not None:
         release_hf(hf_model)
-
-    roof = roofline(weight_bytes, kv_per_token, bandwidth, a.requests, a.prompt, a.new)
-    # what the GEMMs alone allow, on the model the first engine runs (fused where it fuses)
-    floor = workload_floor(next(iter(cores.values())).runner.model, kv_per_token, bandwidth, a.requests,
-                           a.prompt, a.new, a.max_num_seqs, a.max_num_batched_tokens)
-    if floor is not None:
-        floor["of_roofline"] = round(roof["seconds"] / floor["seconds"], 4)
+    roof, floor = bounds(a, next(iter(cores.values())).runner.model, facts, bandwidth)
     report, rows = compare(a, results, roof, floor)
     for name, config in configs.items():  # each engine's own settings (the variant over the benchmark's spec)
         report[label(name)]["engine"] = config.__dict__
@@ -360,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload": {"requests": a.requests, "prompt_tokens": a.prompt, "new_tokens": a.new,
                      "prompts": "random token ids", "sampling": "greedy, fixed length"},
         "environment": env,
-        "model_build_seconds": round(build_s, 1),
+        "model_build_seconds": round(facts["build_s"], 1),
         "roofline": roof,
         "gemm_floor": floor,
         "decode_graph_vram": vram,
@@ -368,17 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **report,
         "imported_server_only_modules": leaked,
     })
-    print(markdown_table(["engine", "tokens", "seconds", "tokens/s", "ms/step", "of roofline",
-                          "median step of roofline step", "of GEMM floor", "GPU busy", "engine idle",
-                          "warm-up s"], rows))
-    if "ratio_tandem_over_transformers" in report:
-        print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
-              f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")
-    if vram:
-        print(f"decode graph memory (max batch {spec.max_num_seqs}): {vram}")
-    print_stalls(results)
-    if leaked:
-        print(f"WARNING: imported {leaked}: this would fail on a host without the server's dependencies")
+    print_summary(rows, report, vram, spec.max_num_seqs, results, leaked)
     print(f"wrote {out}")
     return 0
 
