@@ -71,40 +71,10 @@ def _operator(args: argparse.Namespace) -> int:
     return run_operator(_settings_from(args, OperatorSettings))
 
 
-BENCHMARKS = {  # `tandem bench NAME`: the module of tandem.bench whose main(argv) runs it
-    "gpu": "engine.gpu_sync",
-    "cpu": "engine.cpu_throughput",
-    "cpu-profile": "engine.profile_cpu",
-    "host": "engine.host_step",
-    "timeline": "engine.timeline",
-    "serve": "serve.benchmark",
-    "soak": "soak.benchmark",
-    "workloads": "workloads.features",
-    "offload-bound": "workloads.offload_bound",
-    "gpu-profile": "kernels.profile_gpu",
-    "kernel-resources": "kernels.kernel_resources",
-    "autoscale": "autoscale.compare",
-}
-# the distribution that installs an importable name, where the two differ
-_DISTRIBUTIONS = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "yaml": "pyyaml"}
-
-
-def bench_main(name: str) -> typing.Callable[[list[str]], int]:
-    """The main(argv) of `tandem bench NAME`."""
-    import importlib
-
-    return importlib.import_module(f"tandem.bench.{BENCHMARKS[name]}").main
-
-
 def _bench(args: argparse.Namespace) -> int:
-    try:
-        return bench_main(args.name)(args.bench_args)
-    except ModuleNotFoundError as exc:  # a library of its own (torch on the slim image, matplotlib, ...)
-        missing = (exc.name or "").split(".")[0]
-        if not missing or missing == "tandem":
-            raise
-        install = _DISTRIBUTIONS.get(missing, missing)
-        sys.exit(f"tandem bench {args.name} needs {missing}: pip install {install}")
+    from tandem.bench import run
+
+    return run(args.name, args.bench_args)
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser, token: bool = True) -> None:
@@ -171,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them. "
         "Results go to bench/results/ in a source checkout, else the current directory.",
     )
+    from tandem.bench import BENCHMARKS
+
     bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.add_argument("--log-level", default="WARNING")

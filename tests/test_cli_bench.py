@@ -456,11 +456,11 @@ def _bench(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 def test_tandem_bench_resolves_every_name_to_the_main_of_its_module(capsys):
     """Every `tandem bench NAME` imports a module of the tandem.bench package (no script path: it
     runs from an installed wheel) and calls its main(argv), whose usage names the command."""
-    from tandem.cli import BENCHMARKS, bench_main
+    from tandem.bench import BENCHMARKS, main_of
 
     assert {"gpu", "serve", "soak", "workloads", "host", "autoscale"} <= set(BENCHMARKS)
     for name, module in BENCHMARKS.items():
-        main = bench_main(name)
+        main = main_of(name)
         assert callable(main) and main.__module__ == f"tandem.bench.{module}"
         with pytest.raises(SystemExit) as exit_:
             main(["--help"])
@@ -557,3 +557,18 @@ def test_bench_imports_form_no_cycle():
         graph[name] = (imported & modules) - {name, "tandem.bench"}
     assert len(graph) > 40 and any(graph.values())
     list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+
+
+def test_benchmarks_run_without_the_cli_and_from_a_checkout_not_installed(tmp_path):
+    """`python -m tandem.bench NAME` runs a benchmark without the CLI's settings and gRPC, and
+    `python bench NAME` runs it from the checkout's own folders (as on a GPU host with only torch
+    and transformers, Tandem not installed)."""
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    for how in (["-m", "tandem.bench"], [str(REPO / "bench")]):
+        out = tmp_path / f"offload{len(how)}.json"
+        proc = subprocess.run([sys.executable, *how, "offload-bound", "--smoke", "--out", str(out)],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads(out.read_text())
+        assert report["benchmark"] == "offload_bound" and len(report["shapes"]) == 2
+        assert report["command"] == f"tandem bench offload-bound --smoke --out {out}"
