@@ -43,7 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +114,7 @@ def make_pass(a: argparse.Namespace, vocab: int, max_model_len: int, number: int
     return Pass(number, name, levels, warmup_level(a, drawn))
 
 
-def warmup_level(a: argparse.Namespace, drawn: object) -> dict | None:
+def warmup_level(a: argparse.Namespace, drawn: Callable[[int, int, str], list[Job]]) -> dict | None:
     """One request per stream at the largest concurrency, run untimed by each pass first: what a
     process compiles or tunes on first use (kernels for new shapes) is not in any level."""
     if not a.warmup:

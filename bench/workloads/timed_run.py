@@ -237,7 +237,7 @@ def run(
 
 
 def percentile_ms(values: list[float], q: float) -> float | None:
-    """The q-quantile of `values` (seconds) in ms, interpolated as every bench's (serve_stats);
+    """The q-quantile of `values` (seconds) in ms, interpolated as every bench's (common.percentile);
     None when empty."""
     value = percentile(values, 100 * q)
     return None if value is None else round(1e3 * value, 1)
