@@ -49,7 +49,7 @@ from tandem.bench.serve.server import (
     stop_server,
     tokenizer_size,
 )
-from tandem.bench.soak import client, report, watch
+from tandem.bench.soak import report, watch
 from tandem.bench.soak.big_prompts import big_prompt_phase
 from tandem.bench.soak.workload import SMOKE_MIX, Mix, as_dicts, calls, describe, plan
 from tandem.health import wait_serving
@@ -66,6 +66,9 @@ def run_pass(address: str, requests: list[dict], a: argparse.Namespace) -> dict:
     """Every request through `a.clients` processes, `a.concurrency` streams in all, each stream making
     its calls one after another. A pass that makes no progress for `a.stall_s` is a hang: its
     clients are stopped and what never came back is counted missing."""
+    # the client's KServe protos load only here: tritonclient's clash with them in one process
+    from tandem.bench.soak import client
+
     ctx = multiprocessing.get_context("spawn")
     out, go, done = ctx.Queue(), ctx.Event(), ctx.Value("i", 0)
     units = calls(requests)
