@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY tandem ./tandem
 COPY service ./service
 COPY operator ./operator
+COPY bench ./bench
 COPY scripts/image_requirements.py ./scripts/
 COPY docker/constraints.txt /dist/constraints.txt
 RUN python -m build --wheel --outdir /dist . \

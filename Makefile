@@ -37,4 +37,4 @@ protos: setup
 	$(PY) scripts/gen_protos.py
 
 bench-cpu: setup
-	$(PY) bench/cpu_throughput.py
+	$(VENV)/bin/tandem bench cpu

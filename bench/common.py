@@ -1,318 +1,53 @@
-"""Shared benchmark helpers: drive Tandem's EngineCore and transformers' `generate_batch` on the same
-prompts, time them after a warm-up run, and write JSON / markdown.
+"""What every group of benchmarks shares: the model shapes, the percentile they all report, the
+markdown table they print, and the one-line refusal of a benchmark whose needs are missing.
 
-Only `tandem.service.engine.*` (and `tandem.service.models.*` where a script loads the real model) are
-imported: no settings (pydantic-settings), no gRPC, no asyncio, so this runs on a bare GPU host that has
-only torch and transformers. `_repo` maps `tandem.service` onto service/ without installing the package.
+Imports nothing but the standard library, so that argument parsing and client processes stay light.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+import importlib.util
+import math
+import sys
+from collections.abc import Sequence
 
-import _repo  # noqa: F401  (must come before any tandem import)
-import torch
-import transformers
-from machine import machine
-from serve_stats import percentile
-from shapes import SHAPES  # noqa: F401  (re-exported: the scripts import it from here)
-from slow_steps import STEPS
-
-from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.gc_pauses import GcPauses, freeze_start_up_heap
-from tandem.service.engine.ops.attention import register
-from tandem.service.engine.sampling_params import GenerationRequest, SamplingParams
-
-
-@dataclass
-class RunStats:
-    """One timed generation: every request produced exactly `new_tokens` tokens."""
-
-    name: str
-    seconds: float
-    tokens: int
-    steps: int | None = None
-    warmup_seconds: float | None = None
-    step_ms: dict[str, float] = field(default_factory=dict)  # Tandem: median / p90 / max step time
-    all_runs: list[dict] = field(default_factory=list)  # every timed run, in order, with the machine's load
-    foreign_cpu: float | None = None  # share of the machine's CPU other processes used meanwhile
-    cpu_steal: float | None = None  # share of it the hypervisor gave to other machines
-    gpu_busy: float | None = None  # mean NVML utilization (share of time a kernel ran), when sampled
-    engine_idle: float | None = None  # Tandem: 1 - its steps' device time / wall time (CUDA: event-timed)
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds
-
-    def summary(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "outputs"}
-        out["tok_s"] = round(self.tok_s, 1)
-        out["seconds"] = round(self.seconds, 3)
-        if self.steps:
-            out["ms_per_step"] = round(1e3 * self.seconds / self.steps, 2)
-        return out
+# Llama shapes of the benchmarks (random-initialised weights)
+SHAPES = {
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+}
 
 
-def blocks_for(num_requests: int, tokens_per_request: int, block_size: int, margin: float = 1.25) -> int:
-    """KV blocks that hold every request at full length at once, with some margin."""
-    per_request = -(-tokens_per_request // block_size)
-    return int(num_requests * per_request * margin) + 1
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-# -- Tandem ----------------------------------------------------------------------------------------
-
-
-def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, tag: str = "") -> RunStats:
-    """Add every request, then run the core's loop (sync or async) until all are done; greedy,
-    exactly `new_tokens` each."""
-    core.runner.model.set_attn_implementation(register())  # generate_batch may have switched it
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    ids = [f"{tag}{i}" for i in range(len(prompts))]
-    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-    device = core.runner.device
-    sync(device)
-    start, first_step, busy_before = time.perf_counter(), core.steps, core.busy_seconds
-    for rid, prompt in zip(ids, prompts, strict=True):
-        core.add(GenerationRequest(rid, list(prompt), params))
-    step_times = []
-    while core.has_work:
-        before, step_start = core.steps, time.perf_counter()
-        updates = STEPS.watched(core.run_once)
-        for update in updates:
-            if update.error:
-                raise RuntimeError(f"{update.request_id}: {update.error}")
-            outputs[update.request_id].append(update.token)
-        if core.steps == before and not core.step_in_flight:
-            raise RuntimeError("the scheduler scheduled nothing while work was pending")
-        step_times.append(1e3 * (time.perf_counter() - step_start))
-    sync(device)
-    seconds = time.perf_counter() - start
-    stats = _checked("tandem", seconds, [outputs[r] for r in ids], new_tokens, core.steps - first_step)
-    # the engine's own idle fraction over the run: 1 - device time of its steps / wall time
-    stats.engine_idle = round(max(0.0, 1 - (core.busy_seconds - busy_before) / seconds), 4)
-    stats.step_ms = {k: round(percentile(step_times, q), 2)
-                     for k, q in (("median", 50), ("p90", 90), ("max", 100))}
-    return stats
-
-
-# -- transformers ----------------------------------------------------------------------------------
-
-
-def run_hf(
-    model: torch.nn.Module,
-    prompts: Sequence[list[int]],
-    new_tokens: int,
-    cb_config: dict | None = None,
-    attn: str = "sdpa",
-    persistent: bool = False,
-) -> RunStats:
-    """transformers' continuous batching, `generate_batch`, greedy, fixed length.
-
-    eos_token_id=-1 disables the stop token (transformers drops negative ids), so every request runs
-    `new_tokens`. generate_batch switches `attn` to `paged|attn` for the call and restores it after.
-    Each call builds its manager (cache, static tensors, CUDA graphs) inside the timed call, as
-    hf_cb_anchor.py measured; `persistent=True` keeps the manager of the first call for the next ones
-    (so only the warm-up pays for it, as Tandem's engine is built outside its timed runs); then call
-    `release_hf(model)` afterwards. The cached manager ignores a changed `cb_config`.
-    """
-    from transformers import GenerationConfig
-    from transformers.generation import configuration_utils as cu
-
-    model.set_attn_implementation(attn)  # Tandem leaves `tandem_paged` set, which generate_batch can't use
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    kwargs = {}
-    cbc_class = getattr(cu, "ContinuousBatchingConfig", None)
-    if cbc_class is not None:
-        kwargs["continuous_batching_config"] = cbc_class(**(cb_config or {}))
-    device = model_device(model)
-    sync(device)
-    start = time.perf_counter()
-    out = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=gen, progress_bar=False,
-                               persistent_manager=persistent, **kwargs)
-    sync(device)
-    seconds = time.perf_counter() - start
-    results = list(out.values())
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise RuntimeError(f"generate_batch failed: {errors[0]}")
-    if len(results) != len(prompts):
-        raise RuntimeError(f"generate_batch returned {len(results)} of {len(prompts)} requests")
-    # the dict comes back in input order
-    return _checked("transformers", seconds, [r.generated_tokens for r in results], new_tokens)
-
-
-def release_hf(model: torch.nn.Module) -> None:
-    """Free a manager kept by `run_hf(..., persistent=True)` (its KV cache, graphs)."""
-    destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
-    if destroy is not None:
-        destroy()
-
-
-def _checked(name: str, seconds: float, outputs: list[list[int]], new_tokens: int, steps: int | None = None
-             ) -> RunStats:
-    short = [len(o) for o in outputs if len(o) != new_tokens]
-    if short:
-        raise RuntimeError(f"{name}: {len(short)} requests did not produce {new_tokens} tokens ({short[:4]})")
-    return RunStats(name, seconds, sum(len(o) for o in outputs), steps, outputs=outputs)
-
-
-def same_outputs(a: RunStats, b: RunStats) -> int:
-    """How many requests got identical tokens from both runs (greedy: a correctness cross-check)."""
-    return sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
-
-
-# -- timing, environment, output -------------------------------------------------------------------
-
-
-def _cpu_seconds() -> tuple[float, float] | None:
-    """(busy, steal) CPU seconds of this machine, all cores, since boot, from /proc/stat. Steal is time the
-    hypervisor gave our virtual CPUs to someone else."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default); None for no values."""
+    if not values:
         return None
-    tick = os.sysconf("SC_CLK_TCK")
-    busy = f[0] + f[1] + f[2] + f[5] + f[6]  # user nice system irq softirq
-    return busy / tick, f[7] / tick
-
-
-class ForeignLoad:
-    """While the block runs: share of the machine's CPU time used by OTHER processes (`share`), and share
-    stolen by the hypervisor (`steal`). 0 and 0 = a quiet machine; CPU numbers are unreliable otherwise."""
-
-    def __enter__(self) -> ForeignLoad:
-        self.share: float | None = None
-        self.steal: float | None = None
-        self._cpu, self._own, self._wall = _cpu_seconds(), time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        cpu = _cpu_seconds()
-        if cpu is None or self._cpu is None:
-            return
-        capacity = (time.perf_counter() - self._wall) * (os.cpu_count() or 1)
-        foreign = (cpu[0] - self._cpu[0]) - (time.process_time() - self._own)
-        self.share = round(max(0.0, foreign / capacity), 3)
-        self.steal = round((cpu[1] - self._cpu[1]) / capacity, 3)
-
-
-class StallWatch:
-    """What can hold up a timed run's steps besides the work: Python's garbage collections (full
-    ones walk every object), Dynamo compiling a frame, Triton compiling a variant of the engine's
-    kernels; and where steps that ran long spent their time (slow_steps.py). Each timed run reports
-    them beside its slowest step."""
-
-    def __enter__(self) -> StallWatch:
-        self.pauses = GcPauses().__enter__()
-        STEPS.start()
-        self.frames, self.variants = _frames_compiled(), _kernel_variants()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pauses.__exit__()
-        slow_step_stacks = STEPS.stop()
-        gc = self.pauses.totals()
-        self.seen = {
-            "gc_full_collections": gc.collections[2],
-            "gc_full_s": round(gc.seconds[2], 3),
-            "gc_s": round(sum(gc.seconds), 3),
-            "frames_compiled": _frames_compiled() - self.frames,
-            "kernel_variants_compiled": _kernel_variants() - self.variants,
-            "slow_step_stacks": slow_step_stacks,
-        }
-
-
-def _frames_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["ok"]
-
-
-def _kernel_variants() -> int:
-    if not torch.cuda.is_available():  # the engine's Triton kernels run on CUDA only
-        return 0
-    from tandem.service.engine.ops.triton_variants import compiled_variants
-
-    return compiled_variants()
-
-
-def measure(runs: dict[str, Callable[[], RunStats]], repeat: int = 1) -> dict[str, RunStats]:
-    """Warm each run up once (allocations, kernels, graph capture; the heap then frozen, as the server
-    does), then time `repeat` rounds of all runs, interleaved so that a drifting machine (clock,
-    neighbours) treats them alike; the fastest of each wins."""
-    best: dict[str, RunStats] = {}
-    warmup: dict[str, float] = {}
-    runs_of: dict[str, list[dict]] = {}
-    for name, run in runs.items():
-        start = time.perf_counter()
-        run()
-        warmup[name] = round(time.perf_counter() - start, 2)
-    freeze_start_up_heap()  # as the server's engine process serves (gc_pauses.py)
-    for _ in range(repeat):
-        for name, run in runs.items():
-            with ForeignLoad() as load, StallWatch() as stalls:
-                stats = run()
-            stats.name = name
-            stats.foreign_cpu, stats.cpu_steal = load.share, load.steal
-            runs_of.setdefault(name, []).append(
-                {"seconds": round(stats.seconds, 3), "foreign_cpu": load.share, "cpu_steal": load.steal,
-                 **({"step_ms_max": stats.step_ms["max"]} if stats.step_ms else {}), **stalls.seen})
-            if name not in best or stats.seconds < best[name].seconds:
-                best[name] = stats
-    for name, stats in best.items():
-        stats.warmup_seconds, stats.all_runs = warmup[name], runs_of[name]
-    return best
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 2 * 1024**3, reps: int = 20) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        y.copy_(x)
-    sync(device)
-    seconds = (time.perf_counter() - start) / reps
-    del x, y
-    return 2 * nbytes / seconds
-
-
-def environment(device: torch.device) -> dict:
-    env = {
-        **machine(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
-
-
-def write_json(path: str | Path, data: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return path
+    s = sorted(values)
+    pos = q / 100 * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -324,3 +59,23 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def refuse(benchmark: str, needs: str) -> None:
+    """End the benchmark with one line on stderr (exit status 1): what it needs that is missing."""
+    sys.exit(f"tandem bench {benchmark} {needs}")
+
+
+def need_modules(benchmark: str, *modules: str, why: str = "") -> None:
+    """Refuse unless every module imports (found, not imported): `pip install` names the missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        refuse(benchmark, f"needs {', '.join(missing)}{why}: pip install {' '.join(missing)}")
+
+
+def need_cuda(benchmark: str, what: str = "") -> None:
+    """Refuse unless a CUDA device is visible to torch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        refuse(benchmark, f"needs a CUDA device{what} (torch sees none)")

@@ -78,31 +78,10 @@ def _operator(args: argparse.Namespace) -> int:
     return run_operator(_settings_from(args, OperatorSettings))
 
 
-BENCHMARKS = {  # `tandem bench NAME`: the script of the source tree's bench/ it runs
-    "gpu": "gpu_sync.py",
-    "serve": "serve.py",
-    "soak": "soak.py",
-    "gpu-profile": "profile_gpu.py",
-    "cpu": "cpu_throughput.py",
-    "autoscale": "autoscale_sim.py",
-    "workloads": "workloads.py",
-    "host": "host_step.py",
-    "offload-bound": "offload_bound.py",
-    "kernel-resources": "kernel_resources.py",
-}
-
-
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
+    from tandem.bench import run
 
-    script = Path(__file__).resolve().parents[1] / "bench" / BENCHMARKS[args.name]
-    if not script.exists():
-        sys.exit(f"tandem bench: {script} not found (benchmarks run from a source checkout)")
-    sys.argv = [str(script), *args.bench_args]
-    sys.path.insert(0, str(script.parent))
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    return run(args.name, args.bench_args)
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser, token: bool = True) -> None:
@@ -176,11 +155,16 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser(
         "bench",
-        help="run a benchmark (gpu: engine vs transformers with the roofline; serve; soak; cpu; autoscale; "
-        "workloads: mixed, shared-prefix, oversubscribed and long-generation workloads; host: the engine's "
-        "host work per step; offload-bound: what KV offload can gain over recompute)",
-        description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them.",
+        help="run a benchmark (gpu: engine vs transformers with the roofline; serve: the server vs the "
+        "engine alone; soak; cpu; autoscale; workloads: mixed, shared-prefix, oversubscribed and "
+        "long-generation workloads; host: the engine's host work per step; offload-bound: what KV "
+        "offload can gain over recompute; gpu-profile, cpu-profile, kernel-resources; timeline: draw "
+        "`bench gpu --timeline`'s trace)",
+        description="Arguments after NAME go to the benchmark: `tandem bench gpu --help` lists them. "
+        "Results go to bench/results/ in a source checkout, else the current directory.",
     )
+    from tandem.bench import BENCHMARKS
+
     bench.add_argument("name", choices=sorted(BENCHMARKS), nargs="?", default="gpu")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.add_argument("--log-level", default="WARNING")

@@ -1,6 +1,6 @@
-"""The autoscaling simulation (bench/autoscale_sim.py) on short traces and hand-made metric series:
-the pods conserve work, each baseline follows its published algorithm, the trace shapes carry the
-token mix they claim, and the report holds every cell."""
+"""The autoscaling simulation (`tandem bench autoscale`, bench/autoscale/) on short traces and
+hand-made metric series: the pods conserve work, each baseline follows its published algorithm, the
+trace shapes carry the token mix they claim, and the report holds every cell."""
 
 from __future__ import annotations
 
@@ -14,25 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-
-from autoscale import fair, pods  # noqa: E402
-from autoscale.hpa import (  # noqa: E402
+from tandem.bench.autoscale import fair, pods
+from tandem.bench.autoscale.hpa import (
     HorizontalPodAutoscaler,
     Keda,
     KedaScaler,
     external_metric_replicas,
     pods_metric_replicas,
 )
-from autoscale.pods import Cluster  # noqa: E402
-from autoscale.report import markdown  # noqa: E402
-from autoscale.scalers import KnativeLike, MetricHPA, TandemScaler, gpu_util_per_pod  # noqa: E402
-from autoscale.sim import Setup, simulate  # noqa: E402
-from autoscale.trace import SHAPES, TraceConfig, make_trace, shape  # noqa: E402
-
-from tandem.operator.policy import ScalingTargets, decide  # noqa: E402
-from tandem.operator.spec import Scaling  # noqa: E402
+from tandem.bench.autoscale.pods import Cluster
+from tandem.bench.autoscale.report import markdown
+from tandem.bench.autoscale.scalers import KnativeLike, MetricHPA, TandemScaler, gpu_util_per_pod
+from tandem.bench.autoscale.sim import Setup, simulate
+from tandem.bench.autoscale.trace import SHAPES, TraceConfig, make_trace, shape
+from tandem.operator.policy import ScalingTargets, decide
+from tandem.operator.spec import Scaling
 
 
 def run(

@@ -60,8 +60,8 @@ def test_tandem_bench_gpu_smoke_writes_table_json_and_timeline(tmp_path):
     for a, b in zip(compute, compute[1:], strict=False):
         assert a["ts"] + a["dur"] <= b["ts"] + 1  # sync loop on the host clock: steps do not overlap
     draw = subprocess.run(
-        [sys.executable, str(REPO / "bench/timeline.py"), str(trace), "--out", str(png), "--skip", "1",
-         "--steps", "3"], capture_output=True, text=True, timeout=120,
+        [str(Path(sys.executable).with_name("tandem")), "bench", "timeline", str(trace), "--out", str(png),
+         "--skip", "1", "--steps", "3"], capture_output=True, text=True, timeout=120,
     )
     assert draw.returncode == 0, draw.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -74,7 +74,7 @@ def test_tandem_bench_rejects_unknown_benchmark():
 
 
 def test_tandem_bench_gpu_profile_runs_the_profiler_script():
-    """`gpu-profile` maps to bench/profile_gpu.py: its options from the CLI, and on a host without
+    """`gpu-profile` maps to bench/kernels/profile_gpu.py: its options from the CLI, and on a host without
     CUDA a one-line refusal instead of a traceback."""
     tandem = Path(sys.executable).with_name("tandem")
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
@@ -89,7 +89,7 @@ def test_tandem_bench_gpu_profile_runs_the_profiler_script():
 
 
 def test_tandem_bench_kernel_resources_compiles_or_says_what_it_needs(tmp_path):
-    """`kernel-resources` maps to bench/kernel_resources.py: with Triton it compiles the decode
+    """`kernel-resources` maps to bench/kernels/kernel_resources.py: with Triton it compiles the decode
     kernel for sm_90 (no device needed) and reports each configuration; without, one line."""
     tandem = Path(sys.executable).with_name("tandem")
     out = tmp_path / "resources.json"
@@ -104,12 +104,11 @@ def test_tandem_bench_kernel_resources_compiles_or_says_what_it_needs(tmp_path):
         assert run.returncode == 1 and "compiles with Triton" in run.stderr
 
 
-def test_gemm_floor_counts_every_gemm_weight_once(monkeypatch):
+def test_gemm_floor_counts_every_gemm_weight_once():
     """The floor's GEMMs are the engine's: fused projections are one weight of the summed rows."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from gemm_floor import linear_shapes
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tandem.bench.engine.gemm_floor import linear_shapes
     from tandem.service.engine.ops.fused_projections import fuse_projections
 
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -125,11 +124,10 @@ def _held_up_step() -> None:
     time.sleep(0.3)
 
 
-def test_slow_step_stacks_name_where_a_long_step_waited_and_skip_fast_ones(monkeypatch):
+def test_slow_step_stacks_name_where_a_long_step_waited_and_skip_fast_ones():
     """The sampler sees the main thread only inside a step past its threshold: a 300 ms step is
     found in the function that held it up; fast steps leave nothing."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from slow_steps import SlowStepStacks
+    from tandem.bench.engine.slow_steps import SlowStepStacks
 
     steps = SlowStepStacks(after_s=0.05, every_s=0.005)
     steps.start()
@@ -144,11 +142,10 @@ def test_slow_step_stacks_name_where_a_long_step_waited_and_skip_fast_ones(monke
     assert 0.1 <= sum(s["seconds"] for s in seen) <= 0.3
 
 
-def test_profile_sorts_kernels_by_kind(monkeypatch):
+def test_profile_sorts_kernels_by_kind():
     """The GPU profile's grouping: FlashAttention's kernels (their names carry "cutlass") are the
     prefill's attention, not GEMMs."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from profile_gpu import kernel_kind
+    from tandem.bench.kernels.profile_gpu import kernel_kind
 
     flash = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, cutlass::"
     assert kernel_kind(flash) == "prefill attention (FlashAttention)"
@@ -159,13 +156,15 @@ def test_profile_sorts_kernels_by_kind(monkeypatch):
 
 
 def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path):
-    """Both sides run the same requests, through both fronts of one server: every request completes
-    with its tokens, the ratios are theirs."""
+    """Both sides run requests of the same lengths, through both fronts of one server: every request
+    completes with its tokens, the ratios are theirs. Each pass (the engine alone, gRPC, HTTP) sends
+    prompts of its own after a system prompt of its own: the prefix cache holds, for every request,
+    its pass's system prompt (warmed by the pass's warm-up) and nothing another pass sent."""
     out = tmp_path / "serve.json"
     tandem = Path(sys.executable).with_name("tandem")
     proc = subprocess.run(
-        [str(tandem), "bench", "serve", "--smoke", "--front", "both", "--out", str(out),
-         "--workdir", str(tmp_path / "work")],
+        [str(tandem), "bench", "serve", "--smoke", "--front", "grpc,http", "--shared-prefix", "32",
+         "--out", str(out), "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -184,6 +183,24 @@ def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path
         _check_serve_levels(levels, result)
     assert out.with_suffix(".md").read_text().startswith("| level |")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_cached_tokens(result)
+
+
+def _check_cached_tokens(result: dict) -> None:
+    """Two cache blocks of each prompt (the 32-token system prompt) cached, the rest of its 80 not:
+    a prompt another pass had sent would be cached to its last full block."""
+    prefix, own = result["workload"]["shared_prefix"], result["workload"]["prompt"]
+    assert (prefix, own) == (32, 48)
+    passes = {lv["pass"] for lv in result["levels"]}
+    assert len(passes) == 2 and 0 not in passes  # gRPC's and HTTP's; the engine alone's is 0
+    for level in result["levels"]:
+        for side in (level["server"], level["engine"]):
+            assert side["prompt_tokens"] == (prefix + own) * side["completed"]
+            assert side["cached_prompt_tokens"] == prefix * side["completed"]
+    by_pass = result["cached_by_pass"]
+    assert [p["name"].split(",")[0] for p in by_pass] == ["engine alone", "grpc", "http"]
+    for p in by_pass:
+        assert p["cached_prompt_tokens"] * (prefix + own) == p["prompt_tokens"] * prefix > 0
 
 
 def _check_serve_levels(levels: dict, result: dict) -> None:
@@ -239,15 +256,14 @@ def test_tandem_bench_soak_smoke_finds_the_server_correct(tmp_path, tiny_model_d
     assert "| unexpected_errors | 0 |" in out.with_suffix(".md").read_text()
 
 
-def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
+def test_soak_checks_tell_the_soaks_own_cancels_from_faults():
     """The soak's checks flag a lost token, a repeated final response, a probe answer with a piece
     missing, and statuses the soak did not cause; its own cancels and deadlines pass."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
     from dataclasses import asdict
 
-    from soak_outcome import Outcome
-    from soak_report import check, targets
-    from soak_workload import SoakRequest
+    from tandem.bench.soak.outcome import Outcome
+    from tandem.bench.soak.report import check, targets
+    from tandem.bench.soak.workload import SoakRequest
 
     cases = [  # (request, outcome)
         (SoakRequest(0, "native_stream", "p", 4), Outcome(0, "native_stream", tokens=3, completion_tokens=4,
@@ -287,11 +303,10 @@ def test_soak_checks_tell_the_soaks_own_cancels_from_faults(monkeypatch):
     assert got["probe_answers_differing"]["correctness"] is False and got["leaked_kv_blocks"]["met"]
 
 
-def test_soak_plan_is_seeded_and_shared_kserve_calls_cancel_together(monkeypatch):
+def test_soak_plan_is_seeded_and_shared_kserve_calls_cancel_together():
     """The same seed gives the same requests; about the asked share is cancelled; requests riding
     another's KServe stream follow it and share its client-side cancel."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from soak_workload import KINDS, Mix, as_dicts, calls, plan
+    from tandem.bench.soak.workload import KINDS, Mix, as_dicts, calls, plan
 
     requests = as_dicts(plan(2000, Mix(), seed=3))
     assert requests == as_dicts(plan(2000, Mix(), seed=3)) != as_dicts(plan(2000, Mix(), seed=4))
@@ -436,3 +451,101 @@ def _bench(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
+
+
+def test_tandem_bench_resolves_every_name_to_the_main_of_its_module(capsys):
+    """Every `tandem bench NAME` imports a module of the tandem.bench package (no script path: it
+    runs from an installed wheel) and calls its main(argv), whose usage names the command."""
+    from tandem.bench import BENCHMARKS, main_of
+
+    assert {"gpu", "serve", "soak", "workloads", "host", "autoscale"} <= set(BENCHMARKS)
+    for name, module in BENCHMARKS.items():
+        main = main_of(name)
+        assert callable(main) and main.__module__ == f"tandem.bench.{module}"
+        with pytest.raises(SystemExit) as exit_:
+            main(["--help"])
+        assert exit_.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: tandem bench {name} ")
+
+
+def test_result_files_are_named_by_date_gpu_benchmark_and_shape(tmp_path, monkeypatch):
+    """`<date>_<gpu>_<benchmark>_<shape>.json` in bench/results/ of a checkout (the current directory
+    outside one); every record states the command line, the date, the GPU and the commit."""
+    import datetime
+
+    from tandem.bench import record
+    from tandem.bench.record import ResultFile, short_gpu
+
+    names = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "cpu")
+    assert [short_gpu(n) for n in names] == ["h100", "h200", "a100", "cpu"]
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    result = ResultFile("offload-bound", ["--smoke"], "cpu", "8b")
+    assert result.path == REPO / "bench" / "results" / f"{today}_cpu_offload-bound_8b.json"
+    result = ResultFile("serve", ["--shape", "8b"], "cpu", "8b-fixed-grpc+http", folder=tmp_path)
+    assert result.path == tmp_path / f"{today}_cpu_serve_8b-fixed-grpc+http.json"
+    assert ResultFile("x", [], "cpu", "a_b", folder=tmp_path).path.name == f"{today}_cpu_x_a-b.json"
+    written = json.loads(result.write({"benchmark": "serve", "levels": []}, markdown="| level |").read_text())
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert written["command"] == "tandem bench serve --shape 8b"
+    assert (written["date"], written["gpu"], written["commit"].removesuffix("+dirty")) == (today, "cpu", head)
+    assert written["environment"]["cpu_cores"] >= 1 and written["levels"] == []
+    assert result.path.with_suffix(".md").read_text() == "| level |\n"
+    with pytest.raises(AssertionError):  # the facts are the writer's alone
+        result.write({"date": "yesterday"})
+    monkeypatch.setattr(record, "RESULTS", tmp_path / "no-results")  # as installed from a wheel
+    monkeypatch.chdir(tmp_path)
+    outside = ResultFile("gpu", [], "cpu", "8b-32x256")
+    assert outside.path == tmp_path / f"{today}_cpu_gpu_8b-32x256.json"
+    version = record.versions("tandem")["tandem"]
+    assert json.loads(outside.write({}).read_text())["commit"] == f"tandem {version}"
+
+
+def test_serve_passes_send_prompts_of_their_own_of_the_same_lengths():
+    """`tandem bench serve` gives the engine alone and each front its own pass: the same lengths level
+    by level, and no 16-token block at the start of any prompt (warm-up included) that another pass
+    sends; within a pass, every request starts with the pass's system prompt, then tokens no other
+    level of the pass sends. `--front both` is `grpc,http`."""
+    from tandem.bench.serve.benchmark import make_pass, parse_args
+
+    block = 16
+
+    def starts(p, skip: int = 0) -> list[tuple[int, ...]]:
+        levels = [*p.levels, p.warmup]
+        return [tuple(j["prompt_ids"][skip : skip + block]) for lv in levels for j in lv["jobs"]]
+
+    for shared in (0, 32):
+        a = parse_args(["--shape", "tiny", "--concurrency", "1,4", "--request-rate", "2,8",
+                        "--num-prompts", "6", "--prompt", "40", "--shared-prefix", str(shared)])
+        passes = [make_pass(a, 512, 2048, n, f"pass {n}") for n in range(3)]
+
+        def lengths(p):
+            return [[(len(j["prompt_ids"]), j["max_tokens"], j["at"]) for j in lv["jobs"]] for lv in p.levels]
+
+        assert lengths(passes[0]) == lengths(passes[1]) == lengths(passes[2])
+        for i, p in enumerate(passes):
+            for q in passes[i + 1:]:
+                assert not set(starts(p)) & set(starts(q))
+            own = starts(p, skip=shared)  # past the system prompt: every request's own
+            assert len(set(own)) == len(own)
+            if shared:
+                assert len({tuple(j["prompt_ids"][:shared]) for lv in p.levels for j in lv["jobs"]}) == 1
+    assert parse_args(["--shape", "tiny", "--front", "both"]).front == ["grpc", "http"]
+    assert parse_args(["--shape", "tiny", "--front", "http,grpc"]).front == ["http", "grpc"]
+    with pytest.raises(SystemExit):
+        parse_args(["--shape", "tiny", "--front", "grpc,rest"])
+
+
+def test_benchmarks_run_without_the_cli_and_from_a_checkout_not_installed(tmp_path):
+    """`python -m tandem.bench NAME` runs a benchmark without the CLI's settings and gRPC, and
+    `python bench NAME` runs it from the checkout's own folders (as on a GPU host with only torch
+    and transformers, Tandem not installed)."""
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    for how in (["-m", "tandem.bench"], [str(REPO / "bench")]):
+        out = tmp_path / f"offload{len(how)}.json"
+        proc = subprocess.run([sys.executable, *how, "offload-bound", "--smoke", "--out", str(out)],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads(out.read_text())
+        assert report["benchmark"] == "offload_bound" and len(report["shapes"]) == 2
+        assert report["command"] == f"tandem bench offload-bound --smoke --out {out}"

@@ -100,7 +100,7 @@ def _check_kernel(
     # split blocks), a merge in one warp per program, merges of several heads per program (fewer
     # than a sequence's or not dividing them), the step's own token after the loop, and a
     # one-split sequence's output written by its program, the merge skipping it (the sweeps':
-    # bench/profile_gpu.py)
+    # bench/kernels/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
              KernelConfig(merge_heads=32, merge_warps=2),
              KernelConfig(tile=64, stages=2, new_after_loop=True),
@@ -108,7 +108,7 @@ def _check_kernel(
              KernelConfig(tile=64, single_split_direct=True),
              KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, merge_heads=4)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
-    # and a split of other than the engine's tokens (the grid sweep's: bench/profile_gpu.py)
+    # and a split of other than the engine's tokens (the grid sweep's: bench/kernels/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:
         for config in configs:
             k_run, v_run = k_cache.clone(), v_cache.clone()  # clone keeps the layout's strides
@@ -255,19 +255,16 @@ def test_kernel_addresses_blocks_past_two_billion_elements():
 
 
 @pytest.mark.parametrize("new_after_loop", [False, True])
-def test_kernel_resources_equal_the_launched_kernels(monkeypatch, new_after_loop):
-    """bench/kernel_resources.py compiles the split kernel for sm_90 with no device at hand: for the
-    configuration a 64-row decode step launches (one split, its own K/V written and rotated) its
+def test_kernel_resources_equal_the_launched_kernels(new_after_loop):
+    """`tandem bench kernel-resources` compiles the split kernel for sm_90 with no device at hand: for
+    the configuration a 64-row decode step launches (one split, its own K/V written and rotated) its
     registers and shared memory equal those of the kernel launched here."""
-    from pathlib import Path
-
     from tandem.service.engine.ops import triton_decode
     from tandem.service.engine.ops.decode_grid import kernel_config
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the report compiles for sm_90 (H100, H200)")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    from kernel_resources import LAUNCHES, compiled
+    from tandem.bench.kernels.kernel_resources import LAUNCHES, compiled
 
     g = torch.Generator(device="cuda").manual_seed(3)
     batch, heads, kv_heads, head_dim, block, width = 64, 32, 8, 128, 16, 8
@@ -301,17 +298,13 @@ def test_kernel_resources_equal_the_launched_kernels(monkeypatch, new_after_loop
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("batch, heads, kv_heads, head_dim, max_len",
                          [(64, 32, 8, 128, 700), (5, 14, 2, 64, 300)])
-def test_decode_anatomy_whole_loop_parts_attend_as_the_engine(monkeypatch, layout, batch, heads, kv_heads,
-                                                              head_dim, max_len):
-    """The profile's anatomy kernel (bench/decode_anatomy.py): its whole-loop parts, in every tile
-    and warp count it times, give the engine kernel's attention at one split in bf16, so the times
+def test_decode_anatomy_whole_loop_parts_attend_as_the_engine(layout, batch, heads, kv_heads, head_dim,
+                                                              max_len):
+    """The profile's anatomy kernel (bench/kernels/decode_anatomy.py): its whole-loop parts, in every
+    tile and warp count it times, give the engine kernel's attention at one split in bf16, so the times
     it reports are of the same work; and its read part adds up each context's K and V."""
-    from pathlib import Path
-
+    from tandem.bench.kernels.decode_anatomy import WHOLE_LOOP, parts, run_part
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    from decode_anatomy import WHOLE_LOOP, parts, run_part
 
     g = torch.Generator(device="cuda").manual_seed(batch)
     block = 16

@@ -1,5 +1,7 @@
-"""The shape of the house, read from the code's own imports: no import cycle anywhere, the fronts and
-the supervisor import nothing of the engine, and the contract between the processes imports no torch.
+"""The shape of the house, read from the code's own imports: no import cycle anywhere (service,
+operator, CLI and benchmarks), the engine's math (engine/ops/) never imports the control code around
+it, the fronts and the supervisor import nothing of the engine, and the contract between the processes
+imports no torch.
 
 Imports are read with `ast`, module level and inside functions alike (a cycle through a lazy import
 is still a cycle of concepts), except for what a process loads: the supervisor's entry points
@@ -21,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "tandem.service": REPO / "service",
     "tandem.operator": REPO / "operator",
+    "tandem.bench": REPO / "bench",
     "tandem": REPO / "tandem",
 }
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
@@ -140,6 +143,7 @@ def test_the_walk_reads_real_imports(graph):
     """The walk sees the arrows it must judge: a test that found none would pass on anything."""
     assert "tandem.service.contract" in graph["tandem.service.server.engine_client"]
     assert "tandem.service.engine.scheduler" in graph["tandem.service.engine.engine_core"]
+    assert "tandem.bench.engine.harness" in graph["tandem.bench.workloads.timed_run"]
     annotation_only = "tandem.service.server.request_stream"
     assert annotation_only not in graph["tandem.service.telemetry.requests"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -147,6 +151,15 @@ def test_the_walk_reads_real_imports(graph):
 
 def test_no_import_cycle(graph):
     assert _cycles(graph) == []
+
+
+def test_the_engines_math_imports_nothing_of_the_control_code(graph):
+    """engine/ops/ (kernels, attention, the cache) and engine/ (scheduler, runner, loop) point one way."""
+    ops = [m for m in graph if m.startswith("tandem.service.engine.ops")]
+    assert "tandem.service.engine.ops.triton_decode" in ops
+    for name in ops:
+        outside = {m for m in graph[name] if not m.startswith("tandem.service.engine.ops")}
+        assert not outside, f"{name} imports {outside}"
 
 
 def _reach(graph: dict[str, set[str]], start: str) -> set[str]:

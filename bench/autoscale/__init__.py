@@ -1,1 +1,1 @@
-"""The autoscaling simulation of bench/autoscale_sim.py: trace, pods, scalers."""
+"""The autoscaling simulation of `tandem bench autoscale` (compare.py): trace, pods, scalers."""

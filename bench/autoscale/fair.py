@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-from autoscale.scalers import (
+from tandem.bench.autoscale.scalers import (
     KedaQueue,
     KnativeLike,
     MetricHPA,
@@ -29,8 +29,8 @@ from autoscale.scalers import (
     gpu_util_per_pod,
     running_per_pod,
 )
-from autoscale.sim import Run, Setup, simulate
-from autoscale.trace import make_trace, shape
+from tandem.bench.autoscale.sim import Run, Setup, simulate
+from tandem.bench.autoscale.trace import make_trace, shape
 from tandem.operator.policy import ScalingTargets
 from tandem.operator.spec import parse_spec
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from autoscale.fair import BY_NAME, SLO_ATTAINMENT, Cell
-from autoscale.sim import Run
+from tandem.bench.autoscale.fair import BY_NAME, SLO_ATTAINMENT, Cell
+from tandem.bench.autoscale.sim import Run
 
 
 def _pct(x: float) -> str:

@@ -23,8 +23,14 @@ from itertools import islice
 
 import numpy as np
 
-from autoscale.hpa import SYNC_PERIOD_S, HorizontalPodAutoscaler, Keda, KedaScaler, pods_metric_replicas
-from autoscale.pods import TTFT_BUCKETS, Snapshot
+from tandem.bench.autoscale.hpa import (
+    SYNC_PERIOD_S,
+    HorizontalPodAutoscaler,
+    Keda,
+    KedaScaler,
+    pods_metric_replicas,
+)
+from tandem.bench.autoscale.pods import TTFT_BUCKETS, Snapshot
 from tandem.operator.histogram import histogram_quantile
 from tandem.operator.policy import MetricsWindow, ScalingState, ScalingTargets, batch_fill, decide
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoscale.pods import TTFT_BUCKETS, Cluster
-from autoscale.scalers import Scaler, TandemScaler
-from autoscale.trace import Trace
+from tandem.bench.autoscale.pods import TTFT_BUCKETS, Cluster
+from tandem.bench.autoscale.scalers import Scaler, TandemScaler
+from tandem.bench.autoscale.trace import Trace
 from tandem.operator.histogram import histogram_quantile
 
 

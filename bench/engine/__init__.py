@@ -1,0 +1,1 @@
+"""The engine core in-process: `tandem bench gpu`, `cpu`, `cpu-profile`, `host`, and their harness."""

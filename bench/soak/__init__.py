@@ -1,0 +1,1 @@
+"""The server under long, messy load: `tandem bench soak`."""
