@@ -49,7 +49,10 @@ def cpu_model() -> str:
 
 def commit() -> str:
     """The checkout's commit, '+dirty' when service/ has uncommitted changes; outside a checkout (or
-    without git), the installed package's version."""
+    without git), the installed package's version. TANDEM_BENCH_COMMIT names it for a copy of a
+    checkout that has no git history (a tree copied to a GPU host)."""
+    if given := os.environ.get("TANDEM_BENCH_COMMIT"):
+        return given
     if in_checkout():
         try:
 
