@@ -1,13 +1,15 @@
-"""Shared fixtures: the real embedded model, tiny random models of each family, a real server."""
+"""Shared fixtures: the real embedded model, tiny random models of each family, real servers."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from serverproc import TINY_SERVER_FLAGS, ServerFactory
 
 from tandem.service.models.default_model import default_gguf_path
 from tandem.service.models.loader import convert_gguf, default_cache_dir
@@ -74,29 +76,40 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def tiny_server_http_port() -> int:
-    from serverproc import free_port
+def shared_servers(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+    """The servers modules share (`serve(..., shared=True)`, tiny_server): one per set of settings,
+    started when first asked for and stopped at the end of the session."""
+    folder = functools.partial(tmp_path_factory.mktemp, "shared-server")
+    with ServerFactory(tiny_model_dir, folder) as factory:
+        yield factory
 
-    return free_port()
+
+@pytest.fixture(scope="module")
+def serve(
+    tiny_model_dir,
+    shared_servers: ServerFactory,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[ServerFactory]:
+    """The factory of real `tandem serve` processes on loopback (serverproc.ServerFactory): a module
+    declares the server it needs, e.g. `serve("--num-kv-blocks", "32", http=True, metrics=True)`,
+    and gets a serverproc.LiveServer that runs until the module ends; `serve.started(...)` gives one
+    for a `with` block, `serve(..., shared=True)` the session's server of those settings."""
+    name = request.module.__name__.removeprefix("test_")
+    folder = functools.partial(tmp_path_factory.mktemp, f"{name}-server")
+    with ServerFactory(tiny_model_dir, folder, shared_servers) as factory:
+        yield factory
 
 
 @pytest.fixture(scope="session")
-def tiny_server(
-    tiny_model_dir, tiny_server_http_port: int, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """One real `tandem serve` of the tiny llama (serverproc.TINY_SERVER_*, defaults otherwise, and the
-    OpenAI HTTP API on tiny_server_http_port), shared by the modules whose tests only need a server
-    that serves: a start costs 10-15 s on two cores. Yields its gRPC address."""
-    from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, running_server
-
-    log = tmp_path_factory.mktemp("tiny-server") / "server.log"
-    flags = ("--model-name", TINY_SERVER_MODEL, "--num-kv-blocks", str(TINY_SERVER_KV_BLOCKS))
-    flags += ("--http-port", str(tiny_server_http_port))
-    with running_server(tiny_model_dir("llama"), *flags, log=log) as (address, _proc):
-        yield address
+def tiny_server(shared_servers: ServerFactory) -> str:
+    """The session's shared server of the tiny llama (serverproc.TINY_SERVER_*, defaults otherwise,
+    and the OpenAI HTTP API on), for the modules whose tests only need a server that serves: a start
+    costs 10-15 s on two cores. Its gRPC address."""
+    return shared_servers(*TINY_SERVER_FLAGS, http=True, shared=True).address
 
 
 @pytest.fixture(scope="session")
-def tiny_server_http(tiny_server: str, tiny_server_http_port: int) -> str:
-    """The shared server's OpenAI HTTP API: its base URL (http://127.0.0.1:PORT)."""
-    return f"http://127.0.0.1:{tiny_server_http_port}"
+def tiny_server_http(shared_servers: ServerFactory) -> str:
+    """The shared tiny server's OpenAI HTTP API: its base URL (http://127.0.0.1:PORT)."""
+    return shared_servers(*TINY_SERVER_FLAGS, http=True, shared=True).http_url

@@ -1,4 +1,9 @@
-"""Run a real `tandem serve` process on loopback for tests, and wait until it is SERVING."""
+"""Run real `tandem serve` processes on loopback for tests, and wait until they are SERVING.
+
+`ServerFactory` is what test modules use (conftest's `serve` and `shared_servers` fixtures): it
+starts a server for a set of settings and stops it when its scope ends. `running_server` is the
+one process underneath.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.health import wait_serving
@@ -20,6 +26,7 @@ from tandem.v1 import tandem_pb2_grpc as pb_grpc
 # KV blocks, every other setting the default. Modules that need nothing else talk to it.
 TINY_SERVER_MODEL = "tiny-llama"
 TINY_SERVER_KV_BLOCKS = 256
+TINY_SERVER_FLAGS = ("--model-name", TINY_SERVER_MODEL, "--num-kv-blocks", str(TINY_SERVER_KV_BLOCKS))
 
 
 def free_port() -> int:
@@ -161,3 +168,106 @@ def wait_gone(pids: set[int], timeout: float) -> set[int]:
     while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that tells two test servers apart; a factory's shared servers are keyed by it.
+    Ports are not part of it: the factory picks free ones at each start."""
+
+    flags: tuple[str, ...] = ()
+    model: str | None = "llama"  # a family of conftest.tiny_model_dir; None: the embedded default model
+    env: tuple[tuple[str, str], ...] = ()  # variables added to the server's environment
+    http: bool = False  # the OpenAI HTTP API on a port of its own
+    metrics: bool = False  # /metrics on a port of its own
+    health: bool = False  # plaintext health on a port of its own, waited on (the way to wait on TLS)
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    """A started `tandem serve`: where to reach it, its supervisor process and its log."""
+
+    address: str  # gRPC, 127.0.0.1:PORT
+    proc: subprocess.Popen
+    log: Path
+    http_port: int | None = None
+    metrics_port: int | None = None
+    health_port: int | None = None
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI HTTP API's base URL, http://127.0.0.1:PORT (without /v1)."""
+        assert self.http_port is not None, "started without http=True"
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        assert self.metrics_port is not None, "started without metrics=True"
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+class ServerFactory:
+    """`factory(*flags, **settings)` starts a `tandem serve` that runs until the factory closes;
+    `factory.started(*flags, **settings)` one for a `with` block (a test that stops or kills its
+    server). The settings are ServerSpec's (`env` a mapping). `shared=True` asks `shared_with` (or
+    this factory) for the one server of those settings, started by the first to ask and kept until
+    it closes: only for tests that change nothing another user could see (counters, cache
+    contents, the files it reads), and that assert nothing on such things themselves."""
+
+    def __init__(
+        self,
+        model_dir: Callable[[str], Path],
+        folder: Callable[[], Path],
+        shared_with: ServerFactory | None = None,
+    ) -> None:
+        self._model_dir, self._folder, self._shared_with = model_dir, folder, shared_with
+        self._stack = contextlib.ExitStack()
+        self._kept: dict[ServerSpec, LiveServer] = {}
+
+    def __enter__(self) -> ServerFactory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __call__(
+        self,
+        *flags: str,
+        model: str | None = "llama",
+        env: Mapping[str, str] | None = None,
+        http: bool = False,
+        metrics: bool = False,
+        health: bool = False,
+        shared: bool = False,
+    ) -> LiveServer:
+        spec = ServerSpec(flags, model, tuple(sorted((env or {}).items())), http, metrics, health)
+        if not shared:
+            return self._stack.enter_context(self._run(spec))
+        keeper = self._shared_with or self
+        if spec not in keeper._kept:
+            keeper._kept[spec] = keeper._stack.enter_context(keeper._run(spec))
+        return keeper._kept[spec]
+
+    def started(
+        self,
+        *flags: str,
+        model: str | None = "llama",
+        env: Mapping[str, str] | None = None,
+        http: bool = False,
+        metrics: bool = False,
+        health: bool = False,
+    ) -> contextlib.AbstractContextManager[LiveServer]:
+        return self._run(ServerSpec(flags, model, tuple(sorted((env or {}).items())), http, metrics, health))
+
+    @contextlib.contextmanager
+    def _run(self, spec: ServerSpec) -> Iterator[LiveServer]:
+        http, metrics, health = (free_port() if on else None for on in (spec.http, spec.metrics, spec.health))
+        flags = list(spec.flags)
+        if http is not None:
+            flags += ["--http-port", str(http)]
+        if metrics is not None:
+            flags += ["--metrics-port", str(metrics)]
+        model = None if spec.model is None else self._model_dir(spec.model)
+        log = self._folder() / "server.log"
+        with running_server(model, *flags, log=log, env=dict(spec.env), health_port=health) as started:
+            yield LiveServer(*started, log, http, metrics, health)

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serverproc import running_server
+from serverproc import ServerFactory
 
 if "tandem.kserve.grpc_service_pb2" in sys.modules:  # pragma: no cover - a guard for the whole suite
     raise ImportError("tandem.kserve is imported in this process; tritonclient's protos would clash with it")
@@ -54,25 +54,23 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("bad-input-server") / "server.log"
-    flags = (
+def server(serve: ServerFactory) -> Iterator[Server]:
+    live = serve(
         "--model-name", MODEL_NAME,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-message-bytes", str(MAX_MESSAGE_BYTES),
         "--max-stop-strings", str(MAX_STOP_STRINGS),
         "--num-kv-blocks", "64",
     )  # fmt: skip
-    with running_server(tiny_model_dir("llama"), *flags, log=log) as (address, proc):
-        with grpc.insecure_channel(address) as channel:
-            native = pb_grpc.TandemStub(channel)
-            kserve = tc.InferenceServerClient(url=address)
-            vocab = native.GetModelInfo(pb.ModelInfoRequest(), timeout=TIMEOUT).vocab_size
-            try:
-                raw = kpb_grpc.GRPCInferenceServiceStub(channel)
-                yield Server(address, proc, native, kserve, raw, vocab, log)
-            finally:
-                kserve.close()
+    with grpc.insecure_channel(live.address) as channel:
+        native = pb_grpc.TandemStub(channel)
+        kserve = tc.InferenceServerClient(url=live.address)
+        vocab = native.GetModelInfo(pb.ModelInfoRequest(), timeout=TIMEOUT).vocab_size
+        try:
+            raw = kpb_grpc.GRPCInferenceServiceStub(channel)
+            yield Server(live.address, live.proc, native, kserve, raw, vocab, live.log)
+        finally:
+            kserve.close()
 
 
 # -- native API ---------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 import tritonclient.grpc as tc
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serverproc import free_port, running_server
+from serverproc import ServerFactory
 
 from tandem.service.server.cache_scope import SHARED, cache_scope
 from tandem.service.server.context import ModelContext
@@ -37,14 +36,11 @@ BLOCK = 16  # the server's KV block size (the default)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    folder = tmp_path_factory.mktemp("scoped")
-    tokens = folder / "tokens"
+def server(serve: ServerFactory, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, int]:
+    tokens = tmp_path_factory.mktemp("scoped") / "tokens"
     tokens.write_text(f"{TENANT_A}\n{TENANT_B}\n")
-    http_port = free_port()
-    args = ["--model-name", MODEL_NAME, "--auth-token-file", str(tokens), "--http-port", str(http_port)]
-    with running_server(tiny_model_dir("llama"), *args, log=folder / "server.log") as (address, _):
-        yield address, http_port
+    live = serve("--model-name", MODEL_NAME, "--auth-token-file", str(tokens), http=True)
+    return live.address, live.http_port
 
 
 def _prompt(topic: str) -> str:

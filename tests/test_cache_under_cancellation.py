@@ -25,7 +25,7 @@ import pytest
 import torch
 from engine_harness import hf_greedy
 from prometheus_samples import scrape, value
-from serverproc import free_port, running_server, wait_idle
+from serverproc import ServerFactory, wait_idle
 from transformers import AutoModelForCausalLM
 
 from tandem.v1 import tandem_pb2 as pb
@@ -49,26 +49,22 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("pressed") / "server.log"
-    http_port, metrics_port = free_port(), free_port()
-    flags = [
+def server(serve: ServerFactory) -> Server:
+    live = serve(
         "--model-name", MODEL,
         "--num-kv-blocks", str(NUM_BLOCKS),
         "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-offload-gib", "0.0002",  # 26 blocks of this model's K/V: room for some preemptions only
         "--max-num-batched-tokens", "32",  # prompts prefill in several chunks: cancellable mid-prefill
         "--step-loop", "async",  # the CUDA default: step N+1 is scheduled before step N's tokens are in
-        "--http-port", str(http_port),
-        "--metrics-port", str(metrics_port),
-    ]  # fmt: skip
-    with running_server(tiny_model_dir("llama"), *flags, log=log) as (address, _proc):
-        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        deadline = time.monotonic() + 30
-        while HITS not in scrape(metrics_url):  # the engine's first report has not come yet
-            assert time.monotonic() < deadline, "no prefix-cache counters on /metrics"
-            time.sleep(0.2)
-        yield Server(address, f"http://127.0.0.1:{http_port}/v1", metrics_url, log)
+        http=True,
+        metrics=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while HITS not in scrape(live.metrics_url):  # the engine's first report has not come yet
+        assert time.monotonic() < deadline, "no prefix-cache counters on /metrics"
+        time.sleep(0.2)
+    return Server(live.address, f"{live.http_url}/v1", live.metrics_url, live.log)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import free_port, running_server, wait_idle
+from serverproc import ServerFactory, wait_idle
 
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -48,16 +48,13 @@ def seconds_per_token(stub: pb_grpc.TandemStub) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    log = tmp_path_factory.mktemp("deadlines") / "server.log"
-    metrics = free_port()
-    with running_server(
-        tiny_model_dir("llama"), "--model-name", MODEL, "--request-timeout-s", str(SERVER_BOUND_S),
-        "--max-num-seqs", "1", "--metrics-port", str(metrics), log=log,
-    ) as (address, _proc):  # fmt: skip
-        yield address, f"http://127.0.0.1:{metrics}/metrics"
-        text = log.read_text()  # every deadline above ended with its status, none with a traceback
-        assert "Traceback" not in text and "ExecuteBatchError" not in text, text[-5000:]
+def server(serve: ServerFactory) -> Iterator[tuple[str, str]]:
+    live = serve(
+        "--model-name", MODEL, "--request-timeout-s", str(SERVER_BOUND_S), "--max-num-seqs", "1", metrics=True
+    )  # fmt: skip
+    yield live.address, live.metrics_url
+    text = live.log.read_text()  # every deadline above ended with its status, none with a traceback
+    assert "Traceback" not in text and "ExecuteBatchError" not in text, text[-5000:]
 
 
 def test_the_server_bound_ends_a_long_stream_and_frees_its_blocks(server):

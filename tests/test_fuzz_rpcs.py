@@ -17,7 +17,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serverproc import running_server
+from serverproc import ServerFactory
 from tritonclient.grpc import service_pb2 as kpb
 from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 
@@ -64,11 +64,9 @@ FOREVER = {"/grpc.health.v1.Health/Watch"}  # answers, then stays open: one mess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
-    args = ["--model-name", MODEL_NAME, "--max-model-len", "64", "--num-kv-blocks", "64"]
-    with running_server(tiny_model_dir("llama"), *args, log=log) as (address, _proc):
-        yield address, log
+def server(serve: ServerFactory) -> tuple[str, Path]:
+    live = serve("--model-name", MODEL_NAME, "--max-model-len", "64", "--num-kv-blocks", "64")
+    return live.address, live.log
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from serverproc import free_port, peer_ports, pod_pids, running_server
+from serverproc import ServerFactory, peer_ports, pod_pids
 
 if "tandem.kserve.grpc_service_pb2" in sys.modules:  # pragma: no cover - a guard for the whole suite
     raise ImportError("tandem.kserve is imported in this process; tritonclient's protos would clash with it")
@@ -51,14 +51,11 @@ class Pod:
 
 
 @pytest.fixture(scope="module")
-def pod(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    log = tmp_path_factory.mktemp("kserve-stats") / "server.log"
-    http_port = free_port()
-    flags = ("--model-name", MODEL, "--api-processes", str(FRONTS), "--http-port", str(http_port))
-    with running_server(tiny_model_dir("llama"), *flags, log=log) as (address, proc):
-        _, fronts = pod_pids(log)
-        assert len(fronts) == FRONTS
-        yield Pod(address, http_port, fronts, proc)
+def pod(serve: ServerFactory) -> Pod:
+    live = serve("--model-name", MODEL, "--api-processes", str(FRONTS), http=True)
+    _, fronts = pod_pids(live.log)
+    assert len(fronts) == FRONTS
+    return Pod(live.address, live.http_port, fronts, live.proc)
 
 
 @pytest.fixture(scope="module")

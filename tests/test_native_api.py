@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, free_port, running_server, wait_idle
+from serverproc import TINY_SERVER_KV_BLOCKS, TINY_SERVER_MODEL, ServerFactory, wait_idle
 from transformers import AutoTokenizer
 
 from tandem.service.models.loader import default_cache_dir
@@ -382,13 +382,11 @@ def test_client_deadline_frees_kv_blocks(stub: pb_grpc.TandemStub) -> None:
 # -- the real model -----------------------------------------------------------------------------
 
 
-def test_real_model_knows_the_capital_of_france(smol_dir: Path, tmp_path: Path) -> None:
+def test_real_model_knows_the_capital_of_france(smol_dir: Path, serve: ServerFactory) -> None:
     """The embedded model, over the native API and (the same server) the published openai client."""
     cache = Path(os.environ.get("TANDEM_TEST_CACHE", default_cache_dir()))
-    http_port = free_port()
-    flags = ("--cache-dir", str(cache), "--http-port", str(http_port))
-    with running_server(None, *flags, log=tmp_path / "server.log") as (address, _proc):
-        with grpc.insecure_channel(address) as channel:
+    with serve.started("--cache-dir", str(cache), model=None, http=True) as live:
+        with grpc.insecure_channel(live.address) as channel:
             real = pb_grpc.TandemStub(channel)
             info = real.GetModelInfo(pb.ModelInfoRequest(), timeout=TIMEOUT)
             assert info.model == "smollm2-135m-instruct"
@@ -404,7 +402,7 @@ def test_real_model_knows_the_capital_of_france(smol_dir: Path, tmp_path: Path) 
             assert "<|im_end|>" not in resp.text
             streamed = merge(stream_all(real, req))[0]
             assert streamed == resp.text
-        _real_model_over_openai(http_port)
+        _real_model_over_openai(live.http_port)
 
 
 def _real_model_over_openai(http_port: int) -> None:

@@ -17,14 +17,13 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import descendants, free_port, peer_ports, pod_pids, running_server, wait_gone
+from serverproc import ServerFactory, descendants, free_port, peer_ports, pod_pids, wait_gone
 
 from tandem.health import wait_serving
 from tandem.service.api_processes import auto_api_processes
@@ -76,15 +75,12 @@ def http_post(port: int, body: dict, conn: http.client.HTTPConnection | None = N
 
 
 @pytest.fixture(scope="module")
-def pod(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    log = tmp_path_factory.mktemp("fronts") / "server.log"
-    metrics_port, http_port = free_port(), free_port()
-    with running_server(
-        tiny_model_dir("llama"), "--api-processes", str(FRONTS), "--max-waiting-requests", "2",
-        "--max-num-seqs", "2", "--stream-interval", "5", "--metrics-port", str(metrics_port),
-        "--http-port", str(http_port), log=log,
-    ) as (address, proc):  # fmt: skip
-        yield Pod(address, proc, log, f"http://127.0.0.1:{metrics_port}/metrics", http_port)
+def pod(serve: ServerFactory) -> Pod:
+    live = serve(
+        "--api-processes", str(FRONTS), "--max-waiting-requests", "2", "--max-num-seqs", "2",
+        "--stream-interval", "5", metrics=True, http=True,
+    )  # fmt: skip
+    return Pod(live.address, live.proc, live.log, live.metrics_url, live.http_port)
 
 
 def test_every_front_serves_on_the_one_port_and_is_counted_once(pod: Pod):
@@ -243,10 +239,9 @@ def test_a_stream_interval_coalesces_and_delivers_every_token_once_in_order(pod:
 # -- a process dies ------------------------------------------------------------------------------
 
 
-def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(tiny_model_dir, tmp_path):
-    log = tmp_path / "server.log"
-    http_port = free_port()
-    with running_server(tiny_model_dir("llama"), "--http-port", str(http_port), log=log) as (address, proc):
+def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(serve: ServerFactory):
+    with serve.started(http=True) as live:
+        address, proc, log, http_port = live.address, live.proc, live.log, live.http_port
         engine, _ = pod_pids(log)
         with grpc.insecure_channel(address) as ch:
             health = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
@@ -289,11 +284,11 @@ def test_a_dead_engine_ends_streams_unavailable_turns_health_down_and_exits_1(ti
     assert "the engine process ended" in log.read_text()
 
 
-def test_a_default_server_sizes_its_fronts_and_a_killed_supervisor_ends_them(tiny_model_dir, tmp_path):
+def test_a_default_server_sizes_its_fronts_and_a_killed_supervisor_ends_them(serve: ServerFactory):
     """`--api-processes auto`, the default, as its rule says for this host (the engine on the CPU: 1);
     then the supervisor is killed, and its processes go with it."""
-    log = tmp_path / "server.log"
-    with running_server(tiny_model_dir("llama"), log=log) as (address, proc):
+    with serve.started() as live:
+        proc, log = live.proc, live.log
         engine, fronts = pod_pids(log)
         expected = auto_api_processes(usable_cores(), on_cuda=False)
         assert len(fronts) == expected

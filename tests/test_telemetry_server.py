@@ -26,7 +26,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_samples import scrape, value
-from serverproc import free_port, running_server
+from serverproc import ServerFactory
 
 # KServe requests are built from tritonclient's stubs: other modules of the suite import tritonclient,
 # whose `inference.*` protos clash with tandem.kserve's in one process
@@ -155,33 +155,29 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(serve: ServerFactory) -> Iterator[Served]:
     traces, otlp_metrics = TraceReceiver(), MetricsReceiver()
     receiver = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(traces, receiver)
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(otlp_metrics, receiver)
     otlp_port = receiver.add_insecure_port("127.0.0.1:0")
     receiver.start()
-    metrics_port, http_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("telemetry-server") / "server.log"
     try:
-        with running_server(
-            tiny_model_dir("llama"),
+        with serve.started(  # stopped before the receiver: its last exports still find one
             "--model-name", MODEL,
             "--num-kv-blocks", "256",
             "--kv-offload-gib", "0.01",  # a host pool of 1,310 blocks of this model's K/V
-            "--metrics-port", str(metrics_port),
             "--otlp-endpoint", f"http://127.0.0.1:{otlp_port}",
             "--step-trace-sample-rate", "1",
             "--telemetry-window-s", str(WINDOW_S),
             "--price-per-gpu-hour", str(PRICE),
             "--num-gpus", str(GPUS),
-            "--http-port", str(http_port),
-            log=log,
+            metrics=True,
+            http=True,
             # export quickly instead of every 5 s (spans) / 60 s (metrics)
             env={"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"},
-        ) as (address, _proc):  # fmt: skip
-            url = f"http://127.0.0.1:{metrics_port}/metrics"
+        ) as live:  # fmt: skip
+            address, url, http_url = live.address, live.metrics_url, live.http_url
             quiet = scrape(url)
             load = Load()
             started = time.monotonic()
@@ -198,7 +194,6 @@ def served(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             after = scrape(url)
             elapsed = time.monotonic() - started
             load.seconds = elapsed
-            http_url = f"http://127.0.0.1:{http_port}"
             yield Served(address, url, traces, otlp_metrics, quiet, during, after, load, elapsed, http_url)
     finally:
         receiver.stop(grace=None)

@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import tritonclient.grpc as tc
 from certs import CertificateAuthority, Issued
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serverproc import free_port, running_server
+from serverproc import LiveServer, ServerFactory
 from tritonclient.utils import InferenceServerException
 
 from tandem.v1 import tandem_pb2 as pb
@@ -70,27 +69,27 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def http_port() -> int:
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def server(
-    tiny_model_dir, pki: Pki, http_port: int, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, int]]:
-    log = tmp_path_factory.mktemp("tls-server") / "server.log"
-    health_port = free_port()
-    args = [
-        "--http-port", str(http_port),
+def live(serve: ServerFactory, pki: Pki) -> LiveServer:
+    return serve(
         "--model-name", MODEL_NAME,
         "--tls-cert-file", str(pki.cert),
         "--tls-key-file", str(pki.key),
         "--tls-client-ca-file", str(pki.client_ca_file),
         "--auth-token-file", str(pki.tokens),
         "--no-reflection",
-    ]  # fmt: skip
-    with running_server(tiny_model_dir("llama"), *args, log=log, health_port=health_port) as (address, _):
-        yield address, health_port
+        http=True,
+        health=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(live: LiveServer) -> tuple[str, int]:
+    return live.address, live.health_port
+
+
+@pytest.fixture(scope="module")
+def http_port(live: LiveServer) -> int:
+    return live.http_port
 
 
 def _token(token: str = TOKEN) -> tuple[tuple[str, str], ...]:
