@@ -3,7 +3,7 @@ VENV ?= .venv
 # The repo root holds a folder named operator/: never let it shadow the stdlib module.
 export PYTHONSAFEPATH := 1
 PY := $(VENV)/bin/python
-# The CPU build of torch lies on this kind of machine's disk; a bare `torch` would pull a CUDA build.
+# The CPU build of torch, pinned: a bare `torch` requirement pulls a CUDA build of several GB.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup serve test lint protos check-protos bench-cpu

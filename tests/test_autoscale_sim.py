@@ -262,8 +262,8 @@ def test_an_unreachable_cost_ceiling_costs_one_try_not_a_cycle():
     """Prefill-heavy load (2,000-token prompts, 40-token answers) whose tokens cost more than the
     $0.5/Mtok ceiling at any pod count that meets the TTFT target. The pods' capacity signal says
     that fewer pods could not carry the load, so the policy holds from the start, saying the
-    ceiling is unreachable (before the fix: a scale-down and a scale-up every few minutes; without
-    a capacity signal the policy tries once, see test_policy.py)."""
+    ceiling is unreachable, rather than scaling down and up again every few minutes (without a
+    capacity signal the policy tries once, see test_policy.py)."""
     targets = ScalingTargets(
         min_replicas=1, max_replicas=16, cost_ceiling_usd_per_mtok=0.5, target_batch_fill=0.2
     )

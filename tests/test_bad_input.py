@@ -339,7 +339,7 @@ KSERVE_CASES: list[KServeCase] = [
 
 
 def test_kserve_stream_survives_a_message_that_is_not_protobuf(server: Server) -> None:
-    """The stream ends with INVALID_ARGUMENT at once (it used to wait for the client's deadline)."""
+    """The stream ends with INVALID_ARGUMENT at once, not at the client's deadline."""
     with grpc.insecure_channel(server.address) as channel:
         call = channel.stream_stream(
             "/inference.GRPCInferenceService/ModelStreamInfer",

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 from test_chart import CHART, KUBE_VERSIONS, NAMESPACE, VALUE_SETS, objects, one, render
 
-resources = pytest.importorskip("tandem.operator.resources", reason="the operator's builders (issue 5)")
+resources = pytest.importorskip("tandem.operator.resources", reason="the operator's builders")
 spec_module = pytest.importorskip("tandem.operator.spec")
 
 GRPC_PORT = 50051

@@ -1,5 +1,5 @@
 """The decode kernel's grid and launch rules (decode_grid.py): plain Python, checked on any host;
-the kernel itself runs them on the H200 (test_gpu_kernels.py)."""
+the kernel itself runs them on a GPU (test_gpu_kernels.py)."""
 
 from __future__ import annotations
 

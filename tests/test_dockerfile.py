@@ -157,7 +157,7 @@ def test_operator_command_is_a_real_subcommand_without_the_model_stack() -> None
     (command,) = exec_form(instructions("operator", "CMD")[-1])
     result = tandem(command, "--help", block=MODEL_STACK)
     if result.returncode == 2 and "invalid choice" in result.stderr:
-        pytest.skip("`tandem operator` is not in this tree's CLI yet (it comes with the operator, issue 5)")
+        pytest.skip("`tandem operator` is not in this tree's CLI")
     assert result.returncode == 0, result.stderr
 
 

@@ -1,4 +1,4 @@
-"""The engine on CUDA: same greedy tokens as transformers generate() (run on the H200: -m gpu)."""
+"""The engine on CUDA: same greedy tokens as transformers generate() (on a GPU: -m gpu)."""
 
 from __future__ import annotations
 

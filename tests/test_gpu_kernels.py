@@ -1,4 +1,4 @@
-"""The Triton paged decode kernel against the plain-torch reference (run on the H200: -m gpu)."""
+"""The Triton paged decode kernel against the plain-torch reference (on a GPU: -m gpu)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server on CUDA: compile and graph capture happen off the event loop (run on the H200: -m gpu)."""
+"""The server on CUDA: compile and graph capture happen off the event loop (on a GPU: -m gpu)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Where a property needs coherent metrics, `pod_metrics` turns a demand (concurrent sequences
 wanting service) into what n pods would report, with the step-time curve measured on the H200
-(docs/benchmarks.md): more demand means more running, more queue, less idle, cheaper tokens.
+(docs/autoscaling.md): more demand means more running, more queue, less idle, cheaper tokens.
 """
 
 from __future__ import annotations

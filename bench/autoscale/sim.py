@@ -26,8 +26,8 @@ class Setup:
     start_replicas: int = 2
     # Tandem's costCeilingPerMillionTokensUsd; the CRD's default is none (only for --one runs)
     tandem_cost_ceiling: float | None = None
-    # what Tandem's capacity gauge reads against the pods' true capacity (1 = exact; the H200
-    # measurement of 2026-12-02 read 0.83 of what 256 streams reached)
+    # what Tandem's capacity gauge reads against the pods' true capacity (1 = exact; on an H200,
+    # 0.83 of what 256 streams reached: docs/autoscaling.md)
     capacity_bias: float = 1.0
 
 

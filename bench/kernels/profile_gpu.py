@@ -285,7 +285,7 @@ def grid_contexts(kind: str, batch: int, seed: int = 1) -> list[int]:
 
 
 def splits_by_batch_alone(batch: int, kv_heads: int, num_sms: int) -> Splits:
-    """The grid captured decode steps had before it was sized by their table: about 16 programs
+    """A captured decode step's grid sized by its batch alone, not by its table: about 16 programs
     per multiprocessor, whatever the contexts (the baseline of `decode_grid_sweep`)."""
     least = least_splits(batch, kv_heads, num_sms)
     return Splits(least, max(least, min(MAX_SPLITS, 16 * num_sms // (batch * kv_heads))))

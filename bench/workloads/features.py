@@ -67,7 +67,7 @@ from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.gc_pauses import freeze_start_up_heap
 from tandem.service.engine.ops.kv_cache import CacheShape
 
-CACHE_GIB = 60.0  # what the H200 runs used: the mixed workload's 512 requests run without preemption
+CACHE_GIB = 60.0  # on an H200 the mixed workload's 512 requests run without preemption
 CACHE_SHARE = 0.8  # of the free memory: the rest for step buffers, compiled forwards and CUDA graphs
 
 
