@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from .. import contract as c
 from ..contract import EngineStats, ErrorKind, Request, RequestError, SamplingParams
 from ..ipc import sockets
+from .replies import Replies
 from .request_stream import GenerationChunk, RequestStream, StreamInterval
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ class EngineClient:
         self._decoder = c.decoder(c.ToFront)
         self._ids = (f"{front}-{n}" for n in itertools.count())
         self.streams: dict[str, RequestStream] = {}
-        self._loads: dict[int, asyncio.Future[EngineStats]] = {}
-        self._queries = itertools.count()
+        self._loads: Replies[EngineStats] = Replies(
+            LOAD_TIMEOUT_S, "the engine did not report its load in time"
+        )
         self.ready: asyncio.Future[c.EngineReady] = asyncio.get_running_loop().create_future()
         self.gone: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.pod_ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # every front
@@ -68,9 +70,7 @@ class EngineClient:
         if isinstance(msg, c.StepOutputs):
             self._route(msg)
         elif isinstance(msg, c.LoadReply):
-            future = self._loads.pop(msg.query, None)
-            if future is not None and not future.done():
-                future.set_result(msg.stats)
+            self._loads.answer(msg.query, msg.stats)
         elif isinstance(msg, c.EngineReady):
             if not self.ready.done():
                 self.ready.set_result(msg)
@@ -111,9 +111,7 @@ class EngineClient:
         error = RequestError(ErrorKind.UNAVAILABLE, f"the engine process has stopped ({reason}); retry")
         for stream in list(self.streams.values()):
             stream.fail(error)
-        for future in self._loads.values():
-            if not future.done():
-                future.set_exception(error)
+        self._loads.fail_all(error)
 
     def _send(self, msg: object) -> None:
         self._to_engine.send(c.encode(msg), copy=False)
@@ -144,16 +142,7 @@ class EngineClient:
         """The engine's load right now (answered at its next step boundary)."""
         if self.gone.done():
             raise RequestError(ErrorKind.UNAVAILABLE, "the engine process has stopped; retry")
-        query = next(self._queries)
-        future = asyncio.get_running_loop().create_future()
-        self._loads[query] = future
-        self._send(c.LoadQuery(self.front, query))
-        try:
-            return await asyncio.wait_for(future, LOAD_TIMEOUT_S)
-        except asyncio.TimeoutError as exc:
-            raise RequestError(ErrorKind.UNAVAILABLE, "the engine did not report its load in time") from exc
-        finally:
-            self._loads.pop(query, None)
+        return await self._loads.ask(lambda query: self._send(c.LoadQuery(self.front, query)))
 
     def close(self) -> None:
         self._to_engine.close()
