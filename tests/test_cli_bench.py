@@ -186,6 +186,33 @@ def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path
     _check_cached_tokens(result)
 
 
+def test_a_cpu_split_keeps_the_server_and_what_it_starts_apart_from_the_clients():
+    """--client-cpus N: the clients get the host's last N CPUs, the server the rest; a server pinned
+    as it starts passes its CPUs on to the processes it starts afterwards."""
+    from tandem.bench.serve.server import CpuSplit
+
+    assert CpuSplit.of(2, [3, 0, 2, 1]) == CpuSplit(clients=(2, 3), measured=(0, 1))
+    assert CpuSplit.of(0) == CpuSplit()
+    with pytest.raises(SystemExit):
+        CpuSplit.of(4, [0, 1, 2, 3])  # nothing left for the server
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to split")
+    split = CpuSplit.of(1)
+    child = "import os; print(sorted(os.sched_getaffinity(0)))"
+    parent = f"import subprocess, sys, time; time.sleep(1); subprocess.run([sys.executable, '-c', {child!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    split.pin_measured(proc.pid)
+    assert proc.communicate(timeout=60)[0].strip() == str(list(split.measured))
+    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        split.pin_client(client.pid)
+        assert sorted(os.sched_getaffinity(client.pid)) == [cpus[-1]]
+    finally:
+        client.kill()
+        client.wait()
+
+
 def _check_cached_tokens(result: dict) -> None:
     """Two cache blocks of each prompt (the 32-token system prompt) cached, the rest of its 80 not:
     a prompt another pass had sent would be cached to its last full block."""

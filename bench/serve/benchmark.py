@@ -61,6 +61,7 @@ from tandem.bench.serve.report import (
     table,
 )
 from tandem.bench.serve.server import (
+    CpuSplit,
     GaugeSampler,
     add_model_options,
     default_tokenizer,
@@ -137,13 +138,16 @@ def connect_to(front: str, target: str, channels: int, tls_ca: str | None) -> Co
 # -- the engine alone ----------------------------------------------------------------------------
 
 
-def engine_only(p: Pass, env: dict[str, str], folder: Path) -> list[dict]:
+def engine_only(p: Pass, env: dict[str, str], folder: Path, cpus: CpuSplit) -> list[dict]:
     """The pass's levels through the engine core alone, in a process of its own (the server's
-    settings from its environment)."""
+    settings from its environment), on the CPUs the server gets."""
     spec, out = folder / "engine_spec.json", folder / "engine_out.json"
     spec.write_text(json.dumps({"levels": p.levels, "warmup": p.warmup}))
-    subprocess.run([sys.executable, "-m", "tandem.bench.serve.engine_alone", str(spec), str(out)], env=env,
-                   check=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.bench.serve.engine_alone", str(spec), str(out)],
+                            env=env)
+    cpus.pin_measured(proc.pid)
+    if proc.wait():
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
     return json.loads(out.read_text())
 
 
@@ -225,7 +229,7 @@ def serve_levels(
     else:
         http_port = free_port() if "http" in passes else 0
         env = {**env, "TANDEM_HTTP_PORT": str(http_port)}
-        proc, address, metrics_url = start_server(env, server.log)
+        proc, address, metrics_url = start_server(env, server.log, cpus=a.cpus)
         http_url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{http_port}"
     connects = {f: connect_to(f, {"grpc": address, "http": http_url}[f], a.channels, tls_ca) for f in passes}
     health = f"127.0.0.1:{env['TANDEM_HEALTH_PORT']}" if "TANDEM_HEALTH_PORT" in env else address
@@ -238,12 +242,13 @@ def serve_levels(
         print(f"server SERVING: {where} ({server.describe()})", flush=True)
         for front, p in passes.items():
             if p.warmup is not None:
-                run_clients(connects[front], p.warmup, a.clients)
+                run_clients(connects[front], p.warmup, a.clients, a.cpus.pin_client)
         n_levels = len(next(iter(passes.values())).levels)
         with GaugeSampler(metrics_url) as gauges:
             for i in range(n_levels):
                 for front, p in passes.items():
-                    requests, start, end = run_clients(connects[front], p.levels[i], a.clients)
+                    level = p.levels[i]
+                    requests, start, end = run_clients(connects[front], level, a.clients, a.cpus.pin_client)
                     got = summarize(requests, a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3)
                     row = level_row(p, i, front, got)
                     for gauge in GaugeSampler.GAUGES:
@@ -345,6 +350,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clients", type=int, default=min(8, os.cpu_count() or 1), help="client processes")
     ap.add_argument("--channels", type=int, default=4, help="gRPC connections per client process")
+    ap.add_argument(
+        "--client-cpus",
+        type=int,
+        default=0,
+        help="run the client processes on the last N CPUs of this host and the server (and the engine "
+        "alone) on the rest, so neither takes the other's cycles (default 0: all share every CPU)",
+    )
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument(
@@ -383,6 +395,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--front http with --server needs --http-server")
     if not (a.concurrency or a.request_rate):
         a.concurrency = [1, 32, 256]
+    if a.client_cpus and a.server:
+        ap.error("--client-cpus splits this host between the clients and a server the benchmark starts")
+    a.cpus = CpuSplit.of(a.client_cpus)
     return a
 
 
@@ -430,6 +445,7 @@ def record(a: argparse.Namespace, env: dict[str, str], device: str, engine_pass:
             "requests_per_stream": a.requests_per_stream,
             "clients": a.clients,
             "channels": a.channels,
+            "cpus": {"clients": list(a.cpus.clients), "measured": list(a.cpus.measured)},
             "fronts": a.front,
             "prompts": "each pass its own: the same lengths level by level, token ids and system prompt "
             "drawn for the pass (nothing of one pass in another's prefix cache)",
@@ -472,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine_results = None
     if a.engine_only and model_dir is not None:
         print(f"engine alone: {len(engine_pass.levels)} levels", flush=True)
-        engine_results = engine_only(engine_pass, env, folder)
+        engine_results = engine_only(engine_pass, env, folder, a.cpus)
     rows, exit_code = serve_passes(a, env, folder, engine_results, limits)
     result = record(a, env, device, engine_pass, rows, engine_results, exit_code)
     md = table(rows)

@@ -105,13 +105,17 @@ def shares(level: dict, clients: int) -> list[tuple[list[list[dict]], list[dict]
     return [(s, r) for s, r in dealt if s or r]
 
 
-def run_clients(connect: Connect, level: dict, clients: int) -> tuple[list[dict], float, float]:
-    """One level through `clients` processes: (the requests as timed, start, end) in wall clock."""
+def run_clients(
+    connect: Connect, level: dict, clients: int, pin: Callable[[int], None] = lambda pid: None
+) -> tuple[list[dict], float, float]:
+    """One level through `clients` processes: (the requests as timed, start, end) in wall clock.
+    `pin`: called with each client process's id once it runs (its CPUs: server.CpuSplit)."""
     ctx = multiprocessing.get_context("spawn")
     out, go = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=run_client, args=(connect, s, r, go, out)) for s, r in shares(level, clients)]
     for p in procs:
         p.start()
+        pin(p.pid)
     for _ in procs:
         assert out.get(timeout=120) == "ready"
     start = time.time()

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.bench.common import SHAPES, percentile
@@ -154,13 +155,44 @@ def tls_env(folder: Path) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class CpuSplit:
+    """The benchmark host's CPUs split between the client processes and what they load (the server
+    and every process it starts, or the engine alone), so that neither side takes the other's
+    cycles; empty: both share every CPU."""
+
+    clients: tuple[int, ...] = ()
+    measured: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, client_cpus: int, cpus: Sequence[int] | None = None) -> CpuSplit:
+        """The last `client_cpus` of `cpus` (this process's own by default) for the clients (0: no split)."""
+        if not client_cpus:
+            return cls()
+        cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+        if not 0 < client_cpus < len(cpus):
+            raise SystemExit(f"--client-cpus {client_cpus}: this process may use {len(cpus)} CPUs; "
+                             "leave at least one to the server")
+        return cls(tuple(cpus[-client_cpus:]), tuple(cpus[:-client_cpus]))
+
+    def pin_measured(self, pid: int) -> None:
+        """Pin a process that has not started its children yet (they inherit its CPUs)."""
+        if self.measured:
+            os.sched_setaffinity(pid, self.measured)
+
+    def pin_client(self, pid: int) -> None:
+        if self.clients:
+            os.sched_setaffinity(pid, self.clients)
+
+
 def start_server(
-    env: dict[str, str], log: Path, extra: Sequence[str] = ()
+    env: dict[str, str], log: Path, extra: Sequence[str] = (), cpus: CpuSplit = CpuSplit()
 ) -> tuple[subprocess.Popen, str, str]:
     """`tandem serve` on loopback ports of its own; (process, gRPC address, /metrics URL).
 
     `extra`: more `tandem serve` arguments (they beat the TANDEM_ environment). The OpenAI HTTP
-    port is off unless the environment sets TANDEM_HTTP_PORT (8000 would clash between servers)."""
+    port is off unless the environment sets TANDEM_HTTP_PORT (8000 would clash between servers).
+    `cpus`: the server runs on the split's measured CPUs (pinned before it starts its processes)."""
     port, metrics_port = free_port(), free_port()
     cmd = [
         sys.executable,
@@ -177,6 +209,7 @@ def start_server(
         *extra,
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd="/")
+    cpus.pin_measured(proc.pid)  # at once: it imports for a second before it starts any child
     return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
 
 
