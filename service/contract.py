@@ -147,9 +147,6 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     logprobs: list[tuple[int, TokenLogprob]] = msgspec.field(default_factory=list)
     failed: list[tuple[str, ErrorKind, str]] = msgspec.field(default_factory=list)  # request id, status, why
 
-    def __bool__(self) -> bool:
-        return bool(self.request_ids or self.failed)
-
 
 Outputs = dict[int, StepOutputs]  # one step's outputs by front
 
