@@ -63,6 +63,18 @@ class ServerSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV-cache dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: linear layers in FP8 (W8A8: e4m3 weights with a scale per output channel, "
+        "activations quantized per token as they run), a bf16 or GGUF model quantized at load; the "
+        "embeddings and lm_head stay in the model's dtype. Unset = as the checkpoint is: an FP8 checkpoint "
+        "(compressed-tensors or block-wise FP8) runs in FP8, any other in `dtype` (docs/quantization.md).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="KV-cache dtype: auto = the model's (`dtype`); fp8 = e4m3 K and V with a scale per "
+        "layer, half the bytes per cached token, so the cache holds twice the tokens (docs/quantization.md).",
+    )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="Fixed number of KV blocks; overrides the memory-based sizing below."

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import types
 import typing
 
 from pydantic import ValidationError
@@ -27,8 +28,12 @@ def _add_settings_flags(
             )
             continue
         choices = None
-        if typing.get_origin(field.annotation) is typing.Literal:
-            choices = typing.get_args(field.annotation)
+        annotation = field.annotation
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # `Literal[...] | None`
+            options = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation = options[0] if len(options) == 1 else annotation
+        if typing.get_origin(annotation) is typing.Literal:
+            choices = typing.get_args(annotation)
         parser.add_argument(_flag(name), dest=name, default=None, choices=choices, help=help_text)
 
 

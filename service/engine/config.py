@@ -31,6 +31,11 @@ class EngineConfig:
     fuse_projections: bool = False
     # "NHD" (each token's heads together) or "HND" (each head's tokens together): kv_cache.py
     kv_cache_layout: str = "NHD"
+    # "fp8": every linear layer but lm_head in FP8 (W8A8, fp8_linear.py), quantized when the core is
+    # built where the model still has them in its own dtype; None: as the model is
+    quantization: str | None = None
+    # "auto" (the model's dtype) or "fp8" (e4m3 K/V with a scale per layer: kv_cache.py)
+    kv_cache_dtype: str = "auto"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
     # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");

@@ -86,6 +86,8 @@ def build_engine(
         fuse_projections=settings.fuse_projections and cuda,
         fold_rotary=settings.fold_rotary and cuda,
         kv_cache_layout=settings.kv_cache_layout,
+        quantization=settings.quantization,
+        kv_cache_dtype=settings.kv_cache_dtype,
         blas_library=settings.blas_library,
         telemetry_window_s=settings.telemetry_window_s,
     )
