@@ -20,6 +20,7 @@ from .host_blocks import HostBlocks
 from .model_runner import ModelRunner, sliding_window
 from .ops.attention import register
 from .ops.decode_op import kernel_supports
+from .ops.fp8_linear import compute_dtype, quantize_linears
 from .ops.fused_projections import fuse_projections
 from .ops.kv_cache import CacheShape, KVCache
 from .ops.varlen_prefill import varlen_supported
@@ -39,8 +40,12 @@ def build_core(
     model.set_attn_implementation(register())
     if config.fuse_projections:
         log.info("fused %d groups of projections", fuse_projections(model))
+    if config.quantization == "fp8":  # after fusing: the fused layers quantize as one
+        log.info("quantized %d linear layers to FP8 (W8A8)", quantize_linears(model))
+    elif config.quantization is not None:
+        raise ValueError(f"quantization {config.quantization!r}: expected fp8 or none")
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     if device.type == "cuda":  # process-wide choices of PyTorch's CUDA backends
         torch.backends.cuda.preferred_blas_library(config.blas_library)
         # cuDNN's SDPA builds a plan per new shape; prompt lengths change every step, so the
@@ -76,7 +81,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
     ("auto": asynchronous on CUDA), the context length (the model's unless set, capped by what
     the cache holds), and the device paths, each on only where asked and where it can run."""
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     text_config = model.config.get_text_config()
     shape = CacheShape.of(model.config)
     capacity = config.num_blocks * config.block_size
@@ -136,4 +141,4 @@ def compile_prefill_shapes(core: EngineCore) -> None:
 def _cache_salt(model: torch.nn.Module) -> str:
     """What names the model in the prefix cache's digests: K/V of one model are not another's."""
     config = model.config
-    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{next(model.parameters()).dtype}"
+    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{compute_dtype(model)}"

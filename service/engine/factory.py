@@ -15,6 +15,7 @@ from ..settings import ServerSettings
 from .config import EngineConfig
 from .core_builder import build_core
 from .engine_core import EngineCore
+from .ops.fp8_linear import compute_dtype
 from .ops.kv_cache import CacheShape, KVCache
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def build_engine(
     """The server's engine core for `loaded`, and the request limits it sets."""
     model = loaded.model
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     shape = CacheShape.of(model.config)
     # the server runs these on CUDA only (config.py says why); tests and benchmarks may ask for
     # them on the CPU, and build_core settles what the device and the model allow

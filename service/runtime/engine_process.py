@@ -19,6 +19,7 @@ from .. import contract as c
 from ..engine.engine_core import EngineCore
 from ..engine.factory import build_engine, configure_threads, resolve_device
 from ..engine.gc_pauses import GcPauses, freeze_start_up_heap
+from ..engine.ops.fp8_linear import compute_dtype
 from ..ipc import sockets
 from ..models.loader import LoadedModel, load_model
 from ..settings import ServerSettings
@@ -42,7 +43,7 @@ def _model_info(loaded: LoadedModel, device: str) -> c.ModelInfo:
         name=loaded.name,
         source=loaded.source,
         architecture=(model.config.architectures or [type(model).__name__])[0],
-        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        dtype=str(compute_dtype(model)).removeprefix("torch."),
         device=device,
         eos_token_ids=sorted(loaded.eos_token_ids),
         tokenizer_path=str(loaded.path),

@@ -10,24 +10,20 @@ part that hands out its slice of one fused GEMM, computed by whichever part is c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .fp8_linear import Fp8Linear
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedLinear(nn.Module):
-    """Linear layers of one input as one: the weights stacked, the output split per layer."""
+    """Linear layers of one input as one: the weights stacked, the output split per layer. The
+    layers are plain (nn.Linear) or FP8 (Fp8Linear), all of one kind."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear] | list[Fp8Linear]) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
-        has_bias = linears[0].bias is not None
-        self.bias = (
-            nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
-            if has_bias
-            else None
-        )
+        self.linear = _stacked(linears)
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] | None = None
@@ -35,7 +31,7 @@ class FusedLinear(nn.Module):
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:  # the first part called on this input runs the fused GEMM
-            self._outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            self._outputs = self.linear(x).split(self.sizes, dim=-1)
             self._input, self._taken = x, 0
         out = self._outputs[index]
         self._taken += 1
@@ -57,12 +53,25 @@ class LinearPart(nn.Module):
         return self.fused.part(self.index, x)
 
 
-def _fusable(linears: list[object]) -> bool:
-    if not all(type(lin) is nn.Linear for lin in linears):  # already fused, quantized, ...
-        return False
+def _stacked(linears: list[nn.Linear] | list[Fp8Linear]) -> nn.Linear | Fp8Linear:
+    if type(linears[0]) is Fp8Linear:
+        return Fp8Linear.concat(linears)
     first = linears[0]
+    out_features = sum(lin.out_features for lin in linears)
+    stacked = nn.Linear(first.in_features, out_features, bias=first.bias is not None, device="meta")
+    stacked.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    if first.bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+    return stacked
+
+
+def _fusable(linears: list[object]) -> bool:
+    first = linears[0]
+    if type(first) not in (nn.Linear, Fp8Linear):  # already fused, or quantized another way
+        return False
     return all(
-        lin.in_features == first.in_features
+        type(lin) is type(first)
+        and lin.in_features == first.in_features
         and (lin.bias is None) == (first.bias is None)
         and lin.weight.dtype == first.weight.dtype
         and lin.weight.device == first.weight.device

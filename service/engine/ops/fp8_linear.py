@@ -1,0 +1,115 @@
+"""FP8 linear layers (W8A8): e4m3 weights with a scale per output channel, activations quantized
+per token as they run, one scaled GEMM.
+
+A decode step reads every weight once, so its time is the weights' bytes over the memory
+bandwidth: e4m3 weights halve them, and Hopper's FP8 tensor cores run the prompt GEMMs at twice
+the bf16 rate. The scheme is what published "FP8-dynamic" checkpoints hold (compressed-tensors'
+float-quantized weights, channel strategy; dynamic per-token activations), so a checkpoint's
+weights and a bf16 model quantized at load run the same layer. The activation's quantization is
+plain torch: torch.compile fuses it into the kernels around it, and CUDA graphs capture it.
+`torch._scaled_mm` runs the GEMM: cuBLASLt on CUDA, a reference implementation on the CPU (slow,
+for tests and accuracy runs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity, its largest finite value
+# a row of zeros still gets a scale a division can use (its values quantize to 0 either way)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# cuBLASLt's FP8 GEMMs need both dimensions of the weight in multiples of 16
+GEMM_MULTIPLE = 16
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 [..., K], float32 scales [..., 1]): each row scaled so its largest
+    magnitude is FP8_MAX (x ~= q * scale)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def fits_fp8_gemm(linear: nn.Linear) -> bool:
+    return linear.in_features % GEMM_MULTIPLE == 0 and linear.out_features % GEMM_MULTIPLE == 0
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W in e4m3 ([out, in], a float32 scale per output row) and x quantized per
+    token; the output in the input's dtype."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.dtype != FP8 or weight.dim() != 2:
+            raise ValueError(f"Fp8Linear: weight must be 2-D {FP8}, got {weight.dtype} {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        if weight_scale.numel() != out_features:
+            raise ValueError(f"Fp8Linear: {weight_scale.numel()} weight scales for {out_features} outputs")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        # [1, out]: the layout _scaled_mm takes for per-column scales of its second operand
+        scale = weight_scale.detach().float().reshape(1, out_features).contiguous()
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Fp8Linear:
+        """`linear`'s weights in e4m3, each output channel scaled to its largest magnitude."""
+        weight, scale = quantize_rows(linear.weight.detach())
+        return cls(weight, scale, linear.bias)
+
+    @classmethod
+    def concat(cls, layers: list[Fp8Linear]) -> Fp8Linear:
+        """Layers of one input as one (the outputs stacked): per-channel scales stack with them."""
+        bias = None
+        if layers[0].bias is not None:
+            bias = torch.cat([layer.bias for layer in layers])
+        return cls(
+            torch.cat([layer.weight for layer in layers]),
+            torch.cat([layer.weight_scale.flatten() for layer in layers]),
+            bias,
+        )
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weights as `dtype` ([out, in]): what the layer multiplies by, for references."""
+        return (self.weight.float() * self.weight_scale.t()).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        xq, x_scale = quantize_rows(rows)
+        # weight.t(): the column-major [in, out] operand cuBLASLt's FP8 GEMM takes
+        y = torch._scaled_mm(
+            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=x.dtype
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module) -> int:
+    """Every nn.Linear of `model` in FP8, in place, but the output embedding (lm_head, as published
+    FP8 checkpoints keep it) and layers whose sizes the FP8 GEMM cannot take -> layers quantized."""
+    keep = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child is not keep and fits_fp8_gemm(child):
+                setattr(module, name, Fp8Linear.quantize(child))
+                done += 1
+    return done
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its input embedding's (FP8 layers hold e4m3 weights)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        return embeddings.weight.dtype
+    return next(p.dtype for p in model.parameters() if p.dtype != FP8)
