@@ -100,14 +100,16 @@ def test_fused_fp8_projections_equal_the_separate_ones(family):
         torch.testing.assert_close(fused(input_ids=ids).logits, separate(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("loop", ["sync", "async"])
-def test_engine_in_fp8_gives_generate_tokens_of_the_quantized_model(loop):
+@pytest.mark.parametrize(("loop", "compiled"), [("sync", False), ("async", False), ("sync", True)])
+def test_engine_in_fp8_gives_generate_tokens_of_the_quantized_model(loop, compiled):
     model = _tiny()
     reference = copy.deepcopy(model)
     fuse_projections(reference)
     quantize_linears(reference)  # what the engine does to its model, in the same order
+    # compiled: the FP8 GEMM op traced into the decode and prefill graphs (aot_eager: no codegen)
     core = make_core(model, fuse_projections=True, quantization="fp8", step_loop=loop,
-                     max_num_batched_tokens=32)
+                     max_num_batched_tokens=32, compile_backend="aot_eager" if compiled else None,
+                     compile_prefill=compiled)
     assert isinstance(model.model.layers[0].mlp.gate_up_fused.linear, Fp8Linear)
     prompts = [[(7 * i + j) % 1000 for j in range(n)] for i, n in enumerate([5, 40, 1, 17])]
     arrivals = [Arrival(f"r{i}", p, SamplingParams(max_tokens=12), i) for i, p in enumerate(prompts)]

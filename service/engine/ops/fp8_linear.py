@@ -7,8 +7,9 @@ the bf16 rate. The scheme is what published "FP8-dynamic" checkpoints hold (comp
 float-quantized weights, channel strategy; dynamic per-token activations), so a checkpoint's
 weights and a bf16 model quantized at load run the same layer. The activation's quantization is
 plain torch: torch.compile fuses it into the kernels around it, and CUDA graphs capture it.
-`torch._scaled_mm` runs the GEMM: cuBLASLt on CUDA, a reference implementation on the CPU (slow,
-for tests and accuracy runs).
+The GEMM: on CUDA a Triton kernel for a decode step's few rows (triton_fp8_gemm.py) and
+`torch._scaled_mm` for more; on the CPU `torch._scaled_mm`'s reference implementation (slow, for
+tests and accuracy runs).
 """
 
 from __future__ import annotations
@@ -35,6 +36,37 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fits_fp8_gemm(linear: nn.Linear) -> bool:
     return linear.in_features % GEMM_MULTIPLE == 0 and linear.out_features % GEMM_MULTIPLE == 0
+
+
+# CUDA: up to this many rows (a decode step's batch) the Triton kernel, which streams the weights
+# once; more rows go to torch._scaled_mm's tiled kernels (docs/quantization.md)
+SMALL_ROWS = 64
+
+
+@torch.library.custom_op("tandem::fp8_scaled_mm", mutates_args=())
+def scaled_mm(
+    x: torch.Tensor,  # [M, K] e4m3
+    x_scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] e4m3
+    weight_scale: torch.Tensor,  # [1, N] float32
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """-> [M, N] = (x @ weight^T) * x_scale * weight_scale in `out_dtype`. An opaque op, so that the
+    choice of kernel follows each call's row count, also in a graph compiled for any token count."""
+    if x.is_cuda and x.shape[0] <= SMALL_ROWS:
+        from .triton_fp8_gemm import fp8_gemm
+
+        return fp8_gemm(x, x_scale, weight, weight_scale, out_dtype)
+    # weight.t(): the column-major [K, N] operand the scaled GEMM takes
+    return torch._scaled_mm(x, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype)
+
+
+@scaled_mm.register_fake
+def _(
+    x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -80,10 +112,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         xq, x_scale = quantize_rows(rows)
-        # weight.t(): the column-major [in, out] operand cuBLASLt's FP8 GEMM takes
-        y = torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=x.dtype
-        )
+        y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

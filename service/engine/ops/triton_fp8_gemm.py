@@ -1,0 +1,92 @@
+"""FP8 GEMM for the few rows of a decode step: a Triton kernel that streams the e4m3 weights once.
+
+With few rows the GEMM reads its weights and little else, so its time is their bytes over the
+memory bandwidth. cuBLASLt's and CUTLASS's row-wise scaled FP8 kernels are tiled for many rows
+(docs/quantization.md measures them at few); here each program takes BLOCK_N output channels and
+all the rows (BLOCK_M of them, padded to 16, the tensor cores' least), walks K in BLOCK_K steps,
+and applies the row and channel scales once at the end: y = (x_q @ w_q^T) * x_scale * w_scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr,  # [M, K] e4m3
+    w_ptr,  # [N, K] e4m3
+    x_scale_ptr,  # [M] float32
+    w_scale_ptr,  # [N] float32
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc)
+    x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)
+    w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    acc = acc * x_scale[:, None] * w_scale[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 32
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 4
+
+
+def default_config(n: int) -> GemmConfig:
+    """Wide outputs have programs enough with wider tiles (fewer, longer weight streams)."""
+    return GemmConfig(block_n=64 if n >= 16384 else 32)
+
+
+def fp8_gemm(
+    x: torch.Tensor,  # [M, K] e4m3, rows contiguous
+    x_scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] e4m3, rows contiguous
+    weight_scale: torch.Tensor,  # [1, N] float32
+    out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """-> [M, N] in `out_dtype`: (x @ weight^T) scaled per row of x and per row of weight."""
+    config = config or default_config(weight.shape[0])
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m))
+    _fp8_gemm_kernel[grid](
+        x, weight, x_scale, weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.warps, num_stages=config.stages,
+    )
+    return out

@@ -1,0 +1,64 @@
+"""The FP8 GEMM of a decode step's few rows (Triton) and the scaled-GEMM op's choice of kernel,
+against float32 references on the same e4m3 operands (on a GPU: -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.service.engine.ops.fp8_linear import SMALL_ROWS, Fp8Linear, quantize_rows, scaled_mm
+
+pytestmark = pytest.mark.gpu
+
+
+def _operands(m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 32
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_rows(w)
+    return xq, xs, wq, ws.reshape(1, n).contiguous()
+
+
+def _reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    return (xq.float() * xs) @ (wq.float() * ws.t()).t()
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (48, 272), (28672, 4096)])
+@pytest.mark.parametrize("config", [None, (16, 128, 4, 3), (128, 128, 8, 4)])
+def test_small_row_kernel_matches_reference(m, n, k, config):
+    from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm  # Triton: CUDA hosts only
+
+    config = GemmConfig(*config) if config else None
+    xq, xs, wq, ws = _operands(m, n, k)
+    got = fp8_gemm(xq, xs, wq, ws, torch.float32, config)
+    expected = _reference(xq, xs, wq, ws)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
+    assert fp8_gemm(xq, xs, wq, ws, torch.bfloat16, config).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("m", [1, SMALL_ROWS, SMALL_ROWS + 1, 300])
+def test_op_gives_the_same_product_either_side_of_its_kernel_choice(m):
+    xq, xs, wq, ws = _operands(m, 4096, 4096)
+    got = scaled_mm(xq, xs, wq, ws, torch.float32)
+    expected = _reference(xq, xs, wq, ws)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
+
+
+def test_layer_in_a_compiled_graph_and_a_cuda_graph():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4096, 6144, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear.quantize(lin)
+    compiled = torch.compile(layer, dynamic=False)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = layer(x)
+    torch.testing.assert_close(compiled(x), eager, rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    static = x.clone()
+    compiled(static)  # warm
+    with torch.cuda.graph(graph):
+        out = compiled(static)
+    static.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, layer(static), rtol=2e-2, atol=2e-2)
