@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 BENCHMARKS = {  # `tandem bench NAME`: the module of tandem.bench whose main(argv) runs it
     "gpu": "engine.gpu_sync",
+    "fp8": "engine.fp8",
     "cpu": "engine.cpu_throughput",
     "cpu-profile": "engine.profile_cpu",
     "host": "engine.host_step",

@@ -576,3 +576,19 @@ def test_benchmarks_run_without_the_cli_and_from_a_checkout_not_installed(tmp_pa
         report = json.loads(out.read_text())
         assert report["benchmark"] == "offload_bound" and len(report["shapes"]) == 2
         assert report["command"] == f"tandem bench offload-bound --smoke --out {out}"
+
+
+def test_tandem_bench_fp8_smoke_runs_each_variant_on_each_workload(tmp_path):
+    """bf16 beside FP8 linear layers on the CPU: every workload on every engine, the ratio to the
+    first variant, the FP8 engine holding e4m3 weights (fewer weight bytes) and tokens of its own."""
+    out = tmp_path / "fp8.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    subprocess.run([str(tandem), "bench", "fp8", "--smoke", "--variants", "bf16,w8a8", "--out", str(out)],
+                   check=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "fp8" and result["smoke"] is True
+    bf16, w8a8 = result["variants"]["bf16"], result["variants"]["w8a8"]
+    assert set(bf16["workloads"]) == set(w8a8["workloads"]) == {"1x8+4", "4x8+6"}
+    assert w8a8["weight_GB"] < bf16["weight_GB"]
+    assert set(result["ratio_to_bf16"]["w8a8"]) == {"1x8+4", "4x8+6"}
+    assert all(r["tok_s"] > 0 for r in w8a8["workloads"].values())
