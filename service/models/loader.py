@@ -136,8 +136,8 @@ def load_model(
             raise FileNotFoundError(f"{source}: not a transformers model directory or a .gguf file")
         origin = str(given)
     served = served_name(source, name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     model, quantization = _load_weights(path, resolve_dtype(dtype, device))
+    tokenizer = AutoTokenizer.from_pretrained(path)
     model = model.to(device).eval()
     return LoadedModel(model, tokenizer, served, origin, _eos_ids(model, tokenizer), path, quantization)
 
