@@ -20,7 +20,7 @@ PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 # Provided by the CUDA PyTorch base image of the server; a pip-installed torch would be a second copy.
 BASE_IMAGE_PROVIDES = frozenset({"torch"})
 # Only the model server loads models; the operator image (and `tandem health`) never imports these.
-MODEL_SERVING = frozenset({"torch", "transformers", "gguf", "accelerate"})
+MODEL_SERVING = frozenset({"torch", "transformers", "gguf", "accelerate", "compressed-tensors"})
 
 
 def requirement_name(requirement: str) -> str:

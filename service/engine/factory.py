@@ -72,6 +72,14 @@ def build_engine(
     # the server runs these on CUDA only (config.py says why); tests and benchmarks may ask for
     # them on the CPU, and build_core settles what the device and the model allow
     cuda = device.type == "cuda"
+    quantization = settings.quantization
+    if loaded.quantization is not None and quantization is not None:
+        # the checkpoint's FP8 layers are what --quantization would make; the layers it keeps in
+        # the model's dtype (its `ignore` list) stay there, as the publisher chose
+        log.info(
+            "the checkpoint is %s already: quantization %s changes nothing", loaded.quantization, quantization
+        )
+        quantization = None
     config = EngineConfig(
         num_blocks=_num_blocks(settings, shape, dtype, device),
         block_size=settings.block_size,
@@ -87,7 +95,7 @@ def build_engine(
         fuse_projections=settings.fuse_projections and cuda,
         fold_rotary=settings.fold_rotary and cuda,
         kv_cache_layout=settings.kv_cache_layout,
-        quantization=settings.quantization,
+        quantization=quantization,
         kv_cache_dtype=settings.kv_cache_dtype,
         blas_library=settings.blas_library,
         telemetry_window_s=settings.telemetry_window_s,

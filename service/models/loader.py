@@ -1,5 +1,8 @@
 """Load a causal LM and its tokenizer: a transformers directory, a GGUF file, or the default.
 
+A directory holding an FP8 checkpoint (compressed-tensors or block-wise FP8) loads with its linear
+layers in FP8 (fp8_checkpoint.py); any other quantization_config is refused with what loads.
+
 GGUF files are de-quantized by transformers on load, which is slow; the result is saved once
 as safetensors under the cache directory, so the next start loads in well under a second.
 """
@@ -16,9 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from .default_model import default_gguf_path, served_name
+from .fp8_checkpoint import checkpoint_format, load_fp8_linears, scales_left_unread
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +41,7 @@ class LoadedModel:
     source: str  # where it came from, for model info
     eos_token_ids: frozenset[int]
     path: Path  # the transformers directory loaded (for a GGUF file: its converted copy)
+    quantization: str | None = None  # the checkpoint's own: "fp8" when its linear layers loaded in FP8
 
 
 def default_cache_dir() -> Path:
@@ -125,7 +136,23 @@ def load_model(
             raise FileNotFoundError(f"{source}: not a transformers model directory or a .gguf file")
         origin = str(given)
     served = served_name(source, name)
+    model, quantization = _load_weights(path, resolve_dtype(dtype, device))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     model = model.to(device).eval()
-    return LoadedModel(model, tokenizer, served, origin, _eos_ids(model, tokenizer), path)
+    return LoadedModel(model, tokenizer, served, origin, _eos_ids(model, tokenizer), path, quantization)
+
+
+def _load_weights(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, str | None]:
+    """The model in `path` (on the CPU) and its quantization: "fp8" for an FP8 checkpoint."""
+    fmt = checkpoint_format(path)
+    if fmt is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), None
+    # Without its quantization_config, transformers builds the plain model: the e4m3 weights land in
+    # `dtype` (exactly) and are replaced below; the scales are left for load_fp8_linears to read.
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    with scales_left_unread():
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    layers = load_fp8_linears(model, path, fmt)
+    log.info("loaded %d linear layers in FP8 from a %s checkpoint", layers, fmt.description)
+    return model, "fp8"
