@@ -117,6 +117,12 @@ def _env(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
         env["TANDEM_MODEL"] = spec.model.source
     if spec.model.name:
         env["TANDEM_MODEL_NAME"] = spec.model.name
+    # Only what differs from the server's defaults: a pod template that gained a variable would roll
+    # every ModelServer's pods when the operator is upgraded, though none of them changed
+    if spec.quantization:  # unset: as the checkpoint is
+        env["TANDEM_QUANTIZATION"] = spec.quantization
+    if spec.kv_cache_dtype != "auto":
+        env["TANDEM_KV_CACHE_DTYPE"] = spec.kv_cache_dtype
     env.update(_security_env(spec))
     for var in spec.env:  # the user's word wins
         env[var.name] = var.value

@@ -53,6 +53,9 @@ class Auth(_Camel):
 # Who sets the replica count: the operator's own policy, or something outside it (an HPA, KEDA,
 # `kubectl scale`) through the scale subresource, i.e. spec.replicas.
 ScalingMode = Literal["Operator", "External"]
+# The server's TANDEM_QUANTIZATION and TANDEM_KV_CACHE_DTYPE (service/settings.py): the same choices
+Quantization = Literal["fp8"]
+KvCacheDtype = Literal["auto", "fp8"]
 
 
 class Scaling(_Camel):
@@ -104,6 +107,8 @@ class ModelServerSpec(_Camel):
     replicas: int | None = Field(None, ge=0)
     env: list[EnvVar] = Field(default_factory=list)
     max_num_seqs: int = Field(256, ge=1)
+    quantization: Quantization | None = None  # None: as the checkpoint is
+    kv_cache_dtype: KvCacheDtype = "auto"
     drain_seconds: int = Field(600, ge=0)
     startup_seconds: int = Field(1800, ge=10)
     scaling: Scaling = Scaling()

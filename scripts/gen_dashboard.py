@@ -15,6 +15,17 @@ OP = 'namespace=~"$namespace"'  # the operator's series: the ModelServer's names
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
+def _cost_by_quantization() -> str:
+    """Cost per million tokens of each (quantization, KV-cache dtype): the pods' costs weighted by their
+    generated tokens, i.e. the group's price per hour over its tokens per hour. tandem_model_info gives
+    each pod's series the labels of what the pod serves."""
+    tokens = f"rate(tandem_generation_tokens_total{{{SEL}}}[5m])"
+    cost = f"tandem_cost_per_million_tokens_usd{{{SEL}}}"
+    info = f"on (namespace, pod) group_left (quantization, kv_cache_dtype) tandem_model_info{{{SEL}}}"
+    by = "sum by (quantization, kv_cache_dtype)"
+    return f"{by} ({cost} * on (namespace, pod) {tokens} * {info}) / {by} ({tokens} * {info})"
+
+
 def _quantiles(metric: str, window: str = "5m") -> list[tuple[str, str]]:
     return [
         (
@@ -32,6 +43,10 @@ PANELS = [
     ("Cost per million tokens", "currencyUSD",
      [(f"tandem_cost_per_million_tokens_usd{{{SEL}}}", "{{pod}}")], 12,
      "Price per GPU-hour x GPUs / generated tokens per hour x 1e6, over the window; absent with no tokens."),
+    ("Cost per million tokens by quantization", "currencyUSD", [
+        (_cost_by_quantization(), "weights {{quantization}}, KV {{kv_cache_dtype}}"),
+    ], 24, "Cost per million generated tokens of the pods of each quantization and KV-cache dtype "
+     "(tandem_model_info's labels), each pod's cost weighted by its tokens: what FP8 saves."),
     ("Tokens per second", "short", [
         (f"sum(rate(tandem_generation_tokens_total{{{SEL}}}[1m]))", "generated"),
         (f"sum(rate(tandem_prompt_tokens_total{{{SEL}}}[1m]))", "prompt"),

@@ -23,7 +23,7 @@ def _type(node: dict) -> str:
     kinds = kind if isinstance(kind, list) else [kind]
     text = " or ".join(kinds)
     if "enum" in node:
-        text += ": " + ", ".join(f"`{v}`" if v else '`""`' for v in node["enum"])
+        text += ": " + ", ".join("`null`" if v is None else f"`{v}`" if v else '`""`' for v in node["enum"])
     return text
 
 

@@ -66,6 +66,8 @@ VALUE_SETS: dict[str, dict] = {
             "maxNumSeqs": 128,
             "drainSeconds": 900,
             "startupSeconds": 2400,
+            "quantization": "fp8",
+            "kvCacheDtype": "fp8",
             "scaling": {
                 "minReplicas": 2,
                 "maxReplicas": 8,
@@ -297,6 +299,9 @@ def test_crd_schema_check_catches_unknown_and_wrong_fields(chart: helm.Chart, re
         {"auth": {"tokenKey": "tokens"}},
         {"auth": {"tokenSecretName": "tokens", "tokenKey": "../tokens"}},
         {"reflection": "off"},
+        {"quantization": "int4"},
+        {"quantization": "FP8"},
+        {"kvCacheDtype": "fp16"},
     )
     for broken_spec in broken_specs:
         broken = copy.deepcopy(example)
@@ -338,6 +343,8 @@ BAD_VALUES = [
     {"exampleModelServer": {"tls": {"secret": "server-tls"}}},
     {"exampleModelServer": {"auth": {"tokenSecretName": "tokens", "tokenKey": ""}}},
     {"exampleModelServer": {"reflection": "false"}},
+    {"exampleModelServer": {"quantization": "int8"}},
+    {"exampleModelServer": {"kvCacheDtype": "fp16"}},
     {"monitoring": {"serviceMonitor": {"interval": 15}}},
     {"operator": {"metrics": {"port": 8080}}},  # the liveness port
     {"operator": {"metrics": {"port": 0}}},  # off is enabled: false
@@ -665,6 +672,26 @@ def test_tls_auth_and_reflection_reach_the_example(
     assert default["openaiApi"] is True
     off = render(chart, {"exampleModelServer": {"openaiApi": False}})
     assert one(off, "ModelServer")["spec"]["openaiApi"] is False
+
+
+def test_fp8_values_reach_the_model_server_pods(rendered: dict[str, list[dict]]) -> None:
+    """exampleModelServer.quantization and .kvCacheDtype become the ModelServer's spec fields, which
+    the operator turns into the server's TANDEM_QUANTIZATION and TANDEM_KV_CACHE_DTYPE."""
+    from tandem.operator import resources
+    from tandem.operator.spec import parse_spec
+
+    def server_env(value_set: str) -> dict[str, str]:
+        spec = one(rendered[value_set], "ModelServer")["spec"]
+        pod = resources.deployment("m", parse_spec(spec), 9400)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        return {e["name"]: e["value"] for e in container["env"]}
+
+    gpu = one(rendered["gpu"], "ModelServer")["spec"]
+    assert (gpu["quantization"], gpu["kvCacheDtype"]) == ("fp8", "fp8")
+    assert server_env("gpu").items() >= {"TANDEM_QUANTIZATION": "fp8", "TANDEM_KV_CACHE_DTYPE": "fp8"}.items()
+    default = one(rendered["default"], "ModelServer")["spec"]
+    assert "quantization" not in default and default["kvCacheDtype"] == "auto"  # as the checkpoint is
+    assert not {"TANDEM_QUANTIZATION", "TANDEM_KV_CACHE_DTYPE"} & set(server_env("default"))
 
 
 def test_client_ca_without_a_certificate_is_refused(chart: helm.Chart) -> None:

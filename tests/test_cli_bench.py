@@ -172,6 +172,7 @@ def test_tandem_bench_serve_smoke_loads_the_server_and_the_engine_alone(tmp_path
     assert "| 4 streams, HTTP |" in proc.stdout and "| level | gRPC tok/s | HTTP tok/s |" in proc.stdout
     result = json.loads(out.read_text())
     assert result["benchmark"] == "serve" and result["server_exit_code"] == 0
+    assert result["precision"] == {"quantization": "none", "kv_cache_dtype": "auto"}  # the defaults
     by_front = {f: [lv for lv in result["levels"] if lv["front"] == f] for f in ("grpc", "http")}
     same = [lv.get("concurrency") for lv in by_front["grpc"]]
     assert same == [lv.get("concurrency") for lv in by_front["http"]]
@@ -592,3 +593,110 @@ def test_tandem_bench_fp8_smoke_runs_each_variant_on_each_workload(tmp_path):
     assert w8a8["weight_GB"] < bf16["weight_GB"]
     assert set(result["ratio_to_bf16"]["w8a8"]) == {"1x8+4", "4x8+6"}
     assert all(r["tok_s"] > 0 for r in w8a8["workloads"].values())
+
+
+def test_bench_gpu_runs_each_precision_beside_the_first_and_reports_the_ratios(tmp_path, monkeypatch):
+    """`--quantization none,fp8 --kv-cache-dtype auto,fp8`: four engines of one run, each built with
+    its precision in its EngineConfig, each timed, and each FP8 one's tokens/s over the bf16 one's.
+    The plumbing only: the cores are built without the FP8 settings, which the CPU need not run."""
+    import dataclasses
+
+    from tandem.bench.engine import gpu_sync
+    from tandem.service.engine.core_builder import build_core
+
+    built = []
+
+    def recording(model, config, *args):
+        built.append(config)
+        return build_core(model, dataclasses.replace(config, quantization=None, kv_cache_dtype="auto"), *args)
+
+    monkeypatch.setattr(gpu_sync, "build_core", recording)
+    out = tmp_path / "gpu.json"
+    argv = ["--smoke", "--skip-hf", "--quantization", "none,fp8", "--kv-cache-dtype", "auto,fp8",
+            "--out", str(out)]
+    assert gpu_sync.main(argv) == 0
+    assert [(c.quantization, c.kv_cache_dtype) for c in built] == [
+        (None, "auto"), (None, "fp8"), ("fp8", "auto"), ("fp8", "fp8")
+    ]
+    result = json.loads(out.read_text())
+    assert result["workload"]["precisions"] == [
+        {"quantization": q, "kv_cache_dtype": kv} for q in ("none", "fp8") for kv in ("auto", "fp8")
+    ]
+    runs = ("tandem+kv-fp8", "tandem+fp8", "tandem+fp8+kv-fp8")
+    for name in ("tandem", *runs):
+        assert result[name]["tokens"] == result["workload"]["requests"] * result["workload"]["new_tokens"]
+    assert result["tandem+fp8+kv-fp8"]["engine"]["quantization"] == "fp8"
+    assert result["tandem+fp8+kv-fp8"]["engine"]["kv_cache_dtype"] == "fp8"
+    assert set(result["precision_ratios"]) == set(runs)
+    for name, ratio in result["precision_ratios"].items():
+        assert ratio["over"] == "tandem"
+        assert ratio["tok_s"] == pytest.approx(result[name]["tok_s"] / result["tandem"]["tok_s"], rel=0.01)
+    # an FP8 K/V cache is read at half the bytes: its roofline is its own
+    kv = result["tandem+kv-fp8"]["roofline"]["kv_KiB_per_token"]
+    assert kv == result["roofline"]["kv_KiB_per_token"] / 4  # the smoke's model is float32: 4 bytes -> 1
+    assert "roofline" not in result["tandem"]
+
+
+@pytest.mark.parametrize(
+    "bad", [["--quantization", "int4"], ["--kv-cache-dtype", "fp16"], ["--quantization", ""]]
+)
+def test_bench_gpu_refuses_unknown_precisions(bad):
+    from tandem.bench.engine.gpu_sync import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", *bad])
+
+
+def test_serve_precision_flags_reach_the_server_and_the_engine_alone_alike(monkeypatch):
+    """`tandem bench serve --quantization fp8 --kv-cache-dtype fp8`: the settings of the one
+    environment both the server and the engine alone are started with (after --set, so they win);
+    `--quantization none` unsets the setting even where this process's environment has it."""
+    from tandem.bench.serve.benchmark import parse_args
+    from tandem.bench.serve.server import precision_sets, settings_env
+    from tandem.service.settings import ServerSettings
+
+    a = parse_args(["--shape", "tiny", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+                    "--set", "kv_cache_dtype=auto"])
+    env = settings_env([*a.set, *precision_sets(a)], "cpu")
+    assert (env["TANDEM_QUANTIZATION"], env["TANDEM_KV_CACHE_DTYPE"]) == ("fp8", "fp8")
+    for name, value in env.items():  # as the server and `engine_alone` read their settings
+        if name.startswith("TANDEM_"):
+            monkeypatch.setenv(name, value)
+    settings = ServerSettings()
+    assert (settings.quantization, settings.kv_cache_dtype) == ("fp8", "fp8")
+
+    monkeypatch.setenv("TANDEM_QUANTIZATION", "fp8")
+    monkeypatch.delenv("TANDEM_KV_CACHE_DTYPE")
+    a = parse_args(["--shape", "tiny", "--quantization", "none"])
+    env = settings_env([*a.set, *precision_sets(a)], "cpu")
+    assert "TANDEM_QUANTIZATION" not in env and "TANDEM_KV_CACHE_DTYPE" not in env
+    with pytest.raises(SystemExit):
+        parse_args(["--shape", "tiny", "--kv-cache-dtype", "fp16"])
+
+
+def test_bench_workloads_precision_flags_reach_the_engine_and_the_report(monkeypatch):
+    """`tandem bench workloads --quantization fp8 --kv-cache-dtype fp8`: the one engine every workload
+    runs on is built with them, its cache holds FP8 K/V (four times the float32 smoke's tokens in the
+    same GiB) and the report says so. The plumbing only: the core is built without the FP8 settings."""
+    import dataclasses
+
+    from tandem.bench.workloads import features
+    from tandem.service.engine.core_builder import build_core
+
+    built = []
+
+    def recording(model, config, *args):
+        built.append(config)
+        return build_core(model, dataclasses.replace(config, quantization=None, kv_cache_dtype="auto"), *args)
+
+    monkeypatch.setattr(features, "build_core", recording)
+    plain, plain_report = features.build_bench(features.parse_args(["--smoke"]))
+    fp8, report = features.build_bench(
+        features.parse_args(["--smoke", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    )
+    assert [(c.quantization, c.kv_cache_dtype) for c in built] == [(None, "auto"), ("fp8", "fp8")]
+    assert (report["engine"]["quantization"], report["engine"]["kv_cache_dtype"]) == ("fp8", "fp8")
+    plain_engine = plain_report["engine"]
+    assert (plain_engine["quantization"], plain_engine["kv_cache_dtype"]) == ("none", "auto")
+    assert report["kv_KiB_per_token"] == plain_report["kv_KiB_per_token"] / 4
+    assert 0 <= fp8.cache_blocks - 4 * plain.cache_blocks < 4  # the same GiB, whole blocks

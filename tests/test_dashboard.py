@@ -44,6 +44,20 @@ def test_every_panel_queries_the_datasource_variable():
         assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
 
 
+def test_cost_per_token_by_quantization_joins_the_model_info_by_pod():
+    """One series per (quantization, KV-cache dtype): the pods' costs weighted by their tokens, the
+    labels taken from tandem_model_info by pod."""
+    d = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in d["panels"] if p["title"] == "Cost per million tokens by quantization"]
+    (target,) = panel["targets"]
+    expr = target["expr"]
+    assert panel["fieldConfig"]["defaults"]["unit"] == "currencyUSD"
+    assert expr.count("sum by (quantization, kv_cache_dtype)") == 2
+    assert expr.count("group_left (quantization, kv_cache_dtype) tandem_model_info") == 2
+    assert "tandem_cost_per_million_tokens_usd" in expr and "rate(tandem_generation_tokens_total" in expr
+    assert "{{quantization}}" in target["legendFormat"] and "{{kv_cache_dtype}}" in target["legendFormat"]
+
+
 def test_the_autoscaler_panels_query_only_metrics_the_operator_exports():
     """The operator's panels name series that operator/metrics.py really exports (each kind of
     series recorded once, then the registry rendered as Prometheus scrapes it)."""

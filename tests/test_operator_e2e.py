@@ -279,6 +279,41 @@ async def test_bad_spec_gets_a_condition_not_a_crash_loop(kmock, spec: dict, pro
     await api.close()
 
 
+async def test_quantization_and_kv_cache_dtype_reach_the_pods_and_a_change_rolls_them(kmock) -> None:
+    """spec.quantization and spec.kvCacheDtype become the server's environment; changing them changes
+    the Deployment's pod template, which rolls the pods as any other spec change does."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    deployment = api_path("apps/v1", "deployments", NS, "fp8")
+
+    def env_of(dep: dict) -> dict[str, str]:
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["value"] for e in container["env"]}
+
+    async def env_with(wanted: dict[str, str | None]) -> dict | None:
+        env = env_of(await api.get(deployment))
+        return env if all(env.get(k) == v for k, v in wanted.items()) else None
+
+    async with operator_running(kmock, liveness_port=0):
+        await api.create(MS, model_server("fp8", quantization="fp8", kvCacheDtype="fp8", gpusPerPod=0))
+        await eventually(
+            lambda: env_with({"TANDEM_QUANTIZATION": "fp8", "TANDEM_KV_CACHE_DTYPE": "fp8"}),
+            what="FP8 settings in the pod template",
+        )
+        # back to bf16 weights as the checkpoint is, FP8 K/V kept; then the KV cache back to the model's
+        await api.patch(MS + "/fp8", {"spec": {"quantization": None}, "metadata": {"generation": 2}})
+        await eventually(
+            lambda: env_with({"TANDEM_QUANTIZATION": None, "TANDEM_KV_CACHE_DTYPE": "fp8"}),
+            what="quantization removed from the pod template",
+        )
+        await api.patch(MS + "/fp8", {"spec": {"kvCacheDtype": "auto"}, "metadata": {"generation": 3}})
+        await eventually(
+            lambda: env_with({"TANDEM_QUANTIZATION": None, "TANDEM_KV_CACHE_DTYPE": None}),
+            what="the KV-cache dtype back to the server's default",
+        )
+    await api.close()
+
+
 def metrics_pods(addresses: Addresses, pods: list[MetricsPod]) -> Callable[[dict], MetricsPod]:
     def factory(container: dict) -> MetricsPod:
         metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")

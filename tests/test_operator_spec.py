@@ -111,6 +111,8 @@ def test_crd_defaults_and_fields_match_the_operator(model: type, path: tuple[str
         ({"image": "x", "tls": {"secretName": "a", "clientCASecretName": ""}}, "spec.tls.clientCASecretName"),
         ({"image": "x", "auth": {"tokenKey": "tokens"}}, "spec.auth.tokenSecretName: Field required"),
         ({"image": "x", "auth": {"tokenSecretName": "t", "tokenKey": "../etc"}}, "spec.auth.tokenKey"),
+        ({"image": "x", "quantization": "int4"}, "spec.quantization: Input should be 'fp8'"),
+        ({"image": "x", "kvCacheDtype": "fp16"}, "spec.kvCacheDtype: Input should be 'auto' or 'fp8'"),
     ],
 )
 def test_invalid_specs_name_their_problem(spec: dict, message: str):
@@ -291,3 +293,46 @@ def test_model_pods_get_default_cpu_and_memory_requests(given, gpus, requests, l
     (c,) = resources.deployment("m", spec, 9400)["spec"]["template"]["spec"]["containers"]
     assert c["resources"]["requests"] == requests
     assert c["resources"].get("limits") == limits
+
+
+def test_quantization_and_kv_cache_dtype_have_the_servers_choices_in_the_crd_and_the_operator():
+    from typing import get_args
+
+    from tandem.service.settings import ServerSettings
+
+    props = crd_schema()["properties"]
+    server = ServerSettings.model_fields
+    quantization, _none = get_args(server["quantization"].annotation)  # Literal["fp8"] | None
+    assert props["quantization"]["enum"] == ["fp8"] == list(get_args(quantization))
+    assert "default" not in props["quantization"], "unset: as the checkpoint is"
+    kv_cache_dtypes = list(get_args(server["kv_cache_dtype"].annotation))
+    assert props["kvCacheDtype"]["enum"] == ["auto", "fp8"] == kv_cache_dtypes
+    assert props["kvCacheDtype"]["default"] == server["kv_cache_dtype"].default == "auto"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (
+            {"quantization": "fp8", "kvCacheDtype": "fp8"},
+            {"TANDEM_QUANTIZATION": "fp8", "TANDEM_KV_CACHE_DTYPE": "fp8"},
+        ),
+        ({"quantization": "fp8"}, {"TANDEM_QUANTIZATION": "fp8"}),
+        ({"kvCacheDtype": "fp8"}, {"TANDEM_KV_CACHE_DTYPE": "fp8"}),
+        # the server's defaults are left unset: an operator upgrade changes no existing pod template
+        ({"kvCacheDtype": "auto"}, {}),
+        ({}, {}),
+    ],
+)
+def test_quantization_and_kv_cache_dtype_reach_the_server_env(given: dict, expected: dict):
+    _, container = _pod({"image": "x", **given})
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert {k: v for k, v in env.items() if k in ("TANDEM_QUANTIZATION", "TANDEM_KV_CACHE_DTYPE")} == expected
+
+
+def test_the_users_env_wins_over_the_kv_cache_dtype_field():
+    _, container = _pod(
+        {"image": "x", "kvCacheDtype": "fp8", "env": [{"name": "TANDEM_KV_CACHE_DTYPE", "value": "auto"}]}
+    )
+    env = [e for e in container["env"] if e["name"] == "TANDEM_KV_CACHE_DTYPE"]
+    assert env == [{"name": "TANDEM_KV_CACHE_DTYPE", "value": "auto"}]

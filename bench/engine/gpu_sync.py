@@ -9,6 +9,8 @@ Device copy bandwidth is measured in the same run; the decode roofline is, per s
 
     tandem bench gpu [--shape 8b|1b] [--requests 32] [--prompt 128] [--new 256] [--skip-hf]
                      [--hf-config '{"use_cuda_graph": true}'] [--out PATH]
+    tandem bench gpu --engines compiled --quantization none,fp8 --kv-cache-dtype auto,fp8 --skip-hf
+                     # bf16 beside FP8 KV, FP8 weights and both, in one run: the ratios per engine
     tandem bench gpu --smoke    # tiny shape on CPU: checks the logic, numbers meaningless
 
 Imports only tandem.service.engine.* (no settings, no gRPC): runs on a host with just torch + transformers.
@@ -42,6 +44,7 @@ from tandem.bench.engine.harness import (
     run_tandem,
     same_outputs,
 )
+from tandem.bench.engine.precision import Precision, add_options, model_bytes, precisions
 from tandem.bench.engine.variants import VARIANTS, build_model
 from tandem.bench.record import ResultFile
 from tandem.service.engine.config import EngineConfig
@@ -150,6 +153,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true", help="Tandem only")
     ap.add_argument("--engines", default="sync,async,eager,compiled",
                     help=f"Tandem variants, comma-separated (CUDA): {', '.join(VARIANTS)}")
+    add_options(ap, lists=True)
     ap.add_argument("--vram", action="store_true", help="also report decode-graph memory, one slot vs two")
     ap.add_argument("--timeline", default=None, metavar="TRACE.json",
                     help="also record every step's stages (prepare, h2d, compute, d2h) of each Tandem engine "
@@ -193,24 +197,62 @@ def check_needs(a: argparse.Namespace) -> None:
 
 def tandem_runs(a: argparse.Namespace, model: torch.nn.Module, prompts: list[list[int]], spec: EngineConfig
                 ) -> tuple[dict[str, Callable[[], RunStats]], dict, dict]:
-    """Each chosen variant's engine, built over `spec`: (its timed run by label, cores, configs)."""
+    """Each chosen variant's engine at each precision, built over `spec`: (its timed run by label,
+    cores and configs by variant, e.g. "compiled+fp8")."""
     chosen = a.engines.split(",") if a.device.type == "cuda" else ["sync"]
     runs, cores, configs = {}, {}, {}
-    for name in chosen:
-        start = time.perf_counter()
-        # fusing changes a model in place: that variant gets a twin of its own (same seed, same weights)
-        own = build_model(a.shape, a.device, a.dtype) if VARIANTS[name].get("fuse_projections") else model
-        configs[name] = dataclasses.replace(spec, **VARIANTS[name])
-        cores[name] = build_core(own, configs[name])
-        print(f"engine {name}: built (capture, compile) in {time.perf_counter() - start:.1f} s", flush=True)
-        runs[label(name)] = with_gpu_busy(
-            lambda core=cores[name], tag=name[:2]: run_tandem(core, prompts, a.new, tag=tag), a.device
+    for name, precision in [(n, p) for n in chosen for p in precisions(a)]:
+        key, start = name + precision.suffix, time.perf_counter()
+        # fusing and quantizing change a model in place: such a variant gets a twin of its own (same
+        # seed, same weights)
+        changes = VARIANTS[name].get("fuse_projections") or precision.quantization != "none"
+        own = build_model(a.shape, a.device, a.dtype) if changes else model
+        configs[key] = dataclasses.replace(spec, **VARIANTS[name], **precision.engine())
+        cores[key] = build_core(own, configs[key])
+        print(f"engine {key}: built (capture, compile) in {time.perf_counter() - start:.1f} s", flush=True)
+        runs[label(key)] = with_gpu_busy(
+            lambda core=cores[key], tag=key[:2] + precision.suffix: run_tandem(core, prompts, a.new, tag=tag),
+            a.device,
         )
     return runs, cores, configs
 
 
 def label(variant: str) -> str:
-    return "tandem" if variant == "sync" else f"tandem_{variant}"
+    """A run's name: "tandem" (sync) or "tandem_<variant>", then its precision ("+fp8+kv-fp8")."""
+    name, plus, precision = variant.partition("+")
+    return ("tandem" if name == "sync" else f"tandem_{name}") + plus + precision
+
+
+def precision_ratios(a: argparse.Namespace, results: dict[str, RunStats]) -> dict:
+    """Each engine's runs at the other precisions over its run at the first (the baseline), from this
+    run's timings: tokens/s (above 1 = faster) and the median step (below 1 = shorter)."""
+    first, *others = precisions(a)
+    ratios = {}
+    for name in (a.engines.split(",") if a.device.type == "cuda" else ["sync"]):
+        base = results[label(name + first.suffix)]
+        for precision in others:
+            r = results[label(name + precision.suffix)]
+            ratios[label(name + precision.suffix)] = {
+                "over": label(name + first.suffix),
+                "tok_s": round(r.tok_s / base.tok_s, 3),
+                "median_step": round(r.step_ms["median"] / base.step_ms["median"], 3)
+                if r.step_ms and base.step_ms else None,
+            }
+    return ratios
+
+
+def precision_rooflines(a: argparse.Namespace, cores: dict, configs: dict, bandwidth: float) -> dict:
+    """The decode roofline of each run at a precision other than the model's own, by label: its
+    engine's weights as built (FP8 where quantized, with their scales) and its K/V bytes per token."""
+    out = {}
+    for key, config in configs.items():
+        precision = Precision(config.quantization or "none", config.kv_cache_dtype)
+        if precision == Precision():
+            continue
+        model = cores[key].runner.model
+        kv = precision.kv_bytes_per_token(model.config, a.dtype)
+        out[label(key)] = roofline(model_bytes(model), kv, bandwidth, a.requests, a.prompt, a.new)
+    return out
 
 
 def hf_run(a: argparse.Namespace, hf_model: torch.nn.Module, prompts: list[list[int]]
@@ -259,13 +301,17 @@ def step_telemetry(a: argparse.Namespace, cores: dict, prompts: list[list[int]])
     return extra
 
 
-def compare(a: argparse.Namespace, results: dict[str, RunStats], roof: dict, floor: dict | None
-            ) -> tuple[dict, list[list[object]]]:
-    """Each run's share of the roofline and the GEMM floor: (report by run, table rows)."""
+def compare(a: argparse.Namespace, results: dict[str, RunStats], base_roof: dict, floor: dict | None,
+            roofs: dict | None = None) -> tuple[dict, list[list[object]]]:
+    """Each run's share of its roofline (`roofs`' where its precision has one of its own, else the
+    model's) and of the GEMM floor: (report by run, table rows)."""
     rows, report = [], {}
     for name, r in results.items():
+        roof = (roofs or {}).get(name, base_roof)
         fraction = roof["seconds"] / r.seconds
         report[name] = {**r.summary(), "fraction_of_roofline": round(fraction, 4)}
+        if roof is not base_roof:
+            report[name]["roofline"] = roof
         if floor is not None:
             report[name]["fraction_of_gemm_floor"] = round(floor["seconds"] / r.seconds, 4)
         median = r.step_ms["median"] if r.step_ms else None  # transformers has no steps of ours
@@ -278,6 +324,7 @@ def compare(a: argparse.Namespace, results: dict[str, RunStats], roof: dict, flo
                      f"{floor['seconds'] / r.seconds:.1%}" if floor is not None else "-",
                      f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-",
                      f"{r.engine_idle:.1%}" if r.engine_idle is not None else "-", r.warmup_seconds])
+    roof = base_roof
     rows.append(["roofline (decode)", a.requests * max(1, a.new - 1), roof["seconds"], roof["tok_s"],
                  f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "100%", "-", "-", "-", "-"])
     if floor is not None:
@@ -288,7 +335,9 @@ def compare(a: argparse.Namespace, results: dict[str, RunStats], roof: dict, flo
         report["transformers"]["continuous_batching_config"] = a.hf_config
         report["transformers"]["attn_implementation"] = "paged|sdpa"
         report["transformers"]["persistent_manager"] = a.hf_persistent
-        best = max((r for n, r in results.items() if n != "transformers"), key=lambda r: r.tok_s)
+        # against the engines at the model's own precision: transformers runs it in that one
+        own = [r for n, r in results.items() if n != "transformers" and n not in (roofs or {})]
+        best = max(own, key=lambda r: r.tok_s)
         report["ratio_tandem_over_transformers"] = round(best.tok_s / results["transformers"].tok_s, 3)
         same = same_outputs(best, results["transformers"])
         report["identical_outputs"] = f"{same}/{a.requests}"
@@ -342,6 +391,9 @@ def print_summary(rows: list[list[object]], report: dict, vram: dict | None, max
     if "ratio_tandem_over_transformers" in report:
         print(f"\nTandem / transformers = {report['ratio_tandem_over_transformers']:.2f}x; identical greedy "
               f"outputs: {report['identical_outputs']} (bf16 on GPU: some drift between kernels is expected)")
+    for name, ratio in report.get("precision_ratios", {}).items():
+        print(f"{name} / {ratio['over']}: tokens/s {ratio['tok_s']:.3f}x, "
+              f"median step {ratio['median_step']}x")
     if vram:
         print(f"decode graph memory (max batch {max_num_seqs}): {vram}")
     print_stalls(results)
@@ -373,7 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hf_model is not None:
         release_hf(hf_model)
     roof, floor = bounds(a, next(iter(cores.values())).runner.model, facts, bandwidth)
-    report, rows = compare(a, results, roof, floor)
+    report, rows = compare(a, results, roof, floor, precision_rooflines(a, cores, configs, bandwidth))
+    if len(precisions(a)) > 1:
+        report["precision_ratios"] = precision_ratios(a, results)
     for name, config in configs.items():  # each engine's own settings (the variant over the benchmark's spec)
         report[label(name)]["engine"] = config.__dict__
     # through `tandem bench`, the CLI itself has imported the server's settings: nothing to check
@@ -383,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "smoke": a.smoke,
         "model": f"random-init Llama {a.shape} shape, {a.dtype}",
         "workload": {"requests": a.requests, "prompt_tokens": a.prompt, "new_tokens": a.new,
-                     "prompts": "random token ids", "sampling": "greedy, fixed length"},
+                     "prompts": "random token ids", "sampling": "greedy, fixed length",
+                     "precisions": [vars(p) for p in precisions(a)]},
         "environment": env,
         "model_build_seconds": round(facts["build_s"], 1),
         "roofline": roof,

@@ -68,6 +68,7 @@ from tandem.bench.serve.server import (
     free_port,
     make_model,
     model_limits,
+    precision_sets,
     resolve_device,
     settings_env,
     settings_of,
@@ -436,6 +437,11 @@ def record(a: argparse.Namespace, env: dict[str, str], device: str, engine_pass:
         "what": a.shape or a.model or a.server,
         "environment": environment(torch.device(device)),
         "settings": settings_of(env),
+        # what both sides ran (the server's settings unset: none = as the checkpoint is, auto = its dtype)
+        "precision": {
+            "quantization": env.get("TANDEM_QUANTIZATION") or "none",
+            "kv_cache_dtype": env.get("TANDEM_KV_CACHE_DTYPE") or "auto",
+        },
         "workload": {
             "dataset": a.dataset,
             "prompt": a.prompt,
@@ -476,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result_file = ResultFile("serve", argv, device, result_shape(a), a.out,
                              tempfile.gettempdir() if a.smoke else None)
     # --set: for both the server and the engine alone
-    env = settings_env(a.set, device, telemetry_window_s="2")
+    env = settings_env([*a.set, *precision_sets(a)], device, telemetry_window_s="2")
     top = max([*a.concurrency, 1])
     if top > 256 and "TANDEM_MAX_NUM_SEQS" not in env:
         env["TANDEM_MAX_NUM_SEQS"] = str(top)

@@ -109,9 +109,25 @@ def add_model_options(ap: argparse.ArgumentParser) -> argparse._MutuallyExclusiv
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a server setting, as TANDEM_NAME in the server's environment (repeatable)",
+        help="a server setting, as TANDEM_NAME in the server's environment (repeatable; NAME= unsets it)",
     )
+    # the server's settings of these names, spelled as `tandem serve` spells them; after --set, so
+    # they win over it
+    ap.add_argument("--quantization", choices=["none", "fp8"], default=None,
+                    help="linear layers in FP8 (fp8) or as the checkpoint is (none); default: the server's")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                    help="the KV cache in the model's dtype (auto) or FP8; default: the server's")
     return where
+
+
+def precision_sets(a: argparse.Namespace) -> list[str]:
+    """--set entries of --quantization and --kv-cache-dtype (none: the setting unset)."""
+    sets = []
+    if a.quantization is not None:
+        sets.append(f"quantization={'' if a.quantization == 'none' else a.quantization}")
+    if a.kv_cache_dtype is not None:
+        sets.append(f"kv_cache_dtype={a.kv_cache_dtype}")
+    return sets
 
 
 def resolve_device(device: str) -> str:
@@ -128,7 +144,11 @@ def settings_env(sets: Sequence[str], device: str, **defaults: str) -> dict[str,
     env.update({f"TANDEM_{k.upper()}": v for k, v in defaults.items()})
     for item in sets:
         name, _, value = item.partition("=")
-        env[f"TANDEM_{name.upper().replace('-', '_')}"] = value
+        variable = f"TANDEM_{name.upper().replace('-', '_')}"
+        if value:
+            env[variable] = value
+        else:  # the server's default, whatever this process's environment says
+            env.pop(variable, None)
     return env
 
 

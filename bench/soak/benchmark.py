@@ -42,6 +42,7 @@ from tandem.bench.serve.server import (
     add_model_options,
     default_tokenizer,
     make_model,
+    precision_sets,
     resolve_device,
     settings_env,
     settings_of,
@@ -310,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     device = resolve_device(a.device)
     result_file = ResultFile("soak", argv, device, a.label, a.out, tempfile.gettempdir() if a.smoke else None)
-    env = settings_env(a.set, device)
+    env = settings_env([*a.set, *precision_sets(a)], device)
     if a.concurrency > 256 and "TANDEM_MAX_NUM_SEQS" not in env:
         env["TANDEM_MAX_NUM_SEQS"] = str(a.concurrency)
     model_env(a, env, folder, device)

@@ -36,6 +36,7 @@ else. Every request runs to its max_tokens (ignore_eos), greedy, all submitted a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ from tandem.bench.common import SHAPES, markdown_table, need_cuda
 from tandem.bench.engine.gemm_floor import StepGemmFloor
 from tandem.bench.engine.harness import StallWatch, copy_bandwidth, environment
 from tandem.bench.engine.host_step import no_forward
+from tandem.bench.engine.precision import add_options, model_bytes, precisions
 from tandem.bench.engine.variants import SERVER_CUDA, build_model
 from tandem.bench.prompts import Workload, fixed, mixed, shared_prefixes
 from tandem.bench.record import ResultFile
@@ -65,7 +67,6 @@ from tandem.bench.workloads.timed_run import BLOCK, BUDGET, MAX_NUM_SEQS, Run, f
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.gc_pauses import freeze_start_up_heap
-from tandem.service.engine.ops.kv_cache import CacheShape
 
 CACHE_GIB = 60.0  # on an H200 the mixed workload's 512 requests run without preemption
 CACHE_SHARE = 0.8  # of the free memory: the rest for step buffers, compiled forwards and CUDA graphs
@@ -204,6 +205,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"the device cache all runs share; default: {CACHE_GIB:g} GiB, or less where the device's "
         f"free memory after the model and the rates' buffers is smaller ({CACHE_SHARE * 100:.0f}%% of it)",
     )
+    add_options(ap)  # --quantization, --kv-cache-dtype: one engine, every workload at that precision
     ap.add_argument("--out", default=None,
                     help="JSON path (default: bench/results/<date>_<gpu>_workloads_<shape>.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU, few tokens: checks the logic")
@@ -243,7 +245,8 @@ def build_bench(a: argparse.Namespace) -> tuple[Bench, dict]:
     device = torch.device("cpu" if a.smoke else "cuda")
     dtype = torch.float32 if a.smoke else torch.bfloat16
     model = build_model(a.shape, device, dtype)
-    kv = CacheShape.of(model.config).bytes_per_token(dtype)
+    (precision,) = precisions(a)
+    kv = precision.kv_bytes_per_token(model.config, dtype)  # FP8: twice the blocks in the same GiB
     limits = Device(
         weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         linear_params=linear_params(model),
@@ -263,9 +266,12 @@ def build_bench(a: argparse.Namespace) -> tuple[Bench, dict]:
         prefix_caching=True,
         kv_offload_blocks=int(a.offload_gib * 2**30) // (kv * BLOCK),
         **({} if a.smoke else {**SERVER_CUDA, "step_loop": "async"}),
+        **precision.engine(),
     )
     built = time.perf_counter()
     core = build_core(model, config)
+    if precision.quantization != "none":  # the bounds read the weights as the engine holds them
+        limits = dataclasses.replace(limits, weight_bytes=model_bytes(model))
     floor = StepGemmFloor(model, kv, limits.bandwidth)
     header = {
         "benchmark": "workloads",
@@ -279,6 +285,8 @@ def build_bench(a: argparse.Namespace) -> tuple[Bench, dict]:
             "cache_gib": a.cache_gib,
             "build_s": round(time.perf_counter() - built, 1),
             **({} if a.smoke else SERVER_CUDA),
+            "quantization": precision.quantization,
+            "kv_cache_dtype": precision.kv_cache_dtype,
         },
         "copy_bandwidth_TBps": round(limits.bandwidth / 1e12, 3),
         "gemm_TFLOPs": round(limits.gemm_flops / 1e12, 1),

@@ -51,6 +51,9 @@ class ServerMetrics:
         self.engine_gc: Callable[[], GcTotals | None] = lambda: None  # the engine process's collections
         # (capacity in generated tokens/s, the share the traffic uses); None until the fit can say
         self.capacity: Callable[[], tuple[float, float] | None] = lambda: None
+        # the labels of tandem_model_info; None until the engine has loaded the model
+        self.model_info: Callable[[], dict[str, str] | None] = lambda: None
+        self._info_gauge(meter)
         self.generation_tokens = meter.create_counter(
             "tandem_generation_tokens",
             unit="{token}",
@@ -183,6 +186,22 @@ class ServerMetrics:
             description="Price per GPU-hour x GPUs / generated tokens per hour, x 1e6, over the window "
             "(absent while no token was generated in the window).",
         )
+
+    def _info_gauge(self, meter: Meter) -> None:
+        # What the pod serves as labels of one constant series (Prometheus' info pattern, as
+        # kube_pod_info): dashboards join it to any other metric by pod, e.g. cost per token by
+        # quantization, and the other series keep their label sets (the operator sums over them)
+        meter.create_observable_gauge(
+            "tandem_model_info",
+            callbacks=[self._observe_model_info],
+            unit="",
+            description="1, labelled with what the pod serves: model, quantization (the setting; none = as "
+            "the checkpoint is) and kv_cache_dtype (absent until the model is loaded).",
+        )
+
+    def _observe_model_info(self, _: CallbackOptions) -> Iterable[Observation]:
+        labels = self.model_info()
+        return [] if labels is None else [Observation(1, labels)]
 
     def _observer(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         """A callback reading one field of the engine's latest report (nothing before the first)."""

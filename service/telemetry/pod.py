@@ -36,6 +36,10 @@ class PodTelemetry:
         self.block_size = settings.block_size
         self.capacity = CapacityModel(settings.max_num_seqs, kv_tokens=0)  # sized by the first report
         self.metrics.capacity = self._capacity
+        self.metrics.model_info = self._model_info
+        self.quantization = settings.quantization or "none"
+        self.kv_cache_dtype = settings.kv_cache_dtype
+        self.model_name: str | None = None  # the engine's, once it has loaded the model
         self.stats: EngineStats | None = None  # the engine's latest report
         self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
         self.engine_ready = False
@@ -46,6 +50,16 @@ class PodTelemetry:
 
     def _engine_gc(self) -> GcTotals | None:
         return self.gc
+
+    def _model_info(self) -> dict[str, str] | None:
+        """The labels of tandem_model_info: the engine process was started with these settings."""
+        if self.model_name is None:
+            return None
+        return {
+            "model": self.model_name,
+            "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
+        }
 
     def _capacity(self) -> tuple[float, float] | None:
         """(capacity in generated tokens/s, the share of it the window's traffic used)."""
@@ -80,6 +94,7 @@ class PodTelemetry:
             self.statistics.record(msg)
         elif isinstance(msg, c.EngineReady):
             self.engine_ready = True
+            self.model_name = msg.model.name
 
     def shutdown(self) -> None:
         if self.tracer_provider is not None:
