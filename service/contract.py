@@ -193,6 +193,8 @@ class ModelInfo(msgspec.Struct):
     device: str
     eos_token_ids: list[int]
     tokenizer_path: str  # where the fronts load the model's tokenizer from
+    quantization: str = "none"  # what the linear layers run in: "fp8" (W8A8) or "none" (`dtype`)
+    kv_cache_dtype: str = "auto"  # what the KV cache stores: "fp8", or the model's dtype by name
 
 
 class EngineReady(msgspec.Struct, tag=True, array_like=True):

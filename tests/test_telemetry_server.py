@@ -244,13 +244,13 @@ def test_cost_per_million_tokens_is_price_over_throughput(served: Served):
 
 def test_model_info_says_what_the_pod_serves_and_the_operator_still_reads_the_pod(served: Served):
     """tandem_model_info: one series of value 1 whose labels tell an FP8 pod from a bf16 one (here the
-    defaults: no quantization, the KV cache in the model's dtype); the operator's scrape of the same
+    defaults: no quantization, the KV cache in the CPU model's float32); the operator's scrape of the same
     /metrics finds every metric it needs."""
     from tandem.operator.scrape import parse_metrics, problem_of
 
     ((labels, one),) = served.after["tandem_model_info"]
     assert one == 1.0
-    assert labels.items() >= {"model": MODEL, "quantization": "none", "kv_cache_dtype": "auto"}.items()
+    assert labels.items() >= {"model": MODEL, "quantization": "none", "kv_cache_dtype": "float32"}.items()
     with urllib.request.urlopen(served.metrics_url, timeout=10) as r:
         sample = parse_metrics("pod-0", time.time(), r.read().decode())
     assert problem_of(sample) is None and sample.generated_tokens

@@ -19,7 +19,7 @@ from .. import contract as c
 from ..engine.engine_core import EngineCore
 from ..engine.factory import build_engine, configure_threads, resolve_device
 from ..engine.gc_pauses import GcPauses, freeze_start_up_heap
-from ..engine.ops.fp8_linear import compute_dtype
+from ..engine.ops.fp8_linear import compute_dtype, quantization_of
 from ..ipc import sockets
 from ..models.loader import LoadedModel, load_model
 from ..settings import ServerSettings
@@ -37,8 +37,10 @@ def warm_up(core: EngineCore, limits: c.Limits) -> None:
         core.run_once()
 
 
-def _model_info(loaded: LoadedModel, device: str) -> c.ModelInfo:
+def _model_info(loaded: LoadedModel, device: str, core: EngineCore) -> c.ModelInfo:
+    """What the engine serves, as built: its linear layers' and its KV cache's precision included."""
     model = loaded.model
+    kv = str(core.runner.cache.k_store.dtype).removeprefix("torch.")
     return c.ModelInfo(
         name=loaded.name,
         source=loaded.source,
@@ -47,6 +49,8 @@ def _model_info(loaded: LoadedModel, device: str) -> c.ModelInfo:
         device=device,
         eos_token_ids=sorted(loaded.eos_token_ids),
         tokenizer_path=str(loaded.path),
+        quantization=quantization_of(model),
+        kv_cache_dtype="fp8" if kv.startswith("float8") else kv,
     )
 
 
@@ -202,7 +206,7 @@ def engine_main(
     # serving: the supervisor stops the engine (Shutdown) once the fronts have drained, and a SIGTERM
     # sent to the whole process group (a service manager, `timeout`) must not cut their streams short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ready = c.EngineReady(_model_info(loaded, str(device)), limits)
+    ready = c.EngineReady(_model_info(loaded, str(device), core), limits)
     for sock in (*fronts, supervisor):
         EngineService._send(sock, ready)
     log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)

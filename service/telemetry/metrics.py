@@ -195,8 +195,9 @@ class ServerMetrics:
             "tandem_model_info",
             callbacks=[self._observe_model_info],
             unit="",
-            description="1, labelled with what the pod serves: model, quantization (the setting; none = as "
-            "the checkpoint is) and kv_cache_dtype (absent until the model is loaded).",
+            description="1, labelled with what the pod's engine built (absent until it has loaded the "
+            "model): model, quantization (fp8: FP8 linear layers, from the setting or the checkpoint; "
+            "none) and kv_cache_dtype (fp8, or the model's dtype by name).",
         )
 
     def _observe_model_info(self, _: CallbackOptions) -> Iterable[Observation]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from opentelemetry import trace
 
 from .. import contract as c
-from ..contract import EngineStats, GcTotals, StepTiming
+from ..contract import EngineStats, GcTotals, ModelInfo, StepTiming
 from ..settings import ServerSettings
 from .capacity import CapacityModel
 from .cost import TokenWindow
@@ -37,9 +37,7 @@ class PodTelemetry:
         self.capacity = CapacityModel(settings.max_num_seqs, kv_tokens=0)  # sized by the first report
         self.metrics.capacity = self._capacity
         self.metrics.model_info = self._model_info
-        self.quantization = settings.quantization or "none"
-        self.kv_cache_dtype = settings.kv_cache_dtype
-        self.model_name: str | None = None  # the engine's, once it has loaded the model
+        self.model: ModelInfo | None = None  # the engine's, once it has loaded the model
         self.stats: EngineStats | None = None  # the engine's latest report
         self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
         self.engine_ready = False
@@ -52,13 +50,14 @@ class PodTelemetry:
         return self.gc
 
     def _model_info(self) -> dict[str, str] | None:
-        """The labels of tandem_model_info: the engine process was started with these settings."""
-        if self.model_name is None:
+        """The labels of tandem_model_info: what the engine reported it built (an FP8 checkpoint runs in
+        FP8 whatever the setting says)."""
+        if self.model is None:
             return None
         return {
-            "model": self.model_name,
-            "quantization": self.quantization,
-            "kv_cache_dtype": self.kv_cache_dtype,
+            "model": self.model.name,
+            "quantization": self.model.quantization,
+            "kv_cache_dtype": self.model.kv_cache_dtype,
         }
 
     def _capacity(self) -> tuple[float, float] | None:
@@ -94,7 +93,7 @@ class PodTelemetry:
             self.statistics.record(msg)
         elif isinstance(msg, c.EngineReady):
             self.engine_ready = True
-            self.model_name = msg.model.name
+            self.model = msg.model
 
     def shutdown(self) -> None:
         if self.tracer_provider is not None:

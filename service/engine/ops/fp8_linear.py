@@ -142,3 +142,8 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     if embeddings is not None:
         return embeddings.weight.dtype
     return next(p.dtype for p in model.parameters() if p.dtype != FP8)
+
+
+def quantization_of(model: nn.Module) -> str:
+    """"fp8" where any linear layer of `model` runs in FP8, else "none"."""
+    return "fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else "none"
