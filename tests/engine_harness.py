@@ -59,6 +59,7 @@ def make_core(
     compile_decode: bool | None = None,  # default: whenever compile_backend is given
     prefix_caching: bool = False,
     kv_offload_blocks: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
@@ -66,7 +67,7 @@ def make_core(
         compile_backend=compile_backend or "inductor",
         fuse_projections=fuse_projections, kv_cache_layout=kv_cache_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
-        prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks,
+        prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks, kv_cache_dtype=kv_cache_dtype,
     )
     return build_core(model, config, eos)
 
