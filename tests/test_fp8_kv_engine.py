@@ -77,6 +77,21 @@ def test_preempted_sequences_get_the_tokens_of_an_fp8_engine_that_never_preempts
     assert tight.tokens == roomy.tokens
 
 
+def test_compiled_steps_over_an_fp8_cache_give_the_eager_tokens(llama):
+    """Decode and prefill compiled by Inductor around the custom ops (their scales as tensor
+    arguments, their fake implementations matching) give the eager FP8 engine's tokens."""
+    rng = random.Random(5)
+    arrivals = [Arrival(f"r{i}", [rng.randrange(llama.config.vocab_size) for _ in range(n)],
+                        SamplingParams(max_tokens=12), at)
+                for i, (n, at) in enumerate(zip([19, 5, 33], [0, 1, 2], strict=True))]
+    tokens = []
+    for backend in ("inductor", None):
+        core = make_core(llama, compile_backend=backend, compile_prefill=True, kv_cache_dtype="fp8")
+        core.runner.cache.set_scales(0.5, 0.25)
+        tokens.append(run(core, arrivals).tokens)
+    assert tokens[0] == tokens[1]
+
+
 def test_an_fp8_cache_holds_twice_the_blocks_of_a_bf16_cache_in_one_budget(llama):
     shape = CacheShape.of(llama.config)
     settings = ServerSettings(kv_cache_cpu_gib=0.01)
