@@ -187,3 +187,30 @@ def test_an_fp8_engine_with_graphs_gives_the_eager_engines_tokens():
         results.append(run(core, arrivals))
     assert results[0].preemptions > 0
     assert results[0].tokens == results[1].tokens
+
+
+def test_a_mixed_step_over_an_fp8_cache_compiles_no_kernel_after_start_up():
+    """`compile_step_variants` over an FP8 cache (queries in the model's dtype, layer 0's scales)
+    compiles every variant the decode rows of a mixed step launch, for every layer's scales (each a
+    4-byte step into the [layers] tensor: no alignment is specialised on)."""
+    from tandem.service.engine.ops.triton_decode import compile_step_variants, paged_decode_attention
+    from tandem.service.engine.ops.triton_variants import compiled_variants
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kv_heads, heads, head_dim, block, width = 8, 32, 128, 16, 64
+    k, v = (quantize(torch.randn(2 * width * block, kv_heads, head_dim, device="cuda", generator=g),
+                     torch.tensor(0.05, device="cuda")) for _ in "kv")
+    scales = torch.full((3,), 0.05, device="cuda")
+    compile_step_variants(k, v, block, heads, width, torch.bfloat16, (scales[0], scales[0]))
+    before = compiled_variants()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for layer in (1, 2):
+        for batch in (1, 9, 64):
+            table = torch.randint(0, 2 * width, (batch, width), device="cuda", dtype=torch.int32, generator=g)
+            longest = width * block
+            lens = torch.randint(1, longest + 1, (batch,), device="cuda", dtype=torch.int32, generator=g)
+            q = torch.randn(heads, batch, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            splits = num_splits_for(batch, kv_heads, sms, longest=int(lens.max()))
+            paged_decode_attention(q.transpose(0, 1), k, v, table, lens, block, 0.1, splits,
+                                   kv_scales=(scales[layer], scales[layer]))
+    assert compiled_variants() == before

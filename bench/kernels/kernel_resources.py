@@ -42,7 +42,8 @@ POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "
             "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16"}
 FLOATS = {"scale": "fp32", "rope_scaling": "fp32"}
 # integers the launch does not specialise on 16-divisibility (RUN_TIME_ARGS, or not multiples of 16)
-UNALIGNED = {"least_splits", "num_splits", "stride_tb", "stride_mb", "stride_mh", "stride_ms"}
+UNALIGNED = {"least_splits", "num_splits", "stride_tb", "stride_mb", "stride_mh", "stride_ms",
+             "k_scale_ptr", "v_scale_ptr"}  # and the pointers not specialised on (SPLIT_RUN_TIME_ARGS)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
     signature = {name: "constexpr" if name in constexprs else POINTERS.get(name) or FLOATS.get(name) or "i32"
                  for name in kernel.arg_names}
     aligned = [name for name, kind in signature.items()
-               if kind.startswith("*") or (kind == "i32" and name not in UNALIGNED)]
+               if (kind.startswith("*") or kind == "i32") and name not in UNALIGNED]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                             target=GPUTarget("cuda", arch, 32),

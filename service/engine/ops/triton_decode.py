@@ -89,9 +89,13 @@ def _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION: tl.constexpr
 # specialised on, and the variants a step can launch are few enough to compile before serving
 RUN_TIME_ARGS = dict(do_not_specialize=["least_splits", "num_splits"],
                      do_not_specialize_on_alignment=["stride_mb", "stride_mh"])
+# an FP8 cache's scales: one layer's is a 4-byte step into the [layers] tensor, 16-byte aligned for
+# some layers only, so alignment would compile a second variant (mid-serving, for a mixed step)
+SPLIT_RUN_TIME_ARGS = dict(RUN_TIME_ARGS, do_not_specialize_on_alignment=[
+    *RUN_TIME_ARGS["do_not_specialize_on_alignment"], "k_scale_ptr", "v_scale_ptr"])
 
 
-@triton.jit(**RUN_TIME_ARGS)
+@triton.jit(**SPLIT_RUN_TIME_ARGS)
 def _decode_split_kernel(
     q_ptr,
     k_ptr,

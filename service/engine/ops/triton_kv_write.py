@@ -23,7 +23,9 @@ from .triton_fp8 import quantize
 from .triton_rotary import rotary_cos_sin
 
 
-@triton.jit
+# an FP8 cache's scales: one layer's is a 4-byte step into the [layers] tensor (no alignment to
+# specialize on: one variant for every layer)
+@triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
 def _write_step_kv_kernel(
     q_ptr,
     k_ptr,
