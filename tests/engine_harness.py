@@ -60,6 +60,7 @@ def make_core(
     prefix_caching: bool = False,
     kv_offload_blocks: int = 0,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
@@ -68,6 +69,7 @@ def make_core(
         fuse_projections=fuse_projections, kv_cache_layout=kv_cache_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
         prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return build_core(model, config, eos)
 

@@ -209,7 +209,7 @@ def test_a_mixed_step_compiles_no_kernel_after_start_up():
     kv_heads, heads, head_dim, block, width = 8, 32, 128, 16, 256  # tables as wide as 4,096 tokens
     k, v = (torch.randn(2 * width * block, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
                         generator=g) for _ in "kv")
-    compile_step_variants(k, v, block, heads, width)
+    compile_step_variants(k, v, block, heads, width, torch.bfloat16)
 
     before = compiled_variants()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

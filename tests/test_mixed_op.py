@@ -14,6 +14,7 @@ from tandem.service.engine.batch import build_attention_metadata
 from tandem.service.engine.batch_builder import StepInputsBuilder
 from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
+from tandem.service.engine.ops.kv_quant import round_trip, write
 from tandem.service.engine.ops.mixed_op import attending, paged_mixed
 from tandem.service.engine.scheduler import ScheduledChunk
 from tandem.service.engine.sequence import Sequence
@@ -26,12 +27,17 @@ SEQUENCES = [("a", 9, 1), ("b", 8, 5), ("c", 0, 6), ("d", 6, 1)]
 COMPUTED = {name: done for name, done, _ in SEQUENCES}
 # the deferred model's rotary embedding (Q and K come unrotated; the op rotates them)
 ROTARY = DeferredRotary(1.0 / 10000.0 ** (torch.arange(0, DIM, 2).float() / DIM), 1.0)
+# an FP8 cache's scales: K/V of magnitude ~3 stored as up to ~150 and ~75, within e4m3's 448
+FP8_SCALES = (0.02, 0.04)
 
 
-def _step(order: list[str], device: torch.device, dtype: torch.dtype, block: int):
+def _step(order: list[str], device: torch.device, dtype: torch.dtype, block: int,
+          kv_cache_dtype: str = "auto"):
     """The step's chunks in this order, on fresh sequences over scattered blocks of a fresh cache
-    whose computed K/V are each position's own random values."""
-    cache = KVCache(CacheShape(1, KV_HEADS, DIM), 64, block, dtype, device)
+    whose computed K/V are each position's own random values (quantized, in an FP8 cache)."""
+    cache = KVCache(CacheShape(1, KV_HEADS, DIM), 64, block, dtype, device, kv_cache_dtype=kv_cache_dtype)
+    if cache.quantized:
+        cache.set_scales(*FP8_SCALES)
     g = torch.Generator().manual_seed(0)
     free = torch.randperm(64, generator=g).tolist()
     seqs = {}
@@ -43,7 +49,12 @@ def _step(order: list[str], device: torch.device, dtype: torch.dtype, block: int
     for name, done, _ in SEQUENCES:  # what earlier steps wrote
         for p in range(done):
             slot = seqs[name].block_ids[p // block] * block + p % block
-            cache.k[0, slot], cache.v[0, slot] = _kv(name, p)  # cast to the cache's dtype
+            if cache.quantized:  # written as the op writes them: the model's dtype, then e4m3
+                k, v = (t.to(device, dtype)[None] for t in _kv(name, p))
+                write(cache.k[0], torch.tensor([slot], device=device), k, cache.k_scale[0])
+                write(cache.v[0], torch.tensor([slot], device=device), v, cache.v_scale[0])
+            else:
+                cache.k[0, slot], cache.v[0, slot] = _kv(name, p)  # cast to the cache's dtype
     chunks = [ScheduledChunk(seqs[n], done, new, samples=True) for n in order
               for name, done, new in SEQUENCES if name == n]
     return cache, chunks
@@ -59,12 +70,13 @@ def _q(name: str, pos: int) -> torch.Tensor:
 
 
 def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.float32, block: int = 4,
-         rotary: DeferredRotary | None = None) -> tuple[dict[tuple[str, int], torch.Tensor], int | None]:
+         rotary: DeferredRotary | None = None, kv_cache_dtype: str = "auto",
+         ) -> tuple[dict[tuple[str, int], torch.Tensor], int | None]:
     """Each (sequence, position)'s attention output in a step of this row order. On CUDA, as the
     runner runs a mixed step: the step's K/V written by one kernel, the decode rows by the Triton
     kernel in place, the prompt chunks by one flash-attention call. `rotary`: Q and the new K
     handed over unrotated, as by the deferred model."""
-    cache, chunks = _step(order, device, dtype, block)
+    cache, chunks = _step(order, device, dtype, block, kv_cache_dtype)
     batch = StepInputsBuilder(block).build(chunks)
     buf = StepBuffers(64, 8, 8, device, cache.scratch_block, block)
     kernel = varlen = None
@@ -86,23 +98,30 @@ def _run(order: list[str], device: torch.device, dtype: torch.dtype = torch.floa
     k = torch.stack([_kv(*t)[0] for t in tokens], 1)[None].to(device, dtype)  # [1, Hkv, T, D]
     v = torch.stack([_kv(*t)[1] for t in tokens], 1)[None].to(device, dtype)
     with attending(meta):
-        out = paged_mixed(q, k, v, cache.k_store, cache.v_store, 0, cache.head_major, DIM**-0.5)
+        fp8 = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if cache.quantized else {}
+        out = paged_mixed(q, k, v, cache.k_store, cache.v_store, 0, cache.head_major, DIM**-0.5, **fp8)
     assert (meta.varlen is not None) == (varlen is not None and bool(batch.prefills))
     return {t: out[0, i].float().cpu() for i, t in enumerate(tokens)}, meta.num_decode_first
 
 
-def _reference(name: str, pos: int, dtype: torch.dtype = torch.float32, rotary: bool = False) -> torch.Tensor:
+def _reference(name: str, pos: int, dtype: torch.dtype = torch.float32, rotary: bool = False,
+               fp8: bool = False) -> torch.Tensor:
     """fp32 attention of the inputs as the op got them (rounded to `dtype`); with `rotary`, the
-    query and the step's new keys rotated at their positions (the cached keys were, when written)."""
+    query and the step's new keys rotated at their positions (the cached keys were, when written);
+    with `fp8`, every key and value as an FP8 cache of FP8_SCALES gives it back."""
     def rounded(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).float()
 
     def rotated(t: torch.Tensor, p: int) -> torch.Tensor:  # [heads, D] at position p
         return rotate(torch.tensor([p]), ROTARY, rounded(t)[None])[0][0] if rotary else rounded(t)
 
+    def stored(t: torch.Tensor, scale: float) -> torch.Tensor:  # as the cache gives it back
+        return round_trip(t.to(dtype), torch.tensor(scale)).float() if fp8 else t
+
     keys = torch.stack([rotated(_kv(name, p)[0], p) if p >= COMPUTED[name] else rounded(_kv(name, p)[0])
                         for p in range(pos + 1)])  # [ctx, Hkv, D]
-    values = rounded(torch.stack([_kv(name, p)[1] for p in range(pos + 1)]))
+    keys = stored(keys, FP8_SCALES[0])
+    values = stored(rounded(torch.stack([_kv(name, p)[1] for p in range(pos + 1)])), FP8_SCALES[1])
     group = HEADS // KV_HEADS
     q = rotated(_q(name, pos), pos)
     out = []
@@ -146,3 +165,32 @@ def test_each_token_attends_to_its_own_context_on_cuda(order, decode_first, rota
     assert first == decode_first
     for (name, pos), out in got.items():
         torch.testing.assert_close(out, _reference(name, pos, torch.float16, rotary), atol=2e-3, rtol=2e-3)
+
+
+@ROTARIES
+@ORDERS
+def test_an_fp8_cache_gives_every_token_its_context_as_stored(order, decode_first, rotary):
+    """With an FP8 cache (scales other than 1), every token attends to K/V as the cache holds them,
+    quantized and dequantized, a fresh prompt's own K/V included: the reference's attention over
+    the round-tripped values, to float32 precision."""
+    got, first = _run(order, torch.device("cpu"), rotary=ROTARY if rotary else None, kv_cache_dtype="fp8")
+    assert first == decode_first
+    for (name, pos), out in got.items():
+        torch.testing.assert_close(out, _reference(name, pos, rotary=rotary, fp8=True), atol=1e-5, rtol=1e-5)
+    # and the cache did quantize: not what the unquantized cache gives
+    assert any(not torch.allclose(out, _reference(*t, rotary=rotary), atol=1e-3) for t, out in got.items())
+
+
+@pytest.mark.gpu
+@ROTARIES
+@ORDERS
+def test_an_fp8_cache_gives_every_token_its_context_as_stored_on_cuda(order, decode_first, rotary):
+    """The same through the CUDA path (bf16, 16-token blocks): the write kernel quantizes, the
+    decode kernel and the flash-attention gather dequantize."""
+    got, first = _run(order, torch.device("cuda"), torch.bfloat16, 16, ROTARY if rotary else None, "fp8")
+    assert first == decode_first
+    # the kernels rotate in fp32 and round once, transformers after each op: a key near an e4m3
+    # rounding boundary may land one e4m3 step away, hence more than bf16's tolerance
+    for (name, pos), out in got.items():
+        ref = _reference(name, pos, torch.bfloat16, rotary, fp8=True)
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)

@@ -37,10 +37,13 @@ SHARED_RESERVED = 1024  # bytes of shared memory the hardware keeps per program
 
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "lens_ptr": "*i32",
             "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32",
+            # a bf16 cache has no scales: the launch passes the context lengths in their place
+            "k_scale_ptr": "*i32", "v_scale_ptr": "*i32",
             "part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16"}
 FLOATS = {"scale": "fp32", "rope_scaling": "fp32"}
 # integers the launch does not specialise on 16-divisibility (RUN_TIME_ARGS, or not multiples of 16)
-UNALIGNED = {"least_splits", "num_splits", "stride_tb", "stride_mb", "stride_mh", "stride_ms"}
+UNALIGNED = {"least_splits", "num_splits", "stride_tb", "stride_mb", "stride_mh", "stride_ms",
+             "k_scale_ptr", "v_scale_ptr"}  # and the pointers not specialised on (SPLIT_RUN_TIME_ARGS)
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,11 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
     constexprs = dict(DIRECT=launch.direct, SPLIT_TOKENS=SPLIT_TOKENS, GROUP=4, GROUP_PAD=16, HEAD_DIM=128,
                       BLOCK_SIZE=16, TILE=config.tile, STORE_NEW=launch.store_new, ROTARY=launch.rotary,
                       DOT_PRECISION="tf32", OFFSET_I64=False, NEW_AFTER_LOOP=config.new_after_loop,
-                      SINGLE_SPLIT_DIRECT=config.single_split_direct)
+                      SINGLE_SPLIT_DIRECT=config.single_split_direct, KV_FP8=False)
     signature = {name: "constexpr" if name in constexprs else POINTERS.get(name) or FLOATS.get(name) or "i32"
                  for name in kernel.arg_names}
     aligned = [name for name, kind in signature.items()
-               if kind.startswith("*") or (kind == "i32" and name not in UNALIGNED)]
+               if (kind.startswith("*") or kind == "i32") and name not in UNALIGNED]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                             target=GPUTarget("cuda", arch, 32),

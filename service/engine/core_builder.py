@@ -23,6 +23,7 @@ from .ops.decode_op import kernel_supports
 from .ops.fp8_linear import compute_dtype, quantize_linears
 from .ops.fused_projections import fuse_projections
 from .ops.kv_cache import CacheShape, KVCache
+from .ops.kv_quant import storage_dtype
 from .ops.varlen_prefill import varlen_supported
 from .scheduler import Scheduler
 
@@ -53,20 +54,23 @@ def build_core(
         torch.backends.cuda.enable_cudnn_sdp(False)
     config = resolve(config, model)
     shape = CacheShape.of(model.config)
+    kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     log.info(
-        "KV cache: %d blocks x %d tokens (%.2f GiB), context length %d",
+        "KV cache: %d blocks x %d tokens of %s (%.2f GiB), context length %d",
         config.num_blocks,
         config.block_size,
-        config.num_blocks * config.block_size * shape.bytes_per_token(dtype) / 2**30,
+        str(kv_dtype).removeprefix("torch."),
+        config.num_blocks * config.block_size * shape.bytes_per_token(kv_dtype) / 2**30,
         config.max_model_len,
     )
     if config.kv_offload_blocks:
         log.info(
             "KV offload: a host pool of %d blocks (%.2f GiB) for preempted sequences",
             config.kv_offload_blocks,
-            config.kv_offload_blocks * config.block_size * shape.bytes_per_token(dtype) / 2**30,
+            config.kv_offload_blocks * config.block_size * shape.bytes_per_token(kv_dtype) / 2**30,
         )
-    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout)
+    cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout,
+                    config.kv_cache_dtype)
     scheduler = build_scheduler(config, model)
     runner = ModelRunner(model, cache, config)
     runner.capture_graphs()  # at start-up, before the server reports SERVING
@@ -79,9 +83,21 @@ def build_core(
 def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
     """`config` with what it leaves to the device and the model settled, once: the step loop
     ("auto": asynchronous on CUDA), the context length (the model's unless set, capped by what
-    the cache holds), and the device paths, each on only where asked and where it can run."""
+    the cache holds), and the device paths, each on only where asked and where it can run.
+
+    An FP8 KV cache ("fp8") runs on any device: on CUDA through the Triton kernels (e4m3 needs
+    compute capability 8.9, Ada or Hopper), on the CPU emulated by casts (kv_quant.py), which exists
+    for tests and parity with the GPU, not for speed."""
     device = next(model.parameters()).device
     dtype = compute_dtype(model)
+    storage_dtype(config.kv_cache_dtype, dtype)  # an unknown value: a ValueError naming the known ones
+    if config.kv_cache_dtype == "fp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper): "
+                f"this one has {capability[0]}.{capability[1]}; use 'auto'"
+            )
     text_config = model.config.get_text_config()
     shape = CacheShape.of(model.config)
     capacity = config.num_blocks * config.block_size
@@ -117,7 +133,8 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
 def build_scheduler(config: EngineConfig, model: torch.nn.Module) -> Scheduler:
     """The scheduler of `config` (its blocks, prefix caching, host pool) for `model`'s cache."""
     return Scheduler(
-        BlockManager(config.num_blocks, config.block_size, config.prefix_caching, _cache_salt(model)),
+        BlockManager(config.num_blocks, config.block_size, config.prefix_caching,
+                     _cache_salt(model, config.kv_cache_dtype)),
         config.max_num_seqs,
         config.max_num_batched_tokens,
         HostBlocks(config.kv_offload_blocks) if config.kv_offload_blocks else None,
@@ -138,7 +155,8 @@ def compile_prefill_shapes(core: EngineCore) -> None:
         core.step()
 
 
-def _cache_salt(model: torch.nn.Module) -> str:
-    """What names the model in the prefix cache's digests: K/V of one model are not another's."""
+def _cache_salt(model: torch.nn.Module, kv_cache_dtype: str) -> str:
+    """What names the model and its K/V's dtype in the prefix cache's digests: K/V of one model
+    are not another's, nor are K/V stored in FP8 those stored in the model's dtype."""
     config = model.config
-    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{compute_dtype(model)}"
+    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{compute_dtype(model)}:kv-{kv_cache_dtype}"

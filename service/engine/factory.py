@@ -17,6 +17,7 @@ from .core_builder import build_core
 from .engine_core import EngineCore
 from .ops.fp8_linear import compute_dtype
 from .ops.kv_cache import CacheShape, KVCache
+from .ops.kv_quant import storage_dtype
 
 log = logging.getLogger(__name__)
 DEFAULT_OFFLOAD_GIB = 4.0  # the host pool on CUDA when TANDEM_KV_OFFLOAD_GIB is unset (vLLM's swap space)
@@ -40,6 +41,7 @@ def configure_threads(settings: ServerSettings, device: torch.device) -> int:
 
 
 def _num_blocks(settings: ServerSettings, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> int:
+    """`dtype`: the cache's storage dtype (e4m3 holds twice the blocks of bf16 in one budget)."""
     if settings.num_kv_blocks is not None:
         return settings.num_kv_blocks
     if device.type == "cuda":
@@ -67,7 +69,7 @@ def build_engine(
     """The server's engine core for `loaded`, and the request limits it sets."""
     model = loaded.model
     device = next(model.parameters()).device
-    dtype = compute_dtype(model)
+    kv_dtype = storage_dtype(settings.kv_cache_dtype, compute_dtype(model))
     shape = CacheShape.of(model.config)
     # the server runs these on CUDA only (config.py says why); tests and benchmarks may ask for
     # them on the CPU, and build_core settles what the device and the model allow
@@ -81,12 +83,12 @@ def build_engine(
         )
         quantization = None
     config = EngineConfig(
-        num_blocks=_num_blocks(settings, shape, dtype, device),
+        num_blocks=_num_blocks(settings, shape, kv_dtype, device),
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefix_caching=settings.prefix_caching,
-        kv_offload_blocks=_offload_blocks(settings, shape, dtype, device),
+        kv_offload_blocks=_offload_blocks(settings, shape, kv_dtype, device),
         max_model_len=settings.max_model_len,
         cuda_graphs=settings.cuda_graphs,
         step_loop=settings.step_loop,

@@ -14,7 +14,8 @@ step reuses the blocks; a scatter lands before this step reads them. The device-
 and scatter are short; the PCIe copies run on their own stream beside the steps. It is not the
 step's token-copy stream: a step's tokens must never wait behind a long KV copy. One stream for
 both directions keeps every use of a pool block in order (the scheduler frees a block as soon as
-its copy in is queued). On the CPU the copies simply run.
+its copy in is queued). On the CPU the copies simply run. An FP8 cache's blocks move as their bytes
+(kv_quant.as_bytes: not every device has float8 index kernels), its scales stay where they are.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .ops.kv_cache import KVCache
+from .ops.kv_quant import as_bytes
 from .scheduler import BlockMoves
 from .streams import Streams, on
 
@@ -46,11 +48,12 @@ class KVOffload:
         # the block dimension of the storage viewed by block: NHD [layer, block, slot, head, dim],
         # HND [layer, head, block, slot, dim]
         self.block_dim = 2 if cache.head_major else 1
-        self.k_blocks, self.v_blocks = self._by_block(cache.k_store), self._by_block(cache.v_store)
+        self.k_blocks = self._by_block(as_bytes(cache.k_store))
+        self.v_blocks = self._by_block(as_bytes(cache.v_store))
         block_shape = self.k_blocks.select(self.block_dim, 0).shape
         # one pool block: its K and V of every layer, contiguous, so a run of blocks is one copy
         self.store = torch.empty(
-            (num_blocks, 2, *block_shape), dtype=cache.k_store.dtype, pin_memory=self.cuda
+            (num_blocks, 2, *block_shape), dtype=self.k_blocks.dtype, pin_memory=self.cuda
         )
         self.compute = streams.compute if streams is not None else None
         self.stream = streams.offload if streams is not None else None

@@ -152,8 +152,10 @@ class ModelRunner:
             from .ops.triton_decode import compile_step_variants
 
             heads = self.model.config.get_text_config().num_attention_heads
-            compile_step_variants(self.cache.k[0], self.cache.v[0], self.block_size, heads,
-                                  self.slots[0].max_blocks)
+            cache = self.cache
+            scales = (cache.k_scale[0], cache.v_scale[0]) if cache.quantized else None
+            compile_step_variants(cache.k[0], cache.v[0], self.block_size, heads, self.slots[0].max_blocks,
+                                  cache.dtype, scales)
         if self.graphs is not None:
             self.graphs.capture()
 

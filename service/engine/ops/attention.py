@@ -32,16 +32,18 @@ def paged_attention_forward(
         raise RuntimeError("tandem_paged attention needs the engine's metadata (tandem_meta=...)")
     meta, cache, layer = tandem_meta, tandem_meta.kv_cache, module.layer_idx
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling  # the CUDA kernels want it resolved
-    # each op gets the storage itself (contiguous), and transposes inside if head-major
+    # each op gets the storage itself (contiguous), and transposes inside if head-major; an FP8
+    # cache its scales, as tensors (graphs and compiled steps read their values as set)
+    fp8 = {"k_scale": cache.k_scale, "v_scale": cache.v_scale} if cache.quantized else {}
     if meta.decode_only:  # what torch.compile and CUDA graphs wrap
         out = decode_op.paged_decode(
             query, key, value, cache.k_store, cache.v_store, layer, meta.slot_mapping,
             meta.decode_block_table, meta.decode_ctx_lens, meta.block_size, scale, cache.head_major,
-            *((meta.rotary.inv_freq, meta.rotary.scaling) if meta.rotary is not None else ()),
+            *((meta.rotary.inv_freq, meta.rotary.scaling) if meta.rotary is not None else ()), **fp8,
         )
     else:  # prompts in the step: the op reads the step's metadata itself
         out = mixed_op.paged_mixed(
-            query, key, value, cache.k_store, cache.v_store, layer, cache.head_major, scale
+            query, key, value, cache.k_store, cache.v_store, layer, cache.head_major, scale, **fp8
         )
     return out, None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import read, select
+
 
 def causal_mask(
     q_pos: torch.Tensor, ctx_len: int, sliding_window: int | None, device: torch.device | None = None
@@ -41,15 +43,17 @@ def decode_attention(
 
 def gathered_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,
-    block_size: int, scale: float | None,
+    block_size: int, scale: float | None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """decode_attention over whole cache blocks gathered from the paged cache (one copy per block,
     not per token): q [B, H, D], caches [slots, Hkv, D], blocks [B * W] (W blocks per sequence),
-    mask [B, W * block_size] -> [B, H, D]."""
+    mask [B, W * block_size] -> [B, H, D]. An FP8 cache (`k_scale`, `v_scale`: the layer's, 0-d)
+    is gathered as stored and dequantized to q's dtype."""
     shape = (-1, block_size, *k_cache.shape[1:])
     ctx = (q.shape[0], -1, *k_cache.shape[1:])  # [B, W * block_size, Hkv, D]
-    kd = k_cache.view(shape).index_select(0, blocks).view(ctx)
-    vd = v_cache.view(shape).index_select(0, blocks).view(ctx)
+    kd = read(select(k_cache.view(shape), blocks).view(ctx), k_scale, q.dtype)
+    vd = read(select(v_cache.view(shape), blocks).view(ctx), v_scale, q.dtype)
     return decode_attention(q, kd, vd, mask, scale)
 
 

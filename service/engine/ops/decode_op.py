@@ -6,6 +6,8 @@ declares the caches it mutates lets `torch.compile` fuse everything around it (n
 activations) while the op itself stays ours: Triton reading K/V in place on CUDA, the plain
 torch gather on CPU (the reference the kernel is tested against). The op also applies the
 rotary embedding of the step's query and key where the model leaves it (deferred_rotary.py).
+An FP8 cache comes with its per-layer scales (kv_quant.py): the new K/V are quantized as they are
+written, the cached ones dequantized to the query's dtype as they are read.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .attention_ref import decode_mask, gathered_decode_attention
 from .decode_grid import num_splits_for
 from .deferred_rotary import DeferredRotary, rotate
 from .kv_cache import slot_major
+from .kv_quant import write
 
 
 @functools.cache
@@ -48,6 +51,8 @@ def paged_decode(
     head_major: bool = False,
     inv_freq: torch.Tensor | None = None,
     rope_scaling: float = 1.0,
+    k_scale: torch.Tensor | None = None,  # [L] float32: an FP8 cache's scales (kv_cache.py)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> [1, B, H, D] attention output of each sequence's single query.
 
@@ -64,6 +69,9 @@ def paged_decode(
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     rotary = DeferredRotary(inv_freq, rope_scaling) if inv_freq is not None else None
+    # the layer's scales as 0-d views: the kernel reads them where they lie (no host value)
+    kv_scales = (k_scale[layer], v_scale[layer]) if k_scale is not None and v_scale is not None else None
+    ks, vs = kv_scales or (None, None)
     if q.is_cuda and kernel_supports(block_size, q.shape[-1]):
         from .triton_decode import paged_decode_attention
 
@@ -74,17 +82,17 @@ def paged_decode(
         splits = num_splits_for(q.shape[0], k_cache.shape[1], sms, longest=longest)
         out = paged_decode_attention(
             q, k_cache, v_cache, block_table, ctx_lens, block_size, scale, splits,
-            new_kv=(new_k, new_v, slot_mapping), rotary=rotary,
+            new_kv=(new_k, new_v, slot_mapping), rotary=rotary, kv_scales=kv_scales,
         )
     else:
         if rotary is not None:
             q, new_k = rotate(ctx_lens - 1, rotary, q, new_k)
-        k_cache.index_copy_(0, slot_mapping, new_k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slot_mapping, new_v.to(v_cache.dtype))
+        write(k_cache, slot_mapping, new_k, ks)
+        write(v_cache, slot_mapping, new_v, vs)
         width = -(-int(ctx_lens.max()) // block_size)
         blocks = block_table[:, :width].long().flatten()
         mask = decode_mask(ctx_lens.long(), width * block_size, None)
-        out = gathered_decode_attention(q, k_cache, v_cache, blocks, mask, block_size, scale)
+        out = gathered_decode_attention(q, k_cache, v_cache, blocks, mask, block_size, scale, ks, vs)
     return out[None]
 
 
@@ -104,5 +112,7 @@ def _(
     head_major: bool = False,
     inv_freq: torch.Tensor | None = None,
     rope_scaling: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])

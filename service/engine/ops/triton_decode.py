@@ -10,6 +10,9 @@ the new K as it loads them (deferred_rotary.py).
 A second kernel merges the splits with their running max and sum (the usual log-sum-exp merge).
 No gather copy of K/V, no host sync: the launch depends only on the batch size and the block
 table's width, so it can be captured in a CUDA graph.
+An FP8 cache (KV_FP8) is read tile by tile into float32, times the layer's scale, then the query's
+dtype for the matrix products; the step's new K/V are quantized as they are stored, and the program
+that uses them from registers uses them as stored, round-tripped (kv_quant.py has the arithmetic).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import triton.language as tl
 
 from .decode_grid import ENGINE_CONFIGS, MAX_SPLITS, KernelConfig, Splits, kernel_config, num_splits_for
 from .deferred_rotary import DeferredRotary
+from .kv_quant import is_fp8
+from .triton_fp8 import dequantize, quantize
 from .triton_rotary import rotary_cos_sin
 
 
@@ -84,9 +89,13 @@ def _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION: tl.constexpr
 # specialised on, and the variants a step can launch are few enough to compile before serving
 RUN_TIME_ARGS = dict(do_not_specialize=["least_splits", "num_splits"],
                      do_not_specialize_on_alignment=["stride_mb", "stride_mh"])
+# an FP8 cache's scales: one layer's is a 4-byte step into the [layers] tensor, 16-byte aligned for
+# some layers only, so alignment would compile a second variant (mid-serving, for a mixed step)
+SPLIT_RUN_TIME_ARGS = dict(RUN_TIME_ARGS, do_not_specialize_on_alignment=[
+    *RUN_TIME_ARGS["do_not_specialize_on_alignment"], "k_scale_ptr", "v_scale_ptr"])
 
 
-@triton.jit(**RUN_TIME_ARGS)
+@triton.jit(**SPLIT_RUN_TIME_ARGS)
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -97,6 +106,8 @@ def _decode_split_kernel(
     new_v_ptr,
     slot_ptr,
     inv_freq_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     part_out_ptr,
     part_ml_ptr,
     out_ptr,
@@ -134,6 +145,7 @@ def _decode_split_kernel(
     OFFSET_I64: tl.constexpr,
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -154,6 +166,9 @@ def _decode_split_kernel(
     new_pos = ctx_len - 1
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
+    if KV_FP8:  # the layer's scales (0-d tensors: set in place, read by captured graphs)
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     if ROTARY:  # Q (and below, the new K) rotated at the new token's position
         dtype = q_ptr.dtype.element_ty
         cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
@@ -170,8 +185,13 @@ def _decode_split_kernel(
             k_pair = tl.load(new_k_row + pair)
             new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
             new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
-        new_k = new_k.to(k_ptr.dtype.element_ty)
-        new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
+        if KV_FP8:
+            new_k = quantize(new_k, k_scale, k_ptr.dtype.element_ty)
+            new_v = quantize(tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d), v_scale,
+                              v_ptr.dtype.element_ty)
+        else:
+            new_k = new_k.to(k_ptr.dtype.element_ty)
+            new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:
             owner = split == splits - 1
         else:
@@ -179,6 +199,9 @@ def _decode_split_kernel(
         new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
         tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
         tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
+        if KV_FP8:  # from here on, as the cached tiles are read: as stored, in the query's dtype
+            new_k = dequantize(new_k, k_scale, q_ptr.dtype.element_ty)
+            new_v = dequantize(new_v, v_scale, q_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
@@ -188,6 +211,9 @@ def _decode_split_kernel(
     for tile in tl.range(first_tile, last_tile):
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
+        if KV_FP8:
+            k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
+            v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
@@ -283,6 +309,7 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rotary: DeferredRotary | None = None,
     config: KernelConfig | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its paged context.
 
@@ -294,11 +321,15 @@ def paged_decode_attention(
     instead of by a separate copy beforehand.
     `rotary`: q and the new key come unrotated; the kernel rotates them at position ctx_len - 1.
     `config`: the engine's for this batch size (`kernel_config`) unless given.
+    `kv_scales` = (k_scale, v_scale), 0-d float32 tensors: the caches are FP8 (e4m3) with these
+    scales; the output is in q's dtype all the same.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()  # any batch and head strides will do (no copy of the model's layout)
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
+    fp8 = kv_scales is not None
+    assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
     config = config or kernel_config(b)
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
@@ -325,6 +356,7 @@ def paged_decode_attention(
         new_v,
         slot_mapping,
         rotary.inv_freq if rotary is not None else ctx_lens,  # unused pointer without rotary
+        *(kv_scales if fp8 else (ctx_lens, ctx_lens)),  # unused pointers without FP8
         part_out,
         part_ml,
         out,
@@ -363,6 +395,7 @@ def paged_decode_attention(
         OFFSET_I64=max(_max_offset(k_cache), _max_offset(v_cache)) >= 2**31,
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
+        KV_FP8=fp8,
         num_warps=config.warps,
         num_stages=config.stages,
     )
@@ -380,20 +413,23 @@ def paged_decode_attention(
 
 
 def compile_step_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, heads: int,
-                          table_width: int) -> None:
+                          table_width: int, dtype: torch.dtype,
+                          kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Compile, before serving, every variant a mixed step's decode rows may launch (each
     configuration `kernel_config` picks, with and without a merge, and the merge at each padded
     split count up to MAX_SPLITS: a few rows take many splits; no new K/V, no rotary), on one row
-    reading the cache's first block. Captured decode steps compile theirs as they are captured."""
+    reading the cache's first block. Captured decode steps compile theirs as they are captured.
+    `dtype`: the model's (the queries'), which an FP8 cache's (`kv_scales`) is not."""
     dev = k_cache.device
-    q = torch.zeros(1, heads, k_cache.shape[-1], dtype=k_cache.dtype, device=dev)
+    q = torch.zeros(1, heads, k_cache.shape[-1], dtype=dtype, device=dev)
     table = torch.zeros(1, table_width, dtype=torch.int32, device=dev)  # the step buffers' width
     lens = torch.ones(1, dtype=torch.int32, device=dev)
     # one count per power of two the merge pads to (SPLITS_PAD)
     split_counts = sorted({min(2**i, MAX_SPLITS) for i in range((MAX_SPLITS - 1).bit_length() + 1)})
     for config in ENGINE_CONFIGS:
         for splits in split_counts:
-            paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, 1.0, splits, config=config)
+            paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, 1.0, splits, config=config,
+                                   kv_scales=kv_scales)
 
 
 @dataclass(frozen=True)
@@ -415,7 +451,9 @@ class DecodeKernel:
         block_table: torch.Tensor,
         ctx_lens: torch.Tensor,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         return paged_decode_attention(
-            q, k_cache, v_cache, block_table, ctx_lens, self.block_size, scale, self.num_splits
+            q, k_cache, v_cache, block_table, ctx_lens, self.block_size, scale, self.num_splits,
+            kv_scales=kv_scales,
         )

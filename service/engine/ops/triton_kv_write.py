@@ -7,7 +7,8 @@ bandwidth: docs/benchmarks.md). Here one program per token loads the token's hea
 Q and K where the model leaves the rotary embedding to the attention ops (deferred_rotary.py) with
 cos and sin computed once for all heads, writes K and V to the token's cache slot, and the rotated
 Q packed [T, H, D], the layout the prompt chunks' flash attention and the decode rows read (and,
-for prompt chunks attended one by one, the rotated K).
+for prompt chunks attended one by one, the rotated K). An FP8 cache (KV_FP8) gets K and V
+quantized with the layer's scales (kv_quant.py); the rotated K handed back stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import triton
 import triton.language as tl
 
 from .deferred_rotary import DeferredRotary
+from .kv_quant import is_fp8
+from .triton_fp8 import quantize
 from .triton_rotary import rotary_cos_sin
 
 
-@triton.jit
+# an FP8 cache's scales: one layer's is a 4-byte step into the [layers] tensor (no alignment to
+# specialize on: one variant for every layer)
+@triton.jit(do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
 def _write_step_kv_kernel(
     q_ptr,
     k_ptr,
@@ -32,6 +37,8 @@ def _write_step_kv_kernel(
     k_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     rope_scaling,
     heads,
     kv_heads,
@@ -52,6 +59,7 @@ def _write_step_kv_kernel(
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     KEYS_OUT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
@@ -78,8 +86,14 @@ def _write_step_kv_kernel(
     # 64-bit: a head-major cache's head stride times the heads may pass 2**31 elements
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cache_off = slot * stride_cs + hk[:, None].to(tl.int64) * stride_ch + d[None, :]
-    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+    if KV_FP8:
+        tl.store(k_cache_ptr + cache_off, quantize(k, tl.load(k_scale_ptr), k_cache_ptr.dtype.element_ty),
+                 mask=kv_ok)
+        tl.store(v_cache_ptr + cache_off, quantize(v, tl.load(v_scale_ptr), v_cache_ptr.dtype.element_ty),
+                 mask=kv_ok)
+    else:
+        tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
 
 
 def write_step_kv(
@@ -92,15 +106,20 @@ def write_step_kv(
     positions: torch.Tensor | None,  # [T] each token's position; with `rotary` only
     rotary: DeferredRotary | None,
     keys: bool = False,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Write each token's K (rotated, with `rotary`) and V to its cache slot -> (the queries: rotated
     and packed [T, H, D] with `rotary`, else `q` itself; the keys as stored, where `keys` asks for
-    them: packed [T, Hkv, D] with `rotary`, else `k` itself; otherwise None)."""
+    them: packed [T, Hkv, D] with `rotary`, else `k` itself; otherwise None). `kv_scales` =
+    (k_scale, v_scale), 0-d float32 tensors: the caches are FP8 and K/V are quantized with them
+    (the keys handed back are not: they are the model's, as the step computed them)."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    fp8 = kv_scales is not None
+    assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
     q_out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device) if rotary is not None else q
     keys_out = rotary is not None and keys
     k_out = torch.empty(tokens, kv_heads, head_dim, dtype=k.dtype, device=k.device) if keys_out else k
@@ -117,6 +136,7 @@ def write_step_kv(
         k_out,
         k_cache,
         v_cache,
+        *(kv_scales if fp8 else (slot_mapping, slot_mapping)),  # unused pointers without FP8
         rotary.scaling if rotary is not None else 1.0,
         heads,
         kv_heads,
@@ -137,6 +157,7 @@ def write_step_kv(
         HEAD_DIM=head_dim,
         ROTARY=rotary is not None,
         KEYS_OUT=keys_out,
+        KV_FP8=fp8,
         num_warps=8 if triton.next_power_of_2(heads) * head_dim > 4096 else 4,
     )
     return q_out, k_out if keys else None

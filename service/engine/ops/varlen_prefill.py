@@ -5,6 +5,8 @@ The reference path attends each prompt chunk with its own SDPA call: 32 prompts 
 each layer gathers the chunks' context K/V from the paged cache (their new K/V are already written
 there) into one packed tensor and runs FlashAttention-2's variable-length kernel over all of them,
 causal from the bottom right, so a chunk that continues a cached prefix sees that prefix too.
+An FP8 cache's K/V are gathered as stored (half the bytes) and dequantized to the queries' dtype for
+the kernel, which takes 16-bit inputs only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from .kv_quant import read, select
 
 Stage = Callable[[str, torch.Tensor], torch.Tensor]  # StepBuffers.stage: (name, host tensor) -> on the device
 
@@ -44,11 +48,13 @@ class VarlenPrefill:
                    max(k_lens))
 
     def attend(
-        self, qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self, qp: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """qp [Tq, H, D]: the chunks' queries, packed in `q_index`'s order -> their outputs."""
-        kp = k_cache.index_select(0, self.kv_slots)
-        vp = v_cache.index_select(0, self.kv_slots)
+        """qp [Tq, H, D]: the chunks' queries, packed in `q_index`'s order -> their outputs.
+        `k_scale`, `v_scale` (0-d): the layer's, for an FP8 cache."""
+        kp = read(select(k_cache, self.kv_slots), k_scale, qp.dtype)
+        vp = read(select(v_cache, self.kv_slots), v_scale, qp.dtype)
         return flash_varlen(qp.contiguous(), kp, vp, self.cu_q, self.cu_k, self.max_q, self.max_k, scale)
 
 

@@ -1,0 +1,19 @@
+"""FP8 K/V inside a Triton kernel: the arithmetic of kv_quant.py, shared by the kernels that write
+the cache (the decode kernel and the step's K/V write) and the one that reads it (the decode kernel)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize(x, scale, FP8_DTYPE: tl.constexpr):
+    """x / scale in float32, saturated to e4m3's range, rounded to e4m3 (kv_quant.quantize)."""
+    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(FP8_DTYPE)
+
+
+@triton.jit
+def dequantize(x, scale, DTYPE: tl.constexpr):
+    """e4m3 values times scale in float32, rounded to `DTYPE` (kv_quant.dequantize)."""
+    return (x.to(tl.float32) * scale).to(DTYPE)
