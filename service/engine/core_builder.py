@@ -159,4 +159,5 @@ def _cache_salt(model: torch.nn.Module, kv_cache_dtype: str) -> str:
     """What names the model and its K/V's dtype in the prefix cache's digests: K/V of one model
     are not another's, nor are K/V stored in FP8 those stored in the model's dtype."""
     config = model.config
-    return f"{getattr(config, '_name_or_path', '')}:{config.model_type}:{compute_dtype(model)}:kv-{kv_cache_dtype}"
+    name = getattr(config, "_name_or_path", "")
+    return f"{name}:{config.model_type}:{compute_dtype(model)}:kv-{kv_cache_dtype}"
