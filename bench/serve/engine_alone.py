@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         model = loaded.model
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        kv = CacheShape.of(model.config).bytes_per_token(next(model.parameters()).dtype)
+        kv = CacheShape.of(model.config).bytes_per_token(core.runner.cache.k_store.dtype)
         bandwidth = copy_bandwidth(device)
         for result, level in zip(results, spec["levels"], strict=True):
             result["roofline_step_ms"] = roofline_step_ms(
