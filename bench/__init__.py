@@ -4,9 +4,10 @@ checkout that is not installed, `python bench NAME`).
 Grouped by what they load: engine/ (the engine core in-process: throughput against transformers
 and the roofline, its host work, its CPU profile), kernels/ (the GPU kernels alone), workloads/
 (the engine on real-shaped workloads, and their modelled schedules), serve/ (a running `tandem
-serve` against the engine alone), soak/ (the server under long, messy load) and autoscale/ (the
-operator's policy, simulated). Beside them: common.py (what they all share), prompts.py (the
-requests they send) and record.py (the one writer of their results, into results/: data, not code).
+serve` against the engine alone), soak/ (the server under long, messy load), autoscale/ (the
+operator's policy, simulated) and accuracy/ (what FP8 costs in perplexity and greedy agreement).
+Beside them: common.py (what they all share), prompts.py (the requests they send) and record.py
+(the one writer of their results, into results/: data, not code).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the module of tandem.bench whose main(arg
     "gpu-profile": "kernels.profile_gpu",
     "kernel-resources": "kernels.kernel_resources",
     "autoscale": "autoscale.compare",
+    "accuracy": "accuracy.benchmark",
 }
 # the distribution that installs an importable name, where the two differ
 DISTRIBUTIONS = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "yaml": "pyyaml"}
