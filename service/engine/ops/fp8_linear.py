@@ -39,8 +39,9 @@ def fits_fp8_gemm(linear: nn.Linear) -> bool:
 
 
 # CUDA: up to this many rows (a decode step's batch) the Triton kernel, which streams the weights
-# once; more rows go to torch._scaled_mm's tiled kernels (docs/quantization.md)
-SMALL_ROWS = 64
+# once (one program's rows: triton_fp8_gemm.MAX_BLOCK_M); more rows go to torch._scaled_mm's tiled
+# kernels, as fast from 32 rows up (docs/quantization.md)
+SMALL_ROWS = 32
 
 
 @torch.library.custom_op("tandem::fp8_scaled_mm", mutates_args=())
