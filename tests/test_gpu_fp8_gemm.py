@@ -24,9 +24,13 @@ def _reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.T
     return (xq.float() * xs) @ (wq.float() * ws.t()).t()
 
 
+# (block_n, block_k, warps, stages[, split_k])
+CONFIGS = [None, (16, 128, 4, 3), (128, 128, 8, 4), (32, 256, 4, 4, 2), (64, 128, 4, 4, 4)]
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (48, 272), (28672, 4096)])
-@pytest.mark.parametrize("config", [None, (16, 128, 4, 3), (128, 128, 8, 4)])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_small_row_kernel_matches_reference(m, n, k, config):
     from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm  # Triton: CUDA hosts only
 

@@ -8,7 +8,8 @@ timed batch (greedy, each request exactly its new tokens). Per workload and vari
 median step, the ratio to bf16 and the decode roofline of that variant's own bytes (its weights,
 its K/V per token) at the measured copy bandwidth. `--gemm` adds the FP8 GEMM against bf16's on the
 shape's layers at a few row counts (the kernel a decode step of that many rows runs, and
-torch._scaled_mm's row-wise FP8 GEMM), to show which kernel each row count gets.
+torch._scaled_mm's row-wise FP8 GEMM), and sweeps the small-row kernel's configurations (tile
+widths, K steps, warps and stages, split-K) at up to 32 rows: which kernel each row count should get.
 
     tandem bench fp8 --shape 8b                                   # bf16 vs w8a8+kv8, 4 workloads
     tandem bench fp8 --shape 8b --variants bf16,w8a8,w8a8+kv8 --gemm
@@ -124,7 +125,11 @@ def gemm_times(a: argparse.Namespace) -> dict:
     from triton.testing import do_bench
 
     from tandem.bench.common import SHAPES
-    from tandem.service.engine.ops.fp8_linear import quantize_rows, scaled_mm
+    from tandem.service.engine.ops.fp8_linear import SMALL_ROWS, quantize_rows, scaled_mm
+    from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm
+
+    sweep = [GemmConfig(bn, bk, w, st, sk) for bn in (32, 64, 128) for bk in (128, 256)
+                  for w, st in ((4, 4), (8, 3)) for sk in (1, 2, 4)]
 
     s = SHAPES[a.shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -140,6 +145,14 @@ def gemm_times(a: argparse.Namespace) -> dict:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x)
             fp8 = (xq, xs, wq, ws)
+            if m <= SMALL_ROWS:  # the small-row kernel's configurations, split-K among them
+                swept = {str(c): do_bench(lambda f=fp8, c=c: fp8_gemm(*f, torch.bfloat16, c),
+                                          return_mode="median") for c in sweep}
+                best = min(swept, key=swept.get)
+                print(f"  GEMM {name} {n}x{k}, {m:3d} rows: best small-row configuration {best}: "
+                      f"{1e3 * swept[best]:.1f} us", flush=True)
+                times[f"{name} {n}x{k}, {m} rows, small-row configurations"] = {
+                    key: round(1e3 * v, 1) for key, v in swept.items()}
             us = {"bf16": do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), return_mode="median"),
                   "fp8_op": do_bench(lambda f=fp8: scaled_mm(*f, torch.bfloat16), return_mode="median"),
                   "fp8_rowwise_scaled_mm": do_bench(lambda f=fp8: torch._scaled_mm(

@@ -26,15 +26,19 @@ def _fp8_gemm_kernel(
     M,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_os,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
+    k_first = tl.program_id(2) * k_per_split  # this program's share of K (all of it without split-K)
+    k_end = tl.minimum(k_first + k_per_split, K)
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -43,16 +47,17 @@ def _fp8_gemm_kernel(
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K):
+    for k0 in tl.range(k_first, k_end, BLOCK_K):
         k = k0 + rk
-        k_ok = k < K
+        k_ok = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(x, w, acc)
     x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)
     w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    split_out = out_ptr + tl.program_id(2).to(tl.int64) * stride_os
+    out = split_out + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -66,6 +71,9 @@ class GemmConfig:
     block_k: int = 256
     warps: int = 4
     stages: int = 4
+    # programs along K per output tile: their float32 partial products are summed after (in a
+    # fixed order: the same answer every run), so a narrow layer still has programs for every SM
+    split_k: int = 1
 
 
 def default_config(n: int) -> GemmConfig:
@@ -85,13 +93,20 @@ def fp8_gemm(
     config = config or default_config(weight.shape[0])
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    split = config.split_k
+    # each split's K share, whole BLOCK_K steps
+    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    if split > 1:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     # 16 or 32 rows a program (the tensor cores' least is 16); more rows take more programs
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split)
     _fp8_gemm_kernel[grid](
-        x, weight, x_scale, weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, x_scale, weight_scale, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(-2), out.stride(0) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.warps, num_stages=config.stages,
     )
-    return out
+    return out.sum(0).to(out_dtype) if split > 1 else out
