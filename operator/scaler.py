@@ -416,10 +416,9 @@ def _conditions(
         conditions, "ScalingActive", active, decision.reason, decision.message, generation
     )
     at_max = decision.reason == "Saturated" and decision.replicas >= spec.scaling.max_replicas
-    at_min = (
-        decision.reason in ("Underused", "CostAboveCeiling")
-        and decision.replicas <= spec.scaling.min_replicas
-    )
+    # at the floor whatever the reason: pods that report their capacity hold there with
+    # SpareCapacity, others with Underused, a busy floor with WithinTargets
+    at_min = not at_max and decision.replicas <= spec.scaling.min_replicas
     bounds = f"bounds {spec.scaling.min_replicas}-{spec.scaling.max_replicas}"
     if decision.reason == "CostCeilingUnreachable":  # the SLO wins over the ceiling
         limited, why, message = True, "CostCeilingUnreachable", decision.message

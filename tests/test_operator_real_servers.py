@@ -15,6 +15,7 @@ from kubelet import Addresses, ServerPod
 from test_operator_e2e import (
     MS,
     NS,
+    condition,
     declare_resources,
     events,
     eventually,
@@ -106,6 +107,15 @@ async def test_real_servers_scale_up_under_load_and_down_when_quiet(
             # the real servers' capacity gauge is what sizes them: spare capacity, not idle time
             assert "2 -> 1 pods (SpareCapacity)" in down["message"], down["message"]
             assert "capacity use" in down["message"]
+
+            # at minReplicas the quiet pod holds with spare capacity, and the bounds say so
+            async def limited_at_minimum() -> dict | None:
+                ms = await api.get(MS + "/tiny")
+                limited = condition(ms, "ScalingLimited")
+                return ms if (limited.get("status"), limited.get("reason")) == ("True", "AtMinimum") else None
+
+            ms = await eventually(limited_at_minimum, timeout=30, what="ScalingLimited True/AtMinimum")
+            assert ms["status"]["lastDecision"]["reason"] == "SpareCapacity"
     finally:
         await api.close()
 
