@@ -461,8 +461,9 @@ def rule_table(role: dict) -> dict[tuple[str, str], set[str]]:
 
 
 def operator_cluster_role(docs: list[dict]) -> dict:
-    """The operator's own ClusterRole (beside the user roles that aggregate into the built-in ones)."""
-    (role,) = [r for r in objects(docs, "ClusterRole") if "aggregate-to" not in str(r["metadata"]["labels"])]
+    """The operator's own ClusterRole (beside the user roles: those that aggregate into the built-in
+    ones, and the scaler role, all named ...-modelservers-...)."""
+    (role,) = [r for r in objects(docs, "ClusterRole") if "-modelservers-" not in r["metadata"]["name"]]
     return role
 
 
@@ -540,7 +541,30 @@ def test_user_roles_aggregate_modelservers_into_the_built_in_roles(chart: helm.C
     bound = {b["roleRef"]["name"] for b in objects(docs, "ClusterRoleBinding")}
     assert not bound & {r["metadata"]["name"] for r in roles.values()}  # granted by aggregation only
     off = render(chart, {"rbac": {"aggregateToDefaultRoles": False}})
-    assert objects(off, "ClusterRole") == [operator_cluster_role(off)]
+    names = {r["metadata"]["name"] for r in objects(off, "ClusterRole")}
+    assert names == {operator_cluster_role(off)["metadata"]["name"], scaler_role(off)["metadata"]["name"]}
+
+
+def scaler_role(docs: list[dict]) -> dict:
+    (role,) = [r for r in objects(docs, "ClusterRole") if r["metadata"]["name"].endswith("-scaler")]
+    return role
+
+
+def test_a_scaler_role_lets_its_holder_scale_modelservers_and_nothing_else(chart: helm.Chart) -> None:
+    """For a person or an external scaler that sets the pods of a ModelServer in mode External: read
+    ModelServers, read and write their scale subresource, nothing more; the user binds it (the chart
+    binds it to no one and aggregates it into no built-in role); rbac.create=false ships none."""
+    docs = render(chart, {})
+    role = scaler_role(docs)
+    assert rule_table(role) == {
+        ("tandem.dev", "modelservers"): {"get", "list", "watch"},
+        ("tandem.dev", "modelservers/scale"): {"get", "update", "patch"},
+    }
+    assert not any(label.startswith(AGGREGATE) for label in role["metadata"]["labels"])
+    bound = {b["roleRef"]["name"] for b in objects(docs, "ClusterRoleBinding") + objects(docs, "RoleBinding")}
+    assert role["metadata"]["name"] not in bound
+    assert not [r for r in objects(render(chart, {"rbac": {"create": False}}), "ClusterRole")
+                if r["metadata"]["name"].endswith("-modelservers-scaler")]
 
 
 def test_operator_elects_a_leader_on_the_lease_the_rbac_names(rendered: dict[str, list[dict]]) -> None:
