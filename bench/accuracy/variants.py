@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.bench.engine.precision import NAMED
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.ops.fp8_linear import Fp8Linear
+from tandem.service.engine.ops.fp8_linear import quantization_of
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,7 @@ class Variant:
 BASELINE = "bf16"
 VARIANTS = {v.name: v for v in (
     Variant("fp32", torch.float32),  # a reference: how far bf16 itself is from float32
-    Variant("bf16", torch.bfloat16),
-    Variant("w8a8", torch.bfloat16, quantization="fp8"),
-    Variant("kv8", torch.bfloat16, kv_cache_dtype="fp8"),
-    Variant("w8a8+kv8", torch.bfloat16, quantization="fp8", kv_cache_dtype="fp8"),
+    *(Variant(name, torch.bfloat16, **precision.engine()) for name, precision in NAMED.items()),
 )}
 
 
@@ -58,9 +56,8 @@ def build(variant: Variant, load: Callable[[torch.dtype], torch.nn.Module], spec
 
 def check(variant: Variant, core: EngineCore) -> None:
     """Raise Unavailable unless the core runs what the variant names."""
-    model = core.runner.model
-    if variant.quantization == "fp8" and not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    if variant.quantization == "fp8" and quantization_of(core.runner.model) != "fp8":
         raise Unavailable("W8A8 not available in this build (no FP8 linear layer)")
-    stored = core.runner.cache.k_store.dtype
-    if variant.kv_cache_dtype == "fp8" and stored.itemsize != 1:
-        raise Unavailable(f"fp8 KV not available in this build (the cache stores {stored})")
+    cache = core.runner.cache
+    if variant.kv_cache_dtype == "fp8" and not cache.quantized:
+        raise Unavailable(f"fp8 KV not available in this build (the cache stores {cache.k_store.dtype})")

@@ -29,14 +29,12 @@ import torch
 
 from tandem.bench.engine.gpu_sync import roofline
 from tandem.bench.engine.harness import blocks_for, copy_bandwidth, environment, run_tandem
+from tandem.bench.engine.precision import NAMED, model_bytes
 from tandem.bench.engine.variants import SERVER_CUDA, build_model
 from tandem.bench.record import ResultFile
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.kv_cache import CacheShape
-
-VARIANTS = {"bf16": {}, "w8a8": {"quantization": "fp8"}, "kv8": {"kv_cache_dtype": "fp8"},
-            "w8a8+kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +58,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", choices=["8b", "1b", "tiny"])
     ap.add_argument("--variants", default="bf16,w8a8+kv8",
-                    help=f"of {', '.join(VARIANTS)}; the first is the base")
+                    help=f"of {', '.join(NAMED)}; the first is the base")
     ap.add_argument("--workloads", default="1x128+128,32x128+1024,256x128+256,8x512+4096",
                     help="REQUESTSxPROMPT+NEW, comma-separated")
     ap.add_argument("--gemm", action="store_true", help="also time the FP8 GEMMs against bf16's")
@@ -72,9 +70,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     a.device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     a.dtype = torch.bfloat16 if a.device.type == "cuda" else torch.float32
     a.variant_list = a.variants.split(",")
-    unknown = set(a.variant_list) - VARIANTS.keys()
+    unknown = set(a.variant_list) - NAMED.keys()
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}: expected some of {sorted(VARIANTS)}")
+        ap.error(f"unknown variants {sorted(unknown)}: expected some of {sorted(NAMED)}")
     a.workload_list = [Workload.parse(w) for w in a.workloads.split(",")]
     return a
 
@@ -84,7 +82,7 @@ def engine_config(a: argparse.Namespace, variant: str) -> EngineConfig:
     widest = max(w.requests for w in a.workload_list)
     device_settings = {**SERVER_CUDA, "step_loop": "async"} if a.device.type == "cuda" else {}
     return EngineConfig(blocks_for(widest, longest, 16), 16, max(widest, 8), 2048,
-                        **device_settings, **VARIANTS[variant])
+                        **device_settings, **NAMED[variant].engine())
 
 
 def run_variant(a: argparse.Namespace, variant: str, bandwidth: float) -> dict:
@@ -93,7 +91,7 @@ def run_variant(a: argparse.Namespace, variant: str, bandwidth: float) -> dict:
     model = build_model(a.shape, a.device, a.dtype)
     core = build_core(model, engine_config(a, variant))
     cache = core.runner.cache
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model_bytes(model)
     kv_per_token = CacheShape.of(model.config).bytes_per_token(cache.k_store.dtype)
     record = {"built_s": round(time.perf_counter() - start, 1), "weight_GB": round(weight_bytes / 1e9, 3),
               "kv_dtype": str(cache.k_store.dtype).removeprefix("torch."), "workloads": {}}

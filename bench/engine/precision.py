@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.service.engine.ops.kv_quant import KV_CACHE_DTYPES, storage_dtype
+
 QUANTIZATIONS = ("none", "fp8")  # none: EngineConfig.quantization None, the model as it is
-KV_CACHE_DTYPES = ("auto", "fp8")
-KV_DTYPES = {"fp8": torch.float8_e4m3fn}  # auto: the model's
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,16 @@ class Precision:
         """K and V of one token in every layer (the scales, a few per layer, left out)."""
         from tandem.service.engine.ops.kv_cache import CacheShape
 
-        return CacheShape.of(config).bytes_per_token(KV_DTYPES.get(self.kv_cache_dtype, model_dtype))
+        return CacheShape.of(config).bytes_per_token(storage_dtype(self.kv_cache_dtype, model_dtype))
+
+
+# the precisions the FP8 benchmarks name (tandem bench fp8, tandem bench accuracy)
+NAMED = {
+    "bf16": Precision(),
+    "w8a8": Precision(quantization="fp8"),
+    "kv8": Precision(kv_cache_dtype="fp8"),
+    "w8a8+kv8": Precision(quantization="fp8", kv_cache_dtype="fp8"),
+}
 
 
 def choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:

@@ -30,7 +30,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..engine.ops.fp8_linear import FP8, Fp8Linear, compute_dtype, fits_fp8_gemm, quantize_rows
+from ..engine.ops.e4m3 import FP8
+from ..engine.ops.fp8_linear import Fp8Linear, compute_dtype, fits_fp8_gemm, quantize_rows
 
 log = logging.getLogger(__name__)
 

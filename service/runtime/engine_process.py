@@ -40,7 +40,7 @@ def warm_up(core: EngineCore, limits: c.Limits) -> None:
 def _model_info(loaded: LoadedModel, device: str, core: EngineCore) -> c.ModelInfo:
     """What the engine serves, as built: its linear layers' and its KV cache's precision included."""
     model = loaded.model
-    kv = str(core.runner.cache.k_store.dtype).removeprefix("torch.")
+    cache = core.runner.cache
     return c.ModelInfo(
         name=loaded.name,
         source=loaded.source,
@@ -50,7 +50,7 @@ def _model_info(loaded: LoadedModel, device: str, core: EngineCore) -> c.ModelIn
         eos_token_ids=sorted(loaded.eos_token_ids),
         tokenizer_path=str(loaded.path),
         quantization=quantization_of(model),
-        kv_cache_dtype="fp8" if kv.startswith("float8") else kv,
+        kv_cache_dtype="fp8" if cache.quantized else str(cache.dtype).removeprefix("torch."),
     )
 
 

@@ -40,8 +40,12 @@ class PodTelemetry:
         self.model: ModelInfo | None = None  # the engine's, once it has loaded the model
         self.stats: EngineStats | None = None  # the engine's latest report
         self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
-        self.engine_ready = False
         self.statistics = ModelStatistics()  # KServe ModelStatistics, every front's requests together
+
+    @property
+    def engine_ready(self) -> bool:
+        """The engine has loaded the model (it said so with EngineReady)."""
+        return self.model is not None
 
     def _engine_stats(self) -> EngineStats | None:
         return self.stats
@@ -92,7 +96,6 @@ class PodTelemetry:
             self.metrics.record_request(msg)
             self.statistics.record(msg)
         elif isinstance(msg, c.EngineReady):
-            self.engine_ready = True
             self.model = msg.model
 
     def shutdown(self) -> None:

@@ -20,7 +20,7 @@ from .attention_ref import decode_mask, gathered_decode_attention
 from .decode_grid import num_splits_for
 from .deferred_rotary import DeferredRotary, rotate
 from .kv_cache import slot_major
-from .kv_quant import write
+from .kv_quant import layer_scales, write
 
 
 @functools.cache
@@ -69,8 +69,7 @@ def paged_decode(
     q = query[0].transpose(0, 1)  # [B, H, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [B, Hkv, D]
     rotary = DeferredRotary(inv_freq, rope_scaling) if inv_freq is not None else None
-    # the layer's scales as 0-d views: the kernel reads them where they lie (no host value)
-    kv_scales = (k_scale[layer], v_scale[layer]) if k_scale is not None and v_scale is not None else None
+    kv_scales = layer_scales(k_scale, v_scale, layer)
     ks, vs = kv_scales or (None, None)
     if q.is_cuda and kernel_supports(block_size, q.shape[-1]):
         from .triton_decode import paged_decode_attention

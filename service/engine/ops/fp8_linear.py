@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity, its largest finite value
+from .e4m3 import FP8, FP8_MAX, quantize
+
 # a row of zeros still gets a scale a division can use (its values quantize to 0 either way)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # cuBLASLt's FP8 GEMMs need both dimensions of the weight in multiples of 16
@@ -30,8 +30,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     magnitude is FP8_MAX (x ~= q * scale)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    return quantize(x, scale), scale
 
 
 def fits_fp8_gemm(linear: nn.Linear) -> bool:

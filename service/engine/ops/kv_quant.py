@@ -1,7 +1,8 @@
 """FP8 K/V: how the cache's values are quantized on write and dequantized on read (torch side).
 
-An FP8 cache stores e4m3 values with one float32 scale per layer for K and one for V: stored =
-e4m3(clamp(x / scale, -448, 448)), read = stored * scale, in float32, then the model's dtype. Every
+An FP8 cache stores e4m3 values with one float32 scale per layer for K and one for V, rounded as
+e4m3.py rounds (stored = e4m3(clamp(x / scale, -448, 448)), read = stored * scale in float32, then
+the model's dtype). Every
 torch path (the CPU ops, the CUDA gathers) goes through these functions, and the Triton kernels do
 the same arithmetic in the same order, so a value reads the same wherever it is read. A scale of 1.0
 (vLLM's default for checkpoints without calibrated scales) keeps K/V as they are, within e4m3's
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3fn's largest finite value
+from .e4m3 import FP8, FP8_MAX, dequantize, is_fp8, quantize  # noqa: F401 (re-exported)
+
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -29,18 +30,13 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"KV-cache dtype {kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
 
 
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == FP8
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (any float dtype) / scale (float32, a 0-d tensor or broadcastable) -> e4m3, saturated."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 values * scale, computed in float32, -> `dtype`."""
-    return (x.float() * scale).to(dtype)
+def layer_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, layer: int
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One layer's K and V scales as 0-d views of the cache's [layers] tensors (the kernels read
+    them where they lie); None for a cache in the model's dtype."""
+    if k_scale is None or v_scale is None:
+        return None
+    return k_scale[layer], v_scale[layer]
 
 
 def round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

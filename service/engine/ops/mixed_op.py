@@ -28,7 +28,7 @@ from .attention_metadata import AttentionMetadata, PrefillSegment
 from .attention_ref import gathered_decode_attention
 from .deferred_rotary import rotate
 from .kv_cache import slot_major
-from .kv_quant import read, round_trip, select, write
+from .kv_quant import layer_scales, read, round_trip, select, write
 
 _step: ContextVar[AttentionMetadata | None] = ContextVar("tandem_step", default=None)
 
@@ -63,8 +63,7 @@ def paged_mixed(
         raise RuntimeError("tandem::paged_mixed runs only inside attending(meta)")
     k_cache, v_cache = slot_major(k_store, head_major)[layer], slot_major(v_store, head_major)[layer]
     q, new_k, new_v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    scales = (k_scale[layer], v_scale[layer]) if k_scale is not None and v_scale is not None else (None, None)
-    kv = _Cache(k_cache, v_cache, *scales)
+    kv = _Cache(k_cache, v_cache, *(layer_scales(k_scale, v_scale, layer) or (None, None)))
     q, new_k = _write_new_kv(meta, q, new_k, new_v, kv)
     decodes = meta.num_decode_first
     if decodes is not None:  # decode rows first, then the chunks in order: every part a slice
@@ -104,8 +103,6 @@ class _Cache(NamedTuple):
 def _decode_rows(meta: AttentionMetadata, qd: torch.Tensor, kv: _Cache, scale: float) -> torch.Tensor:
     """qd [B, H, D]: the decode rows' queries -> their outputs, each over its own context."""
     if meta.decode_kernel is not None:  # CUDA: read K/V in place
-        if kv.scales is None:
-            return meta.decode_kernel(qd, kv.k, kv.v, meta.decode_block_table, meta.decode_ctx_lens, scale)
         return meta.decode_kernel(qd, kv.k, kv.v, meta.decode_block_table, meta.decode_ctx_lens, scale,
                                   kv.scales)
     return gathered_decode_attention(
