@@ -24,8 +24,9 @@ def _reference(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.T
     return (xq.float() * xs) @ (wq.float() * ws.t()).t()
 
 
-# (block_n, block_k, warps, stages[, split_k])
-CONFIGS = [None, (16, 128, 4, 3), (128, 128, 8, 4), (32, 256, 4, 4, 2), (64, 128, 4, 4, 4)]
+# (block_n, block_k, warps, stages[, split_k]); None: the layer's default (split-K for the narrow ones)
+CONFIGS = [None, (16, 128, 4, 3), (128, 128, 8, 4), (32, 256, 4, 4, 2), (64, 128, 4, 4, 4),
+           (32, 128, 4, 4, 8)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
@@ -40,6 +41,21 @@ def test_small_row_kernel_matches_reference(m, n, k, config):
     expected = _reference(xq, xs, wq, ws)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
     assert fp8_gemm(xq, xs, wq, ws, torch.bfloat16, config).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("split_k", [2, 4, 8])
+def test_split_k_gives_the_same_bits_every_launch(split_k):
+    """The last split of a tile to finish sums the partials in split order: the same output bits
+    whatever order the splits finish in, launch after launch (the tile counters back at zero)."""
+    from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm
+
+    xq, xs, wq, ws = _operands(5, 4096, 14336)
+    config = GemmConfig(64, 256, 4, 4, split_k)
+    first = fp8_gemm(xq, xs, wq, ws, torch.float32, config)
+    for _ in range(20):
+        assert torch.equal(fp8_gemm(xq, xs, wq, ws, torch.float32, config), first)
+    expected = _reference(xq, xs, wq, ws)
+    torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("m", [1, SMALL_ROWS, SMALL_ROWS + 1, 300])
@@ -63,6 +79,7 @@ def test_layer_in_a_compiled_graph_and_a_cuda_graph():
     compiled(static)  # warm
     with torch.cuda.graph(graph):
         out = compiled(static)
-    static.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, layer(static), rtol=2e-2, atol=2e-2)
+    for _ in range(3):  # each replay's split-K counters left at zero for the next
+        static.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, layer(static), rtol=2e-2, atol=2e-2)

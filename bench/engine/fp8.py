@@ -78,10 +78,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def engine_config(a: argparse.Namespace, variant: str) -> EngineConfig:
-    longest = max(w.prompt + w.new for w in a.workload_list)
+    # the cache of the workload that holds the most tokens at once (not the widest times the longest)
+    blocks = max(blocks_for(w.requests, w.prompt + w.new, 16) for w in a.workload_list)
     widest = max(w.requests for w in a.workload_list)
     device_settings = {**SERVER_CUDA, "step_loop": "async"} if a.device.type == "cuda" else {}
-    return EngineConfig(blocks_for(widest, longest, 16), 16, max(widest, 8), 2048,
+    return EngineConfig(blocks, 16, max(widest, 8), 2048,
                         **device_settings, **NAMED[variant].engine())
 
 

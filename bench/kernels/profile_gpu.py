@@ -39,6 +39,7 @@ import torch
 from tandem.bench.common import markdown_table, need_cuda
 from tandem.bench.engine.gemm_floor import time_linear, timed
 from tandem.bench.engine.harness import blocks_for, copy_bandwidth, environment
+from tandem.bench.engine.precision import NAMED, model_bytes
 from tandem.bench.engine.variants import VARIANTS, build_model
 from tandem.bench.prompts import MIXED_OUTPUT, MIXED_PROMPT
 from tandem.bench.record import ResultFile
@@ -67,6 +68,8 @@ def kernel_kind(name: str) -> str:
         return "prefill attention (FlashAttention)"
     if any(k in n for k in ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")):
         return "GEMM (cuBLAS)"
+    if "fp8_gemm" in n:
+        return "GEMM (Triton FP8)"
     if n.startswith("triton_tem_"):
         return "GEMM (Triton)"
     if n.startswith("triton_"):
@@ -553,6 +556,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--engine", choices=list(VARIANTS), default="compiled",
                     help="a variant of `tandem bench gpu` (the server's CUDA default: compiled), profiled "
                          "in the asynchronous loop")
+    ap.add_argument("--precision", choices=list(NAMED), default="bf16",
+                    help="the profiled engine's linear layers and KV cache (bench/engine/precision.py)")
     ap.add_argument("--trace", default=None, help="Chrome trace of the profiled steps (default: a temp file)")
     ap.add_argument("--out", default=None,
                     help="JSON result path (default: bench/results/<date>_<gpu>_gpu-profile_<shape>-<engine>-"
@@ -680,13 +685,15 @@ def step_profile(a: argparse.Namespace, model: torch.nn.Module, bandwidth: float
                         4096, step_loop="async")
     start = time.perf_counter()
     # the profiled steps run the asynchronous loop whatever the variant's own loop
-    core = build_core(model, dataclasses.replace(spec, **{**VARIANTS[a.engine], "step_loop": "async"}))
-    print(f"engine {a.engine} built in {time.perf_counter() - start:.1f} s", flush=True)
+    precision = NAMED[a.precision]
+    core = build_core(model, dataclasses.replace(spec, **{**VARIANTS[a.engine], "step_loop": "async"},
+                                                 **precision.engine()))
+    print(f"engine {a.engine} ({a.precision}) built in {time.perf_counter() - start:.1f} s", flush=True)
     trace = Path(a.trace or tempfile.mktemp(suffix=".json"))
     steps = profile_steps(core, prompts, a.steps, trace)
     context = a.prompt + 20 + a.steps // 2
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = CacheShape.of(model.config).bytes_per_token(next(model.parameters()).dtype)
+    weight_bytes = model_bytes(model)  # as built: FP8 layers read half
+    kv_per_token = CacheShape.of(model.config).bytes_per_token(core.runner.cache.k_store.dtype)
     roof_ms = 1e3 * (weight_bytes + a.requests * context * kv_per_token) / bandwidth
     steps["roofline_ms_per_step"] = round(roof_ms, 3)
     print(f"step: wall {steps['wall_ms_per_step']} ms, kernels span {steps['kernel_span_ms_per_step']} ms, "
@@ -704,7 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     need_cuda("gpu-profile", " to profile CUDA kernels")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    shape = f"{a.shape}-sweeps" if a.no_step else f"{a.shape}-{a.engine}-{a.requests}"
+    engine = a.engine if a.precision == "bf16" else f"{a.engine}-{a.precision}"
+    shape = f"{a.shape}-sweeps" if a.no_step else f"{a.shape}-{engine}-{a.requests}"
     result_file = ResultFile("gpu-profile", argv, device, shape, a.out)
     env = environment(device)
     bandwidth = copy_bandwidth(device)
@@ -722,7 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps, context, trace = step_profile(a, model, bandwidth)
     out = result_file.write(
         {"benchmark": "profile_gpu", "environment": env, "shape": a.shape, "engine": a.engine,
-         "requests": a.requests, "context": context, "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+         "precision": a.precision, "requests": a.requests, "context": context,
+         "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
          "linears": rows_of_linears, "decode_attention": sweeps.attention, "decode_grids": sweeps.grids,
          "decode_anatomy": sweeps.anatomy, "mixed_op": sweeps.mixed_ops, "step": steps})
     print(f"wrote {out}; trace {trace}")
