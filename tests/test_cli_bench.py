@@ -700,3 +700,15 @@ def test_bench_workloads_precision_flags_reach_the_engine_and_the_report(monkeyp
     assert (plain_engine["quantization"], plain_engine["kv_cache_dtype"]) == ("none", "auto")
     assert report["kv_KiB_per_token"] == plain_report["kv_KiB_per_token"] / 4
     assert 0 <= fp8.cache_blocks - 4 * plain.cache_blocks < 4  # the same GiB, whole blocks
+
+
+def test_bench_fp8_sizes_its_cache_by_the_workload_that_holds_the_most_tokens():
+    """A few long generations beside many short ones: the cache holds the larger of the two at once,
+    not the most requests at the longest length (which no GPU holds for the 8B shape)."""
+    from tandem.bench.engine.fp8 import engine_config, parse_args
+    from tandem.bench.engine.harness import blocks_for
+
+    a = parse_args(["--variants", "bf16", "--workloads", "256x128+256,8x512+16384"])
+    config = engine_config(a, "bf16")
+    assert config.num_blocks == blocks_for(8, 512 + 16384, 16) > blocks_for(256, 128 + 256, 16)
+    assert config.max_num_seqs == 256

@@ -23,7 +23,7 @@ import dataclasses
 import gc
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -86,16 +86,19 @@ def engine_config(a: argparse.Namespace, variant: str) -> EngineConfig:
                         **device_settings, **NAMED[variant].engine())
 
 
-def run_variant(a: argparse.Namespace, variant: str, bandwidth: float) -> dict:
-    """Build the variant's engine once, then time every workload on it."""
+def run_variant(a: argparse.Namespace, variant: str, bandwidth: float, record: dict,
+                save: Callable[[], object]) -> None:
+    """Build the variant's engine once, then time every workload on it, into `record`; `save` after each
+    workload, so that a run cut short keeps what it measured."""
     start = time.perf_counter()
     model = build_model(a.shape, a.device, a.dtype)
     core = build_core(model, engine_config(a, variant))
     cache = core.runner.cache
     weight_bytes = model_bytes(model)
     kv_per_token = CacheShape.of(model.config).bytes_per_token(cache.k_store.dtype)
-    record = {"built_s": round(time.perf_counter() - start, 1), "weight_GB": round(weight_bytes / 1e9, 3),
-              "kv_dtype": str(cache.k_store.dtype).removeprefix("torch."), "workloads": {}}
+    record.update({"built_s": round(time.perf_counter() - start, 1),
+                   "weight_GB": round(weight_bytes / 1e9, 3),
+                   "kv_dtype": str(cache.k_store.dtype).removeprefix("torch."), "workloads": {}})
     print(f"{variant}: built in {record['built_s']} s, weights {record['weight_GB']} GB, "
           f"KV {record['kv_dtype']}", flush=True)
     g = torch.Generator().manual_seed(1)
@@ -112,23 +115,32 @@ def run_variant(a: argparse.Namespace, variant: str, bandwidth: float) -> dict:
         }
         print(f"  {variant} {w}: {stats.tok_s:,.0f} tok/s, median step {stats.step_ms.get('median')} ms, "
               f"{record['workloads'][str(w)]['of_roofline']} of its roofline", flush=True)
+        save()
     del core, model
     gc.collect()
     if a.device.type == "cuda":
         torch.cuda.empty_cache()
-    return record
 
 
 def gemm_times(a: argparse.Namespace) -> dict:
-    """Microseconds of each layer's GEMM at a few row counts: bf16, the FP8 op, torch._scaled_mm."""
-    from triton.testing import do_bench
+    """Microseconds of each layer's GEMM at a few row counts: bf16, the FP8 op, torch._scaled_mm, and
+    (at up to 32 rows) the small-row kernel's configurations. Timed as a decode step runs them: in a
+    CUDA graph, each call reading a different copy of the weights (none served warm from the L2)."""
+    from triton.testing import do_bench_cudagraph
 
     from tandem.bench.common import SHAPES
     from tandem.service.engine.ops.fp8_linear import SMALL_ROWS, quantize_rows, scaled_mm
-    from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm
+    from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, default_config, fp8_gemm
 
-    sweep = [GemmConfig(bn, bk, w, st, sk) for bn in (32, 64, 128) for bk in (128, 256)
-                  for w, st in ((4, 4), (8, 3)) for sk in (1, 2, 4)]
+    sweep = [GemmConfig(bn, bk, 4, st, sk) for bn in (32, 64) for bk in (128, 256) for st in (3, 4, 6)
+             for sk in (1, 2, 4, 8)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def us(gemm: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+        def calls() -> None:
+            for w in weights:
+                gemm(w)
+        return 1e3 * do_bench_cudagraph(calls, rep=30, return_mode="median") / len(weights)
 
     s = SHAPES[a.shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -140,26 +152,29 @@ def gemm_times(a: argparse.Namespace) -> dict:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
         wq, ws = quantize_rows(w)
         ws = ws.reshape(1, n).contiguous()
-        for m in (1, 16, 32, 64, 128, 256):
+        copies = max(2, -(-4 * 2**30 // (8 * n * k)))  # past any GPU's L2 (50-60 MB) many times over
+        bf16_weights, fp8_weights = [w.clone() for _ in range(copies)], [wq.clone() for _ in range(copies)]
+        for m in (1, 4, 16, 32, 64, 128, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x)
-            fp8 = (xq, xs, wq, ws)
+            q = (xq, xs, ws)  # this row count's operands beside each copy of the weights
+            row = {"bf16": us(lambda w, x=x: torch.nn.functional.linear(x, w), bf16_weights),
+                   "fp8_op": us(lambda w, q=q: scaled_mm(q[0], q[1], w, q[2], torch.bfloat16), fp8_weights),
+                   "fp8_rowwise_scaled_mm": us(lambda w, q=q: torch._scaled_mm(
+                       q[0], w.t(), scale_a=q[1], scale_b=q[2], out_dtype=torch.bfloat16), fp8_weights)}
             if m <= SMALL_ROWS:  # the small-row kernel's configurations, split-K among them
-                swept = {str(c): do_bench(lambda f=fp8, c=c: fp8_gemm(*f, torch.bfloat16, c),
-                                          return_mode="median") for c in sweep}
+                swept = {str(c): us(lambda w, c=c, q=q: fp8_gemm(q[0], q[1], w, q[2], torch.bfloat16, c),
+                                    fp8_weights) for c in sweep}
                 best = min(swept, key=swept.get)
+                row["fp8_best_configuration"] = swept[best]
                 print(f"  GEMM {name} {n}x{k}, {m:3d} rows: best small-row configuration {best}: "
-                      f"{1e3 * swept[best]:.1f} us", flush=True)
+                      f"{swept[best]:.1f} us; the default {default_config(n, k, sms)}", flush=True)
                 times[f"{name} {n}x{k}, {m} rows, small-row configurations"] = {
-                    key: round(1e3 * v, 1) for key, v in swept.items()}
-            us = {"bf16": do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), return_mode="median"),
-                  "fp8_op": do_bench(lambda f=fp8: scaled_mm(*f, torch.bfloat16), return_mode="median"),
-                  "fp8_rowwise_scaled_mm": do_bench(lambda f=fp8: torch._scaled_mm(
-                      f[0], f[2].t(), scale_a=f[1], scale_b=f[3], out_dtype=torch.bfloat16),
-                      return_mode="median")}
-            times[f"{name} {n}x{k}, {m} rows"] = {key: round(1e3 * v, 1) for key, v in us.items()}
-            print(f"  GEMM {name} {n}x{k}, {m:3d} rows: " + ", ".join(
-                f"{key} {1e3 * v:.1f} us" for key, v in us.items()), flush=True)
+                    key: round(v, 1) for key, v in swept.items()}
+            times[f"{name} {n}x{k}, {m} rows"] = {key: round(v, 1) for key, v in row.items()}
+            print(f"  GEMM {name} {n}x{k}, {m:3d} rows: "
+                  + ", ".join(f"{key} {v:.1f} us" for key, v in row.items())
+                  + f"; FP8 op / bf16 {row['fp8_op'] / row['bf16']:.2f}", flush=True)
     return times
 
 
@@ -172,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "environment": environment(a.device), "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
                     "variants": {}}
     for variant in a.variant_list:
-        record["variants"][variant] = run_variant(a, variant, bandwidth)
-        result.write(record)  # a run cut short keeps what it measured
+        run_variant(a, variant, bandwidth, record["variants"].setdefault(variant, {}),
+                    lambda: result.write(record))
     if a.gemm and a.device.type == "cuda":
         record["gemm_us"] = gemm_times(a)
     base = a.variant_list[0]

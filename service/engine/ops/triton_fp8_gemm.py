@@ -32,6 +32,26 @@ def _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr,
 
 
 @triton.jit
+def _sum_of_splits(acc, rm, rn, m_ok, n_ok, partial_ptr, arrivals_ptr, M, N, SPLIT_K: tl.constexpr):
+    """Store this split's partial product; -> (the tile's sum, whether this program is the last of
+    its splits to arrive: the one that holds the sum and writes the output)."""
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    partials = partial_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    plane = M * N
+    tl.store(partials + tl.program_id(2) * plane, acc, mask=tile_ok)
+    tl.debug_barrier()  # every thread's partial stored before the tile's counter moves
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:  # the other splits' partials are stored: add them all in split order
+        for s in tl.static_range(SPLIT_K):  # the same sum whichever split is last
+            total += tl.load(partials + s * plane, mask=tile_ok, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals_ptr + tile, 0)  # ready for the next launch
+    return total, last
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     x_ptr,  # [M, K] e4m3
     w_ptr,  # [N, K] e4m3
@@ -54,8 +74,7 @@ def _fp8_gemm_kernel(
 ):
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
-    split = tl.program_id(2)
-    k_first = split * k_per_split  # this program's share of K (all of it without split-K)
+    k_first = tl.program_id(2) * k_per_split  # this program's share of K (all of it without split-K)
     k_end = tl.minimum(k_first + k_per_split, K)
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
@@ -74,18 +93,8 @@ def _fp8_gemm_kernel(
     if SPLIT_K == 1:
         _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om)
     else:
-        tile_ok = m_ok[:, None] & n_ok[None, :]
-        partials = partial_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-        plane = M * N
-        tl.store(partials + split * plane, acc, mask=tile_ok)
-        tl.debug_barrier()  # every thread's partial stored before the tile's counter moves
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last of the tile's splits: the others' partials are stored
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # in split order: the same sum whoever is last
-                total += tl.load(partials + s * plane, mask=tile_ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrivals_ptr + tile, 0)  # ready for the next launch
+        total, last = _sum_of_splits(acc, rm, rn, m_ok, n_ok, partial_ptr, arrivals_ptr, M, N, SPLIT_K)
+        if last:
             _scale_and_store(total, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om)
 
 

@@ -1,0 +1,156 @@
+"""Which kernel a decode step's few-row FP8 GEMM should run (docs/quantization.md, "FP8 linear layers").
+
+Each 8B layer's GEMM at 1, 4, 16 and 32 rows, timed as a decode step runs it (in a CUDA graph, each
+call reading another copy of the weights, so none comes warm from the L2), against bf16 (cuBLAS):
+
+- `w8a8`: the engine's kernel (triton_fp8_gemm.py: e4m3 activations and weights on the tensor
+  cores), at its default configuration and at the best of a sweep;
+- `w8a16`: the same tiles with the activations left in bf16 and the weights widened to bf16 in the
+  kernel (no activation quantization; twice the tensor-core work, and a conversion per weight);
+- `gemv` (up to 4 rows): no tensor cores, each weight widened to float32 and multiplied on the
+  CUDA cores.
+- `torch._scaled_mm` row-wise (CUTLASS).
+
+CUDA only: `python scripts/fp8_gemm_candidates.py [--rows 1,4,16,32] [--out gemm.json]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench_cudagraph
+
+from tandem.service.engine.ops.fp8_linear import quantize_rows
+from tandem.service.engine.ops.triton_fp8_gemm import (
+    GemmConfig,
+    _arrivals,
+    _scale_and_store,
+    _sum_of_splits,
+    default_config,
+    fp8_gemm,
+)
+
+LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, ones_ptr, w_scale_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, K,
+                  k_per_split, stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GEMV: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    k_first = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_first + k_per_split, K)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K) if GEMV else (1, 1, 1), dtype=tl.float32)
+    for k0 in tl.range(k_first, k_end, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < k_end
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GEMV:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:  # [BLOCK_K, BLOCK_N], as the engine's kernel loads it
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    if GEMV:
+        acc = tl.sum(acc3, axis=2)
+    if SPLIT_K == 1:
+        _scale_and_store(acc, rm, rn, m_ok, n_ok, ones_ptr, w_scale_ptr, out_ptr, stride_om)
+    else:
+        total, last = _sum_of_splits(acc, rm, rn, m_ok, n_ok, partial_ptr, arrivals_ptr, M, N, SPLIT_K)
+        if last:
+            _scale_and_store(total, rm, rn, m_ok, n_ok, ones_ptr, w_scale_ptr, out_ptr, stride_om)
+
+
+def w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: GemmConfig,
+          gemv: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 @ (weight [N, K] e4m3 * weight_scale [1, N])^T -> [M, N] bf16."""
+    m, k = x.shape
+    n = weight.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per_split)
+    block_m = triton.next_power_of_2(m) if gemv else min(32, max(16, triton.next_power_of_2(m)))
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    ones = torch.ones(m, dtype=torch.float32, device=x.device)
+    arrivals = _arrivals(x.device, grid[0] * grid[1])
+    _w8a16_kernel[grid](x, weight, ones, weight_scale, out, partials, arrivals, m, n, k, k_per_split,
+                        x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
+                        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, GEMV=gemv,
+                        num_warps=config.warps, num_stages=config.stages)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,32")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = [GemmConfig(bn, bk, 4, 4, sk)
+               for bn, bk, sk in itertools.product((32, 64), (128, 256), (1, 2, 4))]
+    result: dict = {"gpu": torch.cuda.get_device_name(), "layers": {}}
+    for name, (n, k) in LAYERS.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        wq, ws = quantize_rows(w)
+        ws = ws.reshape(1, n).contiguous()
+        copies = max(2, -(-4 * 2**30 // (8 * n * k)))
+        bf16_weights, fp8_weights = [w.clone() for _ in range(copies)], [wq.clone() for _ in range(copies)]
+
+        def us(gemm: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
+            def calls() -> None:
+                for weight in weights:
+                    gemm(weight)
+            return round(1e3 * do_bench_cudagraph(calls, rep=30, return_mode="median") / len(weights), 2)
+
+        for m in (int(r) for r in a.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_rows(x)
+            reference = x.float() @ (wq.float() * ws.t()).t()
+            # the tensor-core kernels' products, e4m3 x e4m3 and bf16 x widened e4m3: near the reference
+            for got in (fp8_gemm(xq, xs, wq, ws, torch.float32), w8a16(x, wq, ws, configs[0]).float()):
+                assert ((got - reference).norm() / reference.norm()).item() < 0.1
+            def w8a8(weight: torch.Tensor, c: GemmConfig | None = None, q=(xq, xs, ws)) -> torch.Tensor:
+                return fp8_gemm(q[0], q[1], weight, q[2], torch.bfloat16, c)
+
+            def widened(c: GemmConfig, gemv: bool = False, x=x, ws=ws) -> Callable[[torch.Tensor], object]:
+                return lambda weight: w8a16(x, weight, ws, c, gemv)
+
+            row = {
+                "bf16": us(lambda weight, x=x: torch.nn.functional.linear(x, weight), bf16_weights),
+                "scaled_mm_rowwise": us(lambda weight, q=(xq, xs, ws): torch._scaled_mm(
+                    q[0], weight.t(), scale_a=q[1], scale_b=q[2], out_dtype=torch.bfloat16), fp8_weights),
+                "w8a8_default": us(w8a8, fp8_weights),
+                "w8a8_best": min(us(lambda weight, c=c: w8a8(weight, c), fp8_weights) for c in configs),
+                "w8a16_best": min(us(widened(c), fp8_weights) for c in configs),
+            }
+            if m <= 4:
+                row["gemv_best"] = min(us(widened(c, gemv=True), fp8_weights)
+                                       for c in configs if c.block_k == 128)
+            row["default_configuration"] = str(default_config(n, k, sms))
+            result["layers"][f"{name} {n}x{k}, {m} rows"] = row
+            print(f"{name} {n}x{k}, {m:2d} rows: " + ", ".join(f"{key} {v}" for key, v in row.items()),
+                  flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
