@@ -200,6 +200,8 @@ class ModelInfo(msgspec.Struct):
 class EngineReady(msgspec.Struct, tag=True, array_like=True):
     model: ModelInfo
     limits: Limits
+    # seconds of each start-up phase the engine process saw (telemetry/startup.py names them)
+    startup: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class EngineGone(msgspec.Struct, tag=True, array_like=True):

@@ -256,6 +256,24 @@ def test_model_info_says_what_the_pod_serves_and_the_operator_still_reads_the_po
     assert problem_of(sample) is None and sample.generated_tokens
 
 
+def test_start_up_phases_and_the_time_to_serving(served: Served):
+    """tandem_startup_seconds: every phase the engine's start-up went through (on the CPU the compile
+    and the graph capture take next to nothing), none more than the time from the process's start
+    to SERVING, which they add up to at most."""
+    from tandem.service.telemetry.startup import PHASES
+
+    deadline = time.monotonic() + 10  # the supervisor records SERVING as the fronts turn to it
+    while "tandem_startup_serving_seconds" not in (scraped := scrape(served.metrics_url)):
+        assert time.monotonic() < deadline, "no tandem_startup_serving_seconds"
+        time.sleep(0.1)
+    phases = {labels["phase"]: seconds for labels, seconds in scraped["tandem_startup_seconds"]}
+    serving = value(scraped, "tandem_startup_serving_seconds")
+    assert set(phases) == set(PHASES)
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["spawn"] > 0.1 and phases["weights"] > 0 and phases["warm_up"] > 0  # imports take time
+    assert sum(phases.values()) <= serving + 0.05 < 300, (phases, serving)
+
+
 def test_capacity_is_fitted_from_the_steps_and_utilization_is_the_share_used(served: Served):
     """The spare-capacity signal: what the pod could generate at its traffic's mix, and how much of
     it the window's tokens used (all of the load's tokens lie in the window)."""

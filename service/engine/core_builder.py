@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -73,10 +74,13 @@ def build_core(
                     config.kv_cache_dtype)
     scheduler = build_scheduler(config, model)
     runner = ModelRunner(model, cache, config)
-    runner.capture_graphs()  # at start-up, before the server reports SERVING
+    seconds = runner.capture_graphs()  # at start-up, before the server reports SERVING
     core = EngineCore(runner, scheduler, config, eos_token_ids, step_observer)
     if config.compile_prefill:
+        start = time.perf_counter()
         compile_prefill_shapes(core)
+        seconds["compile"] += time.perf_counter() - start
+    core.start_up_seconds = seconds
     return core
 
 

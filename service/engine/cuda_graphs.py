@@ -10,6 +10,7 @@ copy of the forward's activations.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         # per slot: the greedy graphs' logits, for samplers a graph does not hold (made at capture)
         self.logits: list[torch.Tensor | None] = [None] * len(slots)
+        # start-up seconds: each shape's first run outside capture (the compiler's), the captures
+        self.compile_s = 0.0
+        self.capture_s = 0.0
 
     def bucket_for(self, num_decodes: int, has_prefill: bool) -> int | None:
         """Decode-only steps up to the largest bucket replay a graph; others run eagerly."""
@@ -76,7 +80,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _capture(self, s: int, b: int, sampled: bool, side: torch.cuda.Stream) -> None:
+        start = time.perf_counter()
         logits = self._step(s, b, sampled)  # warm-up outside capture: compiles, plans
+        side.synchronize()
+        captured = time.perf_counter()
+        self.compile_s += captured - start
         if self.logits[s] is None:
             self.logits[s] = logits.new_empty(self.buckets[-1], logits.shape[-1])
         graph = torch.cuda.CUDAGraph()
@@ -85,6 +93,7 @@ class DecodeGraphs:
             if not sampled:
                 self.logits[s][:b].copy_(logits)
         self.graphs[(s, b, sampled)] = graph
+        self.capture_s += time.perf_counter() - captured
 
     def replay(self, s: int, b: int, n: int, sampled: bool) -> torch.Tensor:
         """Run the step of slot `s` in bucket `b`; -> logits of its `n` real rows (greedy kind)."""

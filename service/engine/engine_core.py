@@ -59,6 +59,8 @@ class EngineCore:
         self.generated_tokens = 0  # handed back to requests (an extra token that is dropped is not)
         self.prompt_tokens = 0  # of requests that got their first token
         self._observer_failed = False
+        # start-up seconds of its build: compiling each step shape, capturing the decode graphs
+        self.start_up_seconds: dict[str, float] = {}
 
     def add(self, request: Request) -> None:
         self.scheduler.add(self._new_sequence(request))

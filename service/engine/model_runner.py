@@ -145,9 +145,10 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.decode_forward, cache, self.slots, self.rotary)
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self) -> dict[str, float]:
         """Capture the decode graphs and compile the mixed steps' decode kernels (warm-up time,
-        before the server reports SERVING)."""
+        before the server reports SERVING). -> seconds of compiling and of capturing."""
+        start = time.perf_counter()
         if self.decode_kernel is not None:
             from .ops.triton_decode import compile_step_variants
 
@@ -156,8 +157,12 @@ class ModelRunner:
             scales = (cache.k_scale[0], cache.v_scale[0]) if cache.quantized else None
             compile_step_variants(cache.k[0], cache.v[0], self.block_size, heads, self.slots[0].max_blocks,
                                   cache.dtype, scales)
+        seconds = {"compile": time.perf_counter() - start, "graph_capture": 0.0}
         if self.graphs is not None:
             self.graphs.capture()
+            seconds["compile"] += self.graphs.compile_s
+            seconds["graph_capture"] += self.graphs.capture_s
+        return seconds
 
     def move_blocks(self, moves: BlockMoves) -> None:
         """Queue a step's K/V copies to and from the host pool, ahead of its forward."""

@@ -23,6 +23,7 @@ from ..engine.ops.fp8_linear import compute_dtype, quantization_of
 from ..ipc import sockets
 from ..models.loader import LoadedModel, load_model
 from ..settings import ServerSettings
+from ..telemetry.startup import StartupClock
 from .child import exit_now, init_child
 
 log = logging.getLogger("tandem.engine")
@@ -183,9 +184,14 @@ class EngineService:
 
 
 def engine_main(
-    settings: ServerSettings, endpoints: sockets.Endpoints, num_fronts: int, log_level: str
+    settings: ServerSettings, endpoints: sockets.Endpoints, num_fronts: int, log_level: str,
+    started_at: float | None = None,
 ) -> None:
-    """The engine process's entry point (spawned by the supervisor)."""
+    """The engine process's entry point (spawned by the supervisor). `started_at`: when the server
+    process started (epoch seconds), the start of the start-up's first phase."""
+    clock = StartupClock()
+    if started_at is not None:
+        clock.add("spawn", time.time() - started_at)
     init_child(log_level)
     ctx = zmq.Context()
     inbox = sockets.pull(ctx, endpoints.engine)
@@ -194,11 +200,18 @@ def engine_main(
     t0 = time.perf_counter()
     device = resolve_device(settings.device)
     log.info("%d CPU threads", configure_threads(settings, device))
-    loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
+    with clock.phase("weights"):
+        loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
     timings: list[c.StepTiming] = []
+    built = time.perf_counter()
     core, limits = build_engine(loaded, settings, step_observer=timings.append)
+    built = time.perf_counter() - built
+    for phase, seconds in core.start_up_seconds.items():
+        clock.add(phase, seconds)
+    clock.add("kv_cache", built - sum(core.start_up_seconds.values()))  # the rest of the build
     if settings.warmup:
-        warm_up(core, limits)
+        with clock.phase("warm_up"):
+            warm_up(core, limits)
     timings.clear()  # the warm-up is not traffic
     core.reset_counters()
     frozen = freeze_start_up_heap()
@@ -206,10 +219,11 @@ def engine_main(
     # serving: the supervisor stops the engine (Shutdown) once the fronts have drained, and a SIGTERM
     # sent to the whole process group (a service manager, `timeout`) must not cut their streams short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ready = c.EngineReady(_model_info(loaded, str(device), core), limits)
+    ready = c.EngineReady(_model_info(loaded, str(device), core), limits, dict(clock.seconds))
     for sock in (*fronts, supervisor):
         EngineService._send(sock, ready)
-    log.info("model %r ready in %.1f s on %s", loaded.name, time.perf_counter() - t0, device)
+    log.info("model %r ready in %.1f s on %s (%s)", loaded.name, time.perf_counter() - t0, device,
+             clock.summary())
     with GcPauses(frozen) as gc_pauses:
         EngineService(
             core, timings, settings.max_waiting_requests, inbox, fronts, supervisor, gc_pauses

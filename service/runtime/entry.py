@@ -7,10 +7,12 @@ from ..ipc.sockets import Endpoints
 from ..settings import ServerSettings
 
 
-def engine(settings: ServerSettings, endpoints: Endpoints, num_fronts: int, log_level: str) -> None:
+def engine(
+    settings: ServerSettings, endpoints: Endpoints, num_fronts: int, log_level: str, started_at: float
+) -> None:
     from .engine_process import engine_main
 
-    engine_main(settings, endpoints, num_fronts, log_level)
+    engine_main(settings, endpoints, num_fronts, log_level, started_at)
 
 
 def front(settings: ServerSettings, index: int, endpoints: Endpoints, log_level: str) -> None:

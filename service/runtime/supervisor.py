@@ -23,6 +23,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -36,6 +37,7 @@ from ..server.tls import CertificateFiles
 from ..settings import ServerSettings
 from ..telemetry.http import MetricsServer
 from ..telemetry.pod import PodTelemetry
+from ..telemetry.startup import process_started_at
 from . import entry
 
 log = logging.getLogger("tandem.serve")
@@ -103,6 +105,7 @@ def _watched_parent() -> int | None:
 class Supervisor:
     def __init__(self, settings: ServerSettings, log_level: str) -> None:
         self.settings = settings
+        self.started_at = process_started_at()  # the start-up's phases count from here
         self.parent = _watched_parent()
         self.log_level = log_level
         self.folder = tempfile.mkdtemp(prefix="tandem-")
@@ -132,6 +135,7 @@ class Supervisor:
                     msg = decoder.decode(frame)
                     if isinstance(msg, c.FrontReady):
                         self._front_ready(msg.front)
+                        self._maybe_serving()
                     elif isinstance(msg, c.StatisticsQuery):
                         if msg.front not in replies:
                             replies[msg.front] = sockets.push(self.zmq, self.endpoints.front(msg.front))
@@ -139,6 +143,8 @@ class Supervisor:
                         replies[msg.front].send(c.encode(reply))
                     else:
                         self.telemetry.record(msg)
+                        if isinstance(msg, c.EngineReady):
+                            self._maybe_serving()
                 except Exception:  # telemetry must never take the pod down, nor stop with one bad message
                     log.exception("a report could not be recorded")
         finally:
@@ -155,6 +161,16 @@ class Supervisor:
                 to_front.send(c.encode(c.PodReady()))
                 to_front.close()
             log.info("every front is ready")
+
+    def _maybe_serving(self) -> None:
+        """Once the engine is ready and every front too, the pod serves: say how long it took."""
+        if self.telemetry.serving_after_s is not None or not self.telemetry.engine_ready:
+            return
+        if len(self._ready_fronts) < len(self.fronts):
+            return
+        self.telemetry.serving_after_s = time.time() - self.started_at
+        log.info("serving %.1f s after the process started (%s)", self.telemetry.serving_after_s,
+                 self.telemetry.startup.summary())
 
     def _engine_alive(self) -> bool:
         return self.engine is not None and self.engine.is_alive()
@@ -190,7 +206,7 @@ class Supervisor:
         spawn = multiprocessing.get_context("spawn")  # CUDA and grpc both forbid fork after start-up
         self.engine = spawn.Process(
             target=entry.engine,
-            args=(s, self.endpoints, s.api_processes, self.log_level),
+            args=(s, self.endpoints, s.api_processes, self.log_level, self.started_at),
             name="tandem-engine",
         )
         self.fronts = [

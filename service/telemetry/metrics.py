@@ -53,7 +53,10 @@ class ServerMetrics:
         self.capacity: Callable[[], tuple[float, float] | None] = lambda: None
         # the labels of tandem_model_info; None until the engine has loaded the model
         self.model_info: Callable[[], dict[str, str] | None] = lambda: None
+        # (seconds of each start-up phase, seconds from the process's start to SERVING or None)
+        self.startup: Callable[[], tuple[dict[str, float], float | None]] = lambda: ({}, None)
         self._info_gauge(meter)
+        self._startup_gauges(meter)
         self.generation_tokens = meter.create_counter(
             "tandem_generation_tokens",
             unit="{token}",
@@ -199,6 +202,30 @@ class ServerMetrics:
             "model): model, quantization (fp8: FP8 linear layers, from the setting or the checkpoint; "
             "none) and kv_cache_dtype (fp8, or the model's dtype by name).",
         )
+
+    def _startup_gauges(self, meter: Meter) -> None:
+        meter.create_observable_gauge(
+            "tandem_startup_seconds",
+            callbacks=[self._observe_startup_phases],
+            unit="s",
+            description="Seconds the server's start-up spent in each phase (absent until the engine is "
+            "ready): spawn (the process's start, imports, the engine process's spawn), weights, kv_cache "
+            "(the engine assembled), compile (each step shape's first run), graph_capture, warm_up.",
+        )
+        meter.create_observable_gauge(
+            "tandem_startup_serving_seconds",
+            callbacks=[self._observe_serving_after],
+            unit="s",
+            description="Seconds from the server process's start to SERVING: the engine ready and every "
+            "front too (absent before).",
+        )
+
+    def _observe_startup_phases(self, _: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(seconds, {"phase": phase}) for phase, seconds in self.startup()[0].items()]
+
+    def _observe_serving_after(self, _: CallbackOptions) -> Iterable[Observation]:
+        serving_after = self.startup()[1]
+        return [] if serving_after is None else [Observation(serving_after)]
 
     def _observe_model_info(self, _: CallbackOptions) -> Iterable[Observation]:
         labels = self.model_info()

@@ -18,6 +18,7 @@ from .cost import TokenWindow
 from .metrics import ServerMetrics
 from .model_statistics import ModelStatistics
 from .otel import SCOPE, meter_provider, tracer_provider
+from .startup import StartupClock
 from .steps import StepRecorder
 
 
@@ -41,6 +42,9 @@ class PodTelemetry:
         self.stats: EngineStats | None = None  # the engine's latest report
         self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
         self.statistics = ModelStatistics()  # KServe ModelStatistics, every front's requests together
+        self.startup = StartupClock()  # the start-up's phases, as the engine reported them
+        self.serving_after_s: float | None = None  # from the process's start to SERVING
+        self.metrics.startup = self._startup
 
     @property
     def engine_ready(self) -> bool:
@@ -63,6 +67,9 @@ class PodTelemetry:
             "quantization": self.model.quantization,
             "kv_cache_dtype": self.model.kv_cache_dtype,
         }
+
+    def _startup(self) -> tuple[dict[str, float], float | None]:
+        return self.startup.seconds, self.serving_after_s
 
     def _capacity(self) -> tuple[float, float] | None:
         """(capacity in generated tokens/s, the share of it the window's traffic used)."""
@@ -96,6 +103,8 @@ class PodTelemetry:
             self.metrics.record_request(msg)
             self.statistics.record(msg)
         elif isinstance(msg, c.EngineReady):
+            for phase, seconds in msg.startup.items():
+                self.startup.add(phase, seconds)
             self.model = msg.model
 
     def shutdown(self) -> None:
