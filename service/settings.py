@@ -19,7 +19,15 @@ class ServerSettings(BaseSettings):
         None, description="Name the model is served under (default: smollm2-135m-instruct / the path's stem)."
     )
     cache_dir: Path | None = Field(
-        None, description="Where converted GGUF models are cached (default: $XDG_CACHE_HOME/tandem)."
+        None,
+        description="Where converted GGUF models and (compile_cache) compiled artefacts are kept "
+        "(default: $XDG_CACHE_HOME/tandem).",
+    )
+    compile_cache: bool = Field(
+        True,
+        description="Keep torch.compile's and Triton's artefacts under cache_dir/compile/, so that a "
+        "restart, or another pod given the same directory, compiles nothing it compiled before "
+        "(docs/operator.md: a shared cache volume). Off: the compiler's temporary directory.",
     )
     host: str = Field("0.0.0.0", description="Address the gRPC and HTTP servers bind.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free one).")

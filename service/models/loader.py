@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..cache_dirs import default_cache_dir
 from .default_model import default_gguf_path, served_name
 from .fp8_checkpoint import checkpoint_format, load_fp8_linears, scales_left_unread
 
@@ -42,10 +43,6 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     path: Path  # the transformers directory loaded (for a GGUF file: its converted copy)
     quantization: str | None = None  # the checkpoint's own: "fp8" when its linear layers loaded in FP8
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tandem"
 
 
 def _gguf_cache_key(gguf: Path) -> str:

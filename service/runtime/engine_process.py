@@ -12,10 +12,13 @@ import heapq
 import logging
 import signal
 import time
+from pathlib import Path
 
+import torch
 import zmq
 
 from .. import contract as c
+from ..cache_dirs import COMPILE_CACHE_UNUSABLE_EXIT, set_aside
 from ..engine.engine_core import EngineCore
 from ..engine.factory import build_engine, configure_threads, resolve_device
 from ..engine.gc_pauses import GcPauses, freeze_start_up_heap
@@ -183,26 +186,12 @@ class EngineService:
         sock.send(c.encode(msg), copy=False)
 
 
-def engine_main(
-    settings: ServerSettings, endpoints: sockets.Endpoints, num_fronts: int, log_level: str,
-    started_at: float | None = None,
-) -> None:
-    """The engine process's entry point (spawned by the supervisor). `started_at`: when the server
-    process started (epoch seconds), the start of the start-up's first phase."""
-    clock = StartupClock()
-    if started_at is not None:
-        clock.add("spawn", time.time() - started_at)
-    init_child(log_level)
-    ctx = zmq.Context()
-    inbox = sockets.pull(ctx, endpoints.engine)
-    fronts = [sockets.push(ctx, endpoints.front(i)) for i in range(num_fronts)]
-    supervisor = sockets.push(ctx, endpoints.supervisor)
-    t0 = time.perf_counter()
-    device = resolve_device(settings.device)
-    log.info("%d CPU threads", configure_threads(settings, device))
+def _start_up(
+    settings: ServerSettings, device: torch.device, clock: StartupClock, timings: list[c.StepTiming]
+) -> tuple[LoadedModel, EngineCore, c.Limits]:
+    """The weights, the engine built around them and warmed up, each phase on `clock`."""
     with clock.phase("weights"):
         loaded = load_model(settings.model, settings.model_name, device, settings.dtype, settings.cache_dir)
-    timings: list[c.StepTiming] = []
     built = time.perf_counter()
     core, limits = build_engine(loaded, settings, step_observer=timings.append)
     built = time.perf_counter() - built
@@ -212,6 +201,44 @@ def engine_main(
     if settings.warmup:
         with clock.phase("warm_up"):
             warm_up(core, limits)
+    return loaded, core, limits
+
+
+def engine_main(
+    settings: ServerSettings, endpoints: sockets.Endpoints, num_fronts: int, log_level: str,
+    started_at: float | None = None, compile_cache: tuple[Path | None, str] | None = None,
+) -> None:
+    """The engine process's entry point (spawned by the supervisor). `started_at`: when the server
+    process started (epoch seconds), the start of the start-up's first phase; `compile_cache`: where
+    the compiler's artefacts are kept (cache_dirs.use_compile_cache), None when not asked to."""
+    clock = StartupClock()
+    if started_at is not None:
+        clock.add("spawn", time.time() - started_at)
+    init_child(log_level)
+    ctx = zmq.Context()
+    inbox = sockets.pull(ctx, endpoints.engine)
+    fronts = [sockets.push(ctx, endpoints.front(i)) for i in range(num_fronts)]
+    supervisor = sockets.push(ctx, endpoints.supervisor)
+    t0 = time.perf_counter()
+    if compile_cache is not None:
+        kept, said = compile_cache
+        (log.info if kept else log.warning)("%s", said)
+    device = resolve_device(settings.device)
+    log.info("%d CPU threads", configure_threads(settings, device))
+    timings: list[c.StepTiming] = []
+    try:
+        loaded, core, limits = _start_up(settings, device, clock, timings)
+    except Exception:
+        kept = compile_cache[0] if compile_cache is not None else None
+        if kept is None:
+            raise
+        # torch.compile crashes on some corrupt artefacts (a truncated generated module): the
+        # supervisor starts the engine once more, with none (a real fault fails again, and says so)
+        log.exception("the start-up failed (with compiled artefacts from %s)", kept)
+        aside = set_aside(kept)
+        log.warning("compiled artefacts set aside at %s; starting again without them",
+                    aside or "(none: the directory could not be moved)")
+        exit_now(COMPILE_CACHE_UNUSABLE_EXIT)
     timings.clear()  # the warm-up is not traffic
     core.reset_counters()
     frozen = freeze_start_up_heap()

@@ -30,6 +30,7 @@ import zmq
 
 from .. import contract as c
 from ..api_processes import api_processes, engine_on_cuda
+from ..cache_dirs import COMPILE_CACHE_UNUSABLE_EXIT
 from ..cpus import usable_cores
 from ..ipc import sockets
 from ..server.auth import TokenFile
@@ -116,6 +117,7 @@ class Supervisor:
         self.stop_requested = threading.Event()
         self._closing = threading.Event()
         self._ready_fronts: set[int] = set()
+        self._engine_restarted = False  # the engine gets one more start without compiled artefacts
         self._receiver = threading.Thread(target=self._receive, name="tandem-telemetry", daemon=True)
         self.engine: BaseProcess | None = None
         self.fronts: list[BaseProcess] = []
@@ -162,6 +164,29 @@ class Supervisor:
                 to_front.close()
             log.info("every front is ready")
 
+    def _start_engine(self, settings: ServerSettings | None = None, started: bool = True) -> None:
+        """A new engine process (started, unless the caller starts it beside the fronts)."""
+        spawn = multiprocessing.get_context("spawn")  # CUDA and grpc both forbid fork after start-up
+        s = settings or self.settings
+        self.engine = spawn.Process(
+            target=entry.engine,
+            args=(s, self.endpoints, s.api_processes, self.log_level, self.started_at),
+            name="tandem-engine",
+        )
+        if started:
+            self.engine.start()
+            log.info("engine process %d started again", self.engine.pid)
+
+    def _engine_may_start_again(self) -> bool:
+        """Once, before it was ready: the engine set its compiled artefacts aside (cache_dirs)."""
+        assert self.engine is not None
+        if self.engine.exitcode != COMPILE_CACHE_UNUSABLE_EXIT or self.telemetry.engine_ready:
+            return False
+        if self._engine_restarted:
+            return False
+        self._engine_restarted = True
+        return True
+
     def _maybe_serving(self) -> None:
         """Once the engine is ready and every front too, the pod serves: say how long it took."""
         if self.telemetry.serving_after_s is not None or not self.telemetry.engine_ready:
@@ -204,11 +229,7 @@ class Supervisor:
             self.metrics_server.start()
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_server.port)
         spawn = multiprocessing.get_context("spawn")  # CUDA and grpc both forbid fork after start-up
-        self.engine = spawn.Process(
-            target=entry.engine,
-            args=(s, self.endpoints, s.api_processes, self.log_level, self.started_at),
-            name="tandem-engine",
-        )
+        self._start_engine(started=False)
         self.fronts = [
             spawn.Process(
                 target=entry.front, args=(s, i, self.endpoints, self.log_level), name=f"tandem-front-{i}"
@@ -235,6 +256,12 @@ class Supervisor:
                 break
             proc = children[ended[0]]
             proc.join(1.0)  # reaped: its exit code is known
+            if proc is self.engine and self._engine_may_start_again():
+                del children[ended[0]]
+                # without the compiler's cache: this start's artefacts are not kept, the next start's are
+                self._start_engine(self.settings.model_copy(update={"compile_cache": False}))
+                children[self.engine.sentinel] = self.engine
+                continue
             if proc is self.engine:
                 return self._engine_died()
             log.error("%s exited with code %s; stopping the pod", proc.name, proc.exitcode)
