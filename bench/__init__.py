@@ -24,6 +24,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the module of tandem.bench whose main(arg
     "host": "engine.host_step",
     "timeline": "engine.timeline",
     "serve": "serve.benchmark",
+    "start": "serve.start",
     "soak": "soak.benchmark",
     "workloads": "workloads.features",
     "offload-bound": "workloads.offload_bound",

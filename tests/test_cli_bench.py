@@ -712,3 +712,25 @@ def test_bench_fp8_sizes_its_cache_by_the_workload_that_holds_the_most_tokens():
     config = engine_config(a, "bf16")
     assert config.num_blocks == blocks_for(8, 512 + 16384, 16) > blocks_for(256, 128 + 256, 16)
     assert config.max_num_seqs == 256
+
+
+def test_tandem_bench_start_times_each_start_by_phase_and_its_first_requests(tmp_path):
+    """Two fresh servers on one cache directory: each reaches SERVING, reports every phase (the
+    first converts the embedded GGUF into the empty cache, the second finds it there: fewer seconds
+    of weights), and answers its first requests, timed against the later ones."""
+    from tandem.service.telemetry.startup import PHASES
+
+    out = tmp_path / "start.json"
+    tandem = Path(sys.executable).with_name("tandem")
+    subprocess.run([str(tandem), "bench", "start", "--smoke", "--runs", "cold,warm", "--requests", "6",
+                    "--out", str(out)], check=True, timeout=600, cwd=tmp_path,
+                   env={**os.environ, "PYTHONSAFEPATH": "1"})
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "start" and list(result["runs"]) == ["cold", "warm"]
+    cold, warm = result["runs"]["cold"], result["runs"]["warm"]
+    for run in (cold, warm):
+        assert set(run["phases_s"]) == set(PHASES)
+        assert 0 < run["server_serving_s"] <= run["serving_s"] + 1.0
+        assert sum(run["phases_s"].values()) <= run["server_serving_s"] + 0.1
+        assert run["ttft_first_half_median_ms"] > 0 and run["ttft_second_half_median_ms"] > 0
+    assert warm["phases_s"]["weights"] < cold["phases_s"]["weights"]
