@@ -26,8 +26,8 @@ RUN python -m build --wheel --outdir /dist . \
 
 # ---- server: the model server on CUDA PyTorch (its torch is kept; pip never replaces it) ----
 # Everything the server writes (converted GGUF models, Triton, Inductor and Hugging Face caches) goes under
-# /cache, where the operator mounts an emptyDir (TANDEM_CACHE_DIR=/cache); with a read-only root
-# filesystem, /tmp needs one too.
+# /cache, where the operator mounts the ModelServer's cache volume (spec.cache; an emptyDir unless it
+# says otherwise; TANDEM_CACHE_DIR=/cache); with a read-only root filesystem, /tmp needs an emptyDir too.
 FROM ${SERVER_BASE} AS server
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

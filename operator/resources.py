@@ -13,7 +13,7 @@ DRAIN_MARGIN_S = 30  # grace period beyond the server's own drain timeout
 PRESTOP_SLEEP_S = 5  # let endpoint removal reach the proxies before the server stops accepting
 STARTUP_PERIOD_S = 10
 MODEL_LABEL = "tandem.dev/modelserver"
-SERVER_GID = 10001  # the server image's group (Dockerfile): the mounted Secret files belong to it
+SERVER_GID = 10001  # the server image's group (Dockerfile): mounted Secret files and cache claims get it
 SECRET_MODE = 0o440  # owner and group read: the key and the tokens are for the server alone
 TLS_DIR, CLIENT_CA_DIR, AUTH_DIR = "/etc/tandem/tls", "/etc/tandem/client-ca", "/etc/tandem/auth"
 # Requests when spec.resources names none for cpu or memory: a pod with no requests is BestEffort,
@@ -165,10 +165,32 @@ def _container_ports(spec: ModelServerSpec, metrics_port: int) -> list[dict]:
     return ports
 
 
+def cache_volume(spec: ModelServerSpec) -> dict:
+    """The /cache volume of spec.cache. Unset, or an emptyDir without options, is `emptyDir: {}` as
+    before the field existed, so an operator upgrade changes no pod template."""
+    cache = spec.cache
+    if cache and cache.host_path:
+        # The kubelet creates a missing directory owned by root (0755) and never applies fsGroup to a
+        # hostPath: the node's directory must already be writable by the server's uid (docs/operator.md)
+        return {"name": "cache", "hostPath": {"path": cache.host_path.path, "type": "DirectoryOrCreate"}}
+    if cache and cache.persistent_volume_claim:
+        claim = cache.persistent_volume_claim.claim_name
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": claim}}
+    empty_dir = cache.empty_dir if cache else None
+    source: dict = {}
+    if empty_dir and empty_dir.medium:
+        source["medium"] = empty_dir.medium
+    if empty_dir and empty_dir.size_limit:
+        source["sizeLimit"] = empty_dir.size_limit
+    return {"name": "cache", "emptyDir": source}
+
+
 def _pod_security(spec: ModelServerSpec) -> dict:
     context: dict = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-    if secret_files(spec):
-        # the kubelet gives the Secret files this group (mode 0440), so the non-root server reads them
+    cache_claim = spec.cache is not None and spec.cache.persistent_volume_claim is not None
+    if secret_files(spec) or cache_claim:
+        # the kubelet gives the Secret files this group (mode 0440), so the non-root server reads them,
+        # and a claim's fresh (root-owned) volume group write access, so the server can fill it
         context["fsGroup"] = SERVER_GID
         context["fsGroupChangePolicy"] = "OnRootMismatch"  # no recursive walk of the volumes per start
     return context
@@ -176,8 +198,8 @@ def _pod_security(spec: ModelServerSpec) -> dict:
 
 def deployment(name: str, spec: ModelServerSpec, metrics_port: int) -> dict:
     # The root filesystem is read-only: the server writes only its caches (/cache: converted models,
-    # Hugging Face, Triton, Inductor, as the image's environment says) and temporary files.
-    volumes: list[dict] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    # Hugging Face, Triton, Inductor, compiled graphs, as the image's environment says) and temporary files.
+    volumes: list[dict] = [cache_volume(spec), {"name": "tmp", "emptyDir": {}}]
     mounts: list[dict] = [{"name": "cache", "mountPath": "/cache"}, {"name": "tmp", "mountPath": "/tmp"}]
     if spec.model.persistent_volume_claim:
         volumes.append(

@@ -7,6 +7,7 @@ condition instead of a crash loop.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -48,6 +49,67 @@ class Auth(_Camel):
     # a Secret whose key token_key holds the accepted bearer tokens, one per line
     token_secret_name: str = Field(**_NAME)
     token_key: str = Field("tokens", min_length=1, max_length=253, pattern=SECRET_KEY)
+
+
+# A Kubernetes resource.Quantity without a sign (20Gi, 500M, 1e9), as the API server parses one
+_NUMBER = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+QUANTITY = rf"^{_NUMBER}(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?{_NUMBER}))?$"
+
+
+class EmptyDirCache(_Camel):
+    size_limit: str | None = Field(None, pattern=QUANTITY)
+    medium: Literal["", "Memory"] = ""  # Memory: a tmpfs, counted against the pod's memory limit
+
+    @field_validator("size_limit", mode="before")
+    @classmethod
+    def _quantity(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a Quantity may be a plain integer (bytes), as in a Pod spec
+        if isinstance(value, str) and not re.match(QUANTITY, value):
+            # said here: the pattern's own message is unreadable
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 20Gi, 500M)")
+        return value
+
+
+class HostPathCache(_Camel):
+    path: str = Field(pattern=r"^/")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _absolute(cls, value: object) -> object:
+        # the API server would refuse the pods, which only the ReplicaSet's Events would tell
+        if isinstance(value, str) and not value.startswith("/"):
+            raise ValueError(f"{value!r} is not an absolute path")
+        if isinstance(value, str) and ".." in value.split("/"):
+            raise ValueError(f"{value!r} must not contain '..'")
+        return value
+
+
+class PersistentVolumeClaimCache(_Camel):
+    claim_name: str = Field(**_NAME)  # a claim the user made: the operator never creates one
+
+
+class Cache(_Camel):
+    """The pods' /cache volume (compiled artefacts, converted models): exactly one source."""
+
+    empty_dir: EmptyDirCache | None = None
+    host_path: HostPathCache | None = None
+    persistent_volume_claim: PersistentVolumeClaimCache | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Cache:
+        given = [alias for alias, source in self.sources().items() if source is not None]
+        if len(given) != 1:
+            names = ", ".join(self.sources())
+            raise ValueError(f"set exactly one of {names} (given: {', '.join(given) or 'none'})")
+        return self
+
+    def sources(self) -> dict[str, _Camel | None]:
+        return {
+            "emptyDir": self.empty_dir,
+            "hostPath": self.host_path,
+            "persistentVolumeClaim": self.persistent_volume_claim,
+        }
 
 
 # Who sets the replica count: the operator's own policy, or something outside it (an HPA, KEDA,
@@ -110,6 +172,7 @@ class ModelServerSpec(_Camel):
     quantization: Quantization | None = None  # None: as the checkpoint is
     kv_cache_dtype: KvCacheDtype = "auto"
     drain_seconds: int = Field(600, ge=0)
+    cache: Cache | None = None  # None: an emptyDir of each pod's own, as before the field existed
     startup_seconds: int = Field(1800, ge=10)
     scaling: Scaling = Scaling()
     tls: TLS | None = None

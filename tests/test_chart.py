@@ -68,6 +68,8 @@ VALUE_SETS: dict[str, dict] = {
             "startupSeconds": 2400,
             "quantization": "fp8",
             "kvCacheDtype": "fp8",
+            # a ReadWriteMany claim: pods of a scale-up load what the first one compiled
+            "cache": {"persistentVolumeClaim": {"claimName": "llama-8b-cache"}},
             "scaling": {
                 "minReplicas": 2,
                 "maxReplicas": 8,
@@ -83,6 +85,7 @@ VALUE_SETS: dict[str, dict] = {
             "pricePerGpuHour": 0,
             "drainSeconds": 0,
             "resources": {"requests": {"cpu": "4", "memory": "6Gi"}, "limits": {"cpu": "4", "memory": "6Gi"}},
+            "cache": {"emptyDir": {"sizeLimit": "10Gi"}},
         }
     },
     "monitoring": {
@@ -302,6 +305,14 @@ def test_crd_schema_check_catches_unknown_and_wrong_fields(chart: helm.Chart, re
         {"quantization": "int4"},
         {"quantization": "FP8"},
         {"kvCacheDtype": "fp16"},
+        {"cache": {}},  # a cache without a source
+        {"cache": {"emptyDir": {}, "hostPath": {"path": "/var/lib/tandem"}}},  # two sources
+        {"cache": {"emptyDir": {"sizeLimit": "50GB"}}},
+        {"cache": {"emptyDir": {"medium": "HugePages"}}},
+        {"cache": {"hostPath": {}}},
+        {"cache": {"hostPath": {"path": "var/lib/tandem"}}},
+        {"cache": {"persistentVolumeClaim": {"claimName": "Model_Cache"}}},
+        {"cache": {"pvc": {"claimName": "cache"}}},
     )
     for broken_spec in broken_specs:
         broken = copy.deepcopy(example)
@@ -345,6 +356,11 @@ BAD_VALUES = [
     {"exampleModelServer": {"reflection": "false"}},
     {"exampleModelServer": {"quantization": "int8"}},
     {"exampleModelServer": {"kvCacheDtype": "fp16"}},
+    {"exampleModelServer": {"cache": {"emptyDir": {}, "persistentVolumeClaim": {"claimName": "c"}}}},
+    {"exampleModelServer": {"cache": {"emptyDir": {"sizeLimit": "50GB"}}}},
+    {"exampleModelServer": {"cache": {"hostPath": {"path": "var/lib/tandem"}}}},
+    {"exampleModelServer": {"cache": {"persistentVolumeClaim": {}}}},
+    {"exampleModelServer": {"cache": {"nfs": {"server": "nfs.example.com"}}}},
     {"monitoring": {"serviceMonitor": {"interval": 15}}},
     {"operator": {"metrics": {"port": 8080}}},  # the liveness port
     {"operator": {"metrics": {"port": 0}}},  # off is enabled: false
@@ -391,6 +407,11 @@ def test_example_values_name_real_crd_fields(chart: helm.Chart) -> None:
     assert set(example["scaling"]["properties"]) <= set(spec["properties"]["scaling"]["properties"])
     for key in ("tls", "auth"):
         assert set(example[key]["properties"]) == set(spec["properties"][key]["properties"]), key
+    cache, spec_cache = example["cache"]["properties"], spec["properties"]["cache"]["properties"]
+    assert set(cache) == set(spec_cache)
+    for source in cache:
+        assert set(cache[source]["properties"]) == set(spec_cache[source]["properties"]), source
+        assert cache[source].get("required") == spec_cache[source].get("required"), source
 
 
 # ---------------------------------------------------------------- security

@@ -10,7 +10,17 @@ from collections.abc import Iterator
 import helm_python as helm
 import kubernetes_validate
 import pytest
-from test_chart import CHART, KUBE_VERSIONS, NAMESPACE, VALUE_SETS, objects, one, render
+from test_chart import (
+    CHART,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    VALUE_SETS,
+    crd_docs,
+    objects,
+    one,
+    render,
+    validate_custom,
+)
 
 resources = pytest.importorskip("tandem.operator.resources", reason="the operator's builders")
 spec_module = pytest.importorskip("tandem.operator.spec")
@@ -140,3 +150,36 @@ def test_tls_example_pods_mount_secrets_and_probe_the_health_port(chart: helm.Ch
     health_rules = [r for r in policy["spec"]["ingress"] if health in r["ports"]]
     peers = [peer["podSelector"]["matchLabels"] for rule in health_rules for peer in rule["from"]]
     assert any(peer.items() <= test_pod.items() for peer in peers)
+
+
+CACHES = {
+    "emptyDir": {"emptyDir": {"sizeLimit": "50Gi", "medium": "Memory"}},
+    "hostPath": {"hostPath": {"path": "/var/lib/tandem/cache"}},
+    "persistentVolumeClaim": {"persistentVolumeClaim": {"claimName": "smollm2-cache"}},
+}
+
+
+@pytest.mark.parametrize("source", CACHES)
+def test_each_cache_source_reaches_valid_model_pods(chart: helm.Chart, source: str) -> None:
+    """exampleModelServer.cache becomes the ModelServer's spec.cache as given (the CRD accepts it),
+    and the operator's Deployment from it, with that /cache volume, passes the API schemas."""
+    docs = render(chart, {"exampleModelServer": {"cache": CACHES[source]}})
+    example = one(docs, "ModelServer")
+    assert example["spec"]["cache"] == CACHES[source]
+    validate_custom(example, crd_docs(chart))
+    spec = spec_module.parse_spec(example["spec"])
+    deployment = resources.deployment(example["metadata"]["name"], spec, METRICS_PORT)
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(deployment, version, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+    assert set(cache) == {"name", source}
+    for key, value in CACHES[source][source].items():
+        assert cache[source][key] == value
+
+
+def test_the_default_values_keep_a_cache_of_each_pods_own(chart: helm.Chart) -> None:
+    deployment, _, _, docs = owned(chart, "default")
+    assert "cache" not in one(docs, "ModelServer")["spec"], "unset: the CRD's default"
+    (cache,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache"]
+    assert cache == {"name": "cache", "emptyDir": {}}

@@ -128,3 +128,11 @@ def test_the_documented_hpa_and_scaled_object_drive_an_external_modelserver(crds
         assert scaling.mode == "External", "an HPA on a ModelServer in mode Operator is put back"
         assert scaling.min_replicas <= low <= high <= scaling.max_replicas, "within the bounds"
     assert "replicas" not in servers[hpa["spec"]["scaleTargetRef"]["name"]]["spec"], "the HPA's field"
+
+
+def test_every_documented_modelserver_passes_the_crd_and_the_operator(crds: dict) -> None:
+    servers = [o for o in doc_objects() if o.get("kind") == "ModelServer"]
+    assert any("cache" in s["spec"] for s in servers), "the spec.cache example"
+    for server in servers:
+        validate_custom(copy.deepcopy(server), crds)
+        parse_spec(server["spec"])

@@ -314,6 +314,32 @@ async def test_quantization_and_kv_cache_dtype_reach_the_pods_and_a_change_rolls
     await api.close()
 
 
+async def test_a_cache_source_change_replaces_the_cache_volume(kmock) -> None:
+    """spec.cache moves /cache from one source to another: the Deployment's cache volume holds only
+    the new one (a volume with two sources would be refused by the API server), and back to unset it
+    is the emptyDir of before."""
+    declare_resources(kmock)
+    api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
+    deployment = api_path("apps/v1", "deployments", NS, "cached")
+
+    async def cache_volume_is(wanted: dict) -> bool:
+        pod = (await api.get(deployment))["spec"]["template"]["spec"]
+        return [v for v in pod["volumes"] if v["name"] == "cache"] == [{"name": "cache", **wanted}]
+
+    claim = {"persistentVolumeClaim": {"claimName": "cached-cache"}}
+    host = {"hostPath": {"path": "/var/lib/tandem/cache"}}
+    async with operator_running(kmock, liveness_port=0):
+        await api.create(MS, model_server("cached", gpusPerPod=0, cache=claim))
+        await eventually(lambda: cache_volume_is(claim), what="the claim as the cache volume")
+        await api.patch(MS + "/cached", {"spec": {"cache": None}, "metadata": {"generation": 2}})
+        await api.patch(MS + "/cached", {"spec": {"cache": host}, "metadata": {"generation": 3}})
+        wanted = {"hostPath": {**host["hostPath"], "type": "DirectoryOrCreate"}}
+        await eventually(lambda: cache_volume_is(wanted), what="the node directory as the cache volume")
+        await api.patch(MS + "/cached", {"spec": {"cache": None}, "metadata": {"generation": 4}})
+        await eventually(lambda: cache_volume_is({"emptyDir": {}}), what="the emptyDir back")
+    await api.close()
+
+
 def metrics_pods(addresses: Addresses, pods: list[MetricsPod]) -> Callable[[dict], MetricsPod]:
     def factory(container: dict) -> MetricsPod:
         metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
@@ -12,8 +14,12 @@ from tandem.operator.spec import (
     MAX_GPUS_PER_POD,
     TLS,
     Auth,
+    Cache,
+    EmptyDirCache,
+    HostPathCache,
     InvalidSpec,
     ModelServerSpec,
+    PersistentVolumeClaimCache,
     Scaling,
     parse_spec,
 )
@@ -64,7 +70,17 @@ def _constraint(field: object, name: str) -> object:
 
 
 @pytest.mark.parametrize(
-    ("model", "path"), [(ModelServerSpec, ()), (Scaling, ("scaling",)), (TLS, ("tls",)), (Auth, ("auth",))]
+    ("model", "path"),
+    [
+        (ModelServerSpec, ()),
+        (Scaling, ("scaling",)),
+        (TLS, ("tls",)),
+        (Auth, ("auth",)),
+        (Cache, ("cache",)),
+        (EmptyDirCache, ("cache", "emptyDir")),
+        (HostPathCache, ("cache", "hostPath")),
+        (PersistentVolumeClaimCache, ("cache", "persistentVolumeClaim")),
+    ],
 )
 def test_crd_defaults_and_fields_match_the_operator(model: type, path: tuple[str, ...]):
     schema = crd_schema()
@@ -113,10 +129,43 @@ def test_crd_defaults_and_fields_match_the_operator(model: type, path: tuple[str
         ({"image": "x", "auth": {"tokenSecretName": "t", "tokenKey": "../etc"}}, "spec.auth.tokenKey"),
         ({"image": "x", "quantization": "int4"}, "spec.quantization: Input should be 'fp8'"),
         ({"image": "x", "kvCacheDtype": "fp16"}, "spec.kvCacheDtype: Input should be 'auto' or 'fp8'"),
+        (
+            {"image": "x", "cache": {}},
+            "spec.cache: set exactly one of emptyDir, hostPath, persistentVolumeClaim (given: none)",
+        ),
+        (
+            {"image": "x", "cache": {"emptyDir": {}, "persistentVolumeClaim": {"claimName": "c"}}},
+            "spec.cache: set exactly one of emptyDir, hostPath, persistentVolumeClaim "
+            "(given: emptyDir, persistentVolumeClaim)",
+        ),
+        (
+            {"image": "x", "cache": {"emptyDir": {"sizeLimit": "50GB"}}},
+            "spec.cache.emptyDir.sizeLimit: '50GB' is not a Kubernetes quantity",
+        ),
+        ({"image": "x", "cache": {"emptyDir": {"sizeLimit": "-1Gi"}}}, "spec.cache.emptyDir.sizeLimit"),
+        ({"image": "x", "cache": {"emptyDir": {"sizeLimit": 1.5}}}, "spec.cache.emptyDir.sizeLimit"),
+        ({"image": "x", "cache": {"emptyDir": {"medium": "HugePages"}}}, "spec.cache.emptyDir.medium"),
+        ({"image": "x", "cache": {"hostPath": {}}}, "spec.cache.hostPath.path: Field required"),
+        (
+            {"image": "x", "cache": {"hostPath": {"path": "var/cache"}}},
+            "spec.cache.hostPath.path: 'var/cache' is not an absolute path",
+        ),
+        (
+            {"image": "x", "cache": {"hostPath": {"path": "/var/lib/../../etc"}}},
+            "spec.cache.hostPath.path: '/var/lib/../../etc' must not contain '..'",
+        ),
+        (
+            {"image": "x", "cache": {"persistentVolumeClaim": {}}},
+            "spec.cache.persistentVolumeClaim.claimName: Field required",
+        ),
+        (
+            {"image": "x", "cache": {"persistentVolumeClaim": {"claimName": "Model_Cache"}}},
+            "spec.cache.persistentVolumeClaim.claimName: String should match",
+        ),
     ],
 )
 def test_invalid_specs_name_their_problem(spec: dict, message: str):
-    with pytest.raises(InvalidSpec, match=message.replace(".", r"\.").replace("$", r"\$")):
+    with pytest.raises(InvalidSpec, match=re.escape(message)):
         parse_spec(spec)
 
 
@@ -296,8 +345,6 @@ def test_model_pods_get_default_cpu_and_memory_requests(given, gpus, requests, l
 
 
 def test_quantization_and_kv_cache_dtype_have_the_servers_choices_in_the_crd_and_the_operator():
-    from typing import get_args
-
     from tandem.service.settings import ServerSettings
 
     props = crd_schema()["properties"]
@@ -336,3 +383,87 @@ def test_the_users_env_wins_over_the_kv_cache_dtype_field():
     )
     env = [e for e in container["env"] if e["name"] == "TANDEM_KV_CACHE_DTYPE"]
     assert env == [{"name": "TANDEM_KV_CACHE_DTYPE", "value": "auto"}]
+
+
+def test_the_cache_takes_exactly_one_source_in_the_crd_too():
+    cache = crd_schema()["properties"]["cache"]
+    assert (cache["minProperties"], cache["maxProperties"]) == (1, 1)
+    assert set(cache["properties"]) == {"emptyDir", "hostPath", "persistentVolumeClaim"}
+    assert "default" not in cache, "unset: an emptyDir, and no default written into stored objects"
+    medium = cache["properties"]["emptyDir"]["properties"]["medium"]
+    assert medium["enum"] == list(get_args(EmptyDirCache.model_fields["medium"].annotation))
+    size_limit = cache["properties"]["emptyDir"]["properties"]["sizeLimit"]
+    assert size_limit["x-kubernetes-int-or-string"] is True  # 50Gi or a number of bytes, as in a Pod
+
+
+@pytest.mark.parametrize(
+    ("given", "size_limit"), [("50Gi", "50Gi"), ("1.5T", "1.5T"), (1000000, "1000000"), ("1e9", "1e9")]
+)
+def test_cache_size_limits_are_kubernetes_quantities(given: object, size_limit: str):
+    spec = parse_spec({"image": "x", "cache": {"emptyDir": {"sizeLimit": given}}})
+    assert resources.cache_volume(spec) == {"name": "cache", "emptyDir": {"sizeLimit": size_limit}}
+
+
+def test_an_unset_cache_leaves_the_pod_template_as_it_was():
+    """Operators before spec.cache gave every pod `emptyDir: {}` on /cache; the same template now
+    means an operator upgrade rolls no pods, and an emptyDir without options is no change either."""
+    unset = resources.deployment("llama", parse_spec({"image": "x"}), 9400)
+    pod = unset["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    (container,) = pod["containers"]
+    assert container["volumeMounts"] == [
+        {"name": "cache", "mountPath": "/cache"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    assert {"name": "TANDEM_CACHE_DIR", "value": "/cache"} in container["env"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    for same in ({"emptyDir": {}}, {"emptyDir": {"medium": ""}}):
+        assert resources.deployment("llama", parse_spec({"image": "x", "cache": same}), 9400) == unset
+
+
+CACHE_VOLUMES = [
+    ({"emptyDir": {"sizeLimit": "50Gi"}}, {"emptyDir": {"sizeLimit": "50Gi"}}),
+    (
+        {"emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+        {"emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+    ),
+    (
+        {"hostPath": {"path": "/var/lib/tandem/cache"}},
+        {"hostPath": {"path": "/var/lib/tandem/cache", "type": "DirectoryOrCreate"}},
+    ),
+    # not read-only: the pods write to it; the claim is the user's, so no storage class or size here
+    (
+        {"persistentVolumeClaim": {"claimName": "tandem-cache"}},
+        {"persistentVolumeClaim": {"claimName": "tandem-cache"}},
+    ),
+]
+
+
+@pytest.mark.parametrize(("cache", "volume"), CACHE_VOLUMES)
+def test_each_cache_source_becomes_the_cache_volume(cache: dict, volume: dict):
+    pod, container = _pod({"image": "x", "cache": cache, "model": {"persistentVolumeClaim": "weights"}})
+    assert pod["volumes"][0] == {"name": "cache", **volume}
+    assert [v["name"] for v in pod["volumes"]] == ["cache", "tmp", "models"]  # one volume per source
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["cache"] == {"name": "cache", "mountPath": "/cache"}  # writable, where the image says
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TANDEM_CACHE_DIR"] == "/cache"
+    # the pod stays locked down whatever the volume: non-root, read-only root filesystem
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_only_a_cache_claim_gets_the_servers_group():
+    """A fresh claim's volume is root's: fsGroup lets the non-root server write it. An emptyDir is
+    writable by anyone, and the kubelet never applies fsGroup to a hostPath: nothing to add there."""
+    pod, _ = _pod({"image": "x", "cache": {"persistentVolumeClaim": {"claimName": "tandem-cache"}}})
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroup": resources.SERVER_GID,
+        "fsGroupChangePolicy": "OnRootMismatch",  # no walk of a large cache at every start
+    }
+    for cache in ({"emptyDir": {"sizeLimit": "1Gi"}}, {"hostPath": {"path": "/var/lib/tandem"}}):
+        pod, _ = _pod({"image": "x", "cache": cache})
+        assert "fsGroup" not in pod["securityContext"], cache
