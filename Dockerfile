@@ -25,9 +25,11 @@ RUN python -m build --wheel --outdir /dist . \
  && python scripts/image_requirements.py operator > /dist/operator-requirements.txt
 
 # ---- server: the model server on CUDA PyTorch (its torch is kept; pip never replaces it) ----
-# Everything the server writes (converted GGUF models, Triton, Inductor and Hugging Face caches) goes under
-# /cache, where the operator mounts the ModelServer's cache volume (spec.cache; an emptyDir unless it
-# says otherwise; TANDEM_CACHE_DIR=/cache); with a read-only root filesystem, /tmp needs an emptyDir too.
+# Everything the server writes (converted GGUF models, Triton's and Inductor's compiled artefacts, the
+# Hugging Face cache) goes under /cache, where the operator mounts the ModelServer's cache volume
+# (spec.cache; an emptyDir unless it says otherwise; TANDEM_CACHE_DIR=/cache); the server points Triton
+# and Inductor at /cache/compile/torch-<v>-triton-<v>/ itself (cache_dirs.py). With a read-only root
+# filesystem, /tmp needs an emptyDir too.
 FROM ${SERVER_BASE} AS server
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -36,8 +38,6 @@ ENV PIP_NO_CACHE_DIR=1 \
     HOME=/home/tandem \
     XDG_CACHE_HOME=/cache \
     HF_HOME=/cache/huggingface \
-    TRITON_CACHE_DIR=/cache/triton \
-    TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
     TANDEM_CACHE_DIR=/cache
 COPY --from=wheel /dist /dist
 RUN python -m pip install -c /dist/constraints.txt -r /dist/server-requirements.txt \
