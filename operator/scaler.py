@@ -52,6 +52,7 @@ class Scaling:
     # after any write of spec.replicas (the watch's copy may lag behind them by several events).
     latest: dict | None = None
     claimed: int | None = None  # spec.replicas as the operator last wrote or found it (mode Operator)
+    started: set[str] = field(default_factory=set)  # pods whose start an Event has told
 
 
 @dataclass
@@ -247,6 +248,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
         await warn_once(shared, body, "MetricsWindowClamped", clamped)
     scaling.history.add(now, samples, window_s)
     window = scaling.history.window(spec.price_per_gpu_hour * spec.gpus_per_pod)
+    await tell_starts(api, body, scaling, samples, {p["metadata"]["name"] for p in pods})
 
     state = scaling.state or ScalingState(current, len(ready))
     state = replace(state, current_replicas=current, ready_replicas=len(ready))
@@ -278,6 +280,21 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     scaling.latest = await _write_status(api, body, status)
     shared.metrics.observed(namespace, name, current, decision.replicas, len(ready))
     return decision
+
+
+async def tell_starts(api: KubeApi, body: dict, scaling: Scaling, samples: list[PodSample],
+                      pods: set[str]) -> None:
+    """A Normal `PodStarted` Event for each pod the first time its metrics say how its start went:
+    seconds to SERVING and by phase (a new pod of a scale-up that reused a shared compile cache
+    shows it in its compile phase)."""
+    scaling.started &= pods  # forget pods that are gone: the set stays as small as the pod list
+    for sample in samples:
+        if sample.serving_after_s is None or sample.pod in scaling.started:
+            continue
+        scaling.started.add(sample.pod)
+        phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in sample.startup_phases.items())
+        message = f"pod {sample.pod} SERVING {sample.serving_after_s:.1f} s after its server started"
+        await event(api, body, "Normal", "PodStarted", f"{message} ({phases})" if phases else message)
 
 
 async def _write_spec_replicas(api: KubeApi, body: dict, replicas: int) -> bool:

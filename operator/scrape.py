@@ -23,6 +23,8 @@ IDLE = "tandem_gpu_idle_fraction"
 CAPACITY = "tandem_capacity_tokens_per_second"  # what the pod measured it can generate at its mix
 GENERATED = "tandem_generation_tokens"  # counter: samples named ..._total
 TTFT = "gen_ai_server_time_to_first_token_seconds"  # histogram
+STARTUP = "tandem_startup_seconds"  # by phase: how the server's start went (for the pod's Event)
+SERVING_AFTER = "tandem_startup_serving_seconds"
 REQUIRED = (RUNNING, WAITING)  # without these a pod's load is unknown
 RATIOS = (KV_USAGE, IDLE)  # 0-1
 # The server's /metrics is a few kilobytes; a body far beyond that is not one.
@@ -46,6 +48,9 @@ class PodSample:
     ttft_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
     # None until the pod's fit has seen enough steps (or from a server that does not export it)
     capacity_tokens_per_s: float | None = None
+    # the server's start: seconds from its process's start to SERVING, and by phase (optional)
+    serving_after_s: float | None = None
+    startup_phases: dict[str, float] = field(default_factory=dict)
 
 
 # What went wrong with a pod's /metrics, as one word of a fixed set (a bounded metric label).
@@ -77,6 +82,7 @@ def parse_metrics(pod: str, when: float, text: str) -> PodSample:
     """Gauges and counters are summed over label sets (one model per pod: usually one set)."""
     values: dict[str, float] = {}
     buckets: dict[float, float] = {}
+    phases: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if family.name == TTFT and sample.name == TTFT + "_bucket":
@@ -86,6 +92,10 @@ def parse_metrics(pod: str, when: float, text: str) -> PodSample:
                 values[family.name] = values.get(family.name, 0.0) + sample.value
             elif family.name == GENERATED and sample.name == GENERATED + "_total":
                 values[GENERATED] = values.get(GENERATED, 0.0) + sample.value
+            elif family.name == STARTUP and sample.name == STARTUP and "phase" in sample.labels:
+                phases[sample.labels["phase"]] = sample.value
+            elif family.name == SERVING_AFTER and sample.name == SERVING_AFTER:
+                values[SERVING_AFTER] = sample.value
     return PodSample(
         pod=pod,
         time=when,
@@ -96,6 +106,8 @@ def parse_metrics(pod: str, when: float, text: str) -> PodSample:
         generated_tokens=values.get(GENERATED),
         ttft_buckets=dict(sorted(buckets.items())),
         capacity_tokens_per_s=values.get(CAPACITY),
+        serving_after_s=values.get(SERVING_AFTER),
+        startup_phases=phases,
     )
 
 

@@ -79,6 +79,15 @@ async def test_real_servers_scale_up_under_load_and_down_when_quiet(
 
             await eventually(ready_pods, timeout=180, what="the first real server ready")
 
+            async def started() -> list[dict]:  # the pod's start as its server measured it, once
+                return await events(api, "PodStarted")
+
+            (first_start,) = await eventually(started, timeout=30, what="a PodStarted Event")
+            said = first_start["message"]
+            assert said.startswith("pod tiny-") and " SERVING " in said, said
+            assert "after its server started" in said, said
+            assert all(p in said for p in ("spawn", "weights", "kv_cache", "compile", "graph_capture")), said
+
             # eight streams against a server that runs two at a time: a queue
             stop = asyncio.Event()
             load = [asyncio.create_task(_stream(f"{servers[0].address}:50051", stop)) for _ in range(8)]
@@ -92,6 +101,11 @@ async def test_real_servers_scale_up_under_load_and_down_when_quiet(
                 (up, *_) = await events(api, "ScaledUp")
                 assert "Saturated" in up["message"]
                 await eventually(lambda: _ready_is(api, 2), timeout=180, what="2 ready")
+
+                async def both_started() -> bool:
+                    return len(await events(api, "PodStarted")) == 2
+
+                await eventually(both_started, timeout=30, what="the second pod's PodStarted Event")
             finally:
                 stop.set()
                 for task in load:
