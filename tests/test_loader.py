@@ -15,6 +15,7 @@ from tandem.service.models.loader import (
     default_cache_dir,
     load_model,
     remove_stale_staging,
+    tokenizer_path,
 )
 
 
@@ -28,6 +29,16 @@ def test_gguf_conversion_is_cached(smol_dir):
     assert convert_gguf(default_gguf_path(), _cache()) == smol_dir
     assert config.stat().st_mtime_ns == before  # reused, not rewritten
     assert (smol_dir / "model.safetensors").is_file()
+
+
+def test_the_tokenizer_is_found_where_the_engine_will_load_it_before_it_does(smol_dir, tmp_path):
+    """A front loads the tokenizer beside the engine's start where its path is known already: a model
+    directory, a GGUF model converted before; not one the engine has yet to convert."""
+    loaded = load_model(None, None, torch.device("cpu"), cache_dir=_cache())
+    assert tokenizer_path(None, _cache()) == loaded.path == smol_dir
+    assert tokenizer_path(str(smol_dir), None) == smol_dir
+    assert tokenizer_path(None, tmp_path) is None  # an empty cache: the engine converts first
+    assert tokenizer_path(str(tmp_path / "missing"), None) is None
 
 
 def test_default_model_loads_with_chat_template_and_eos(smol_dir):

@@ -68,9 +68,25 @@ def remove_stale_staging(cache_dir: Path, max_age_s: float = STALE_STAGING_S) ->
     return removed
 
 
+def converted_path(gguf: Path, cache_dir: Path) -> Path:
+    """Where convert_gguf keeps `gguf` as a safetensors directory."""
+    return cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+
+
+def tokenizer_path(source: str | None, cache_dir: Path | None) -> Path | None:
+    """Where load_model(source) will find the tokenizer, if it is there already (a GGUF model not yet
+    converted: None), so that a front can load it while the engine loads the weights."""
+    cache_dir = cache_dir or default_cache_dir()
+    given = Path(source) if source else None
+    if given is None or (given.is_file() and given.suffix == ".gguf"):
+        target = converted_path(default_gguf_path() if given is None else given, cache_dir)
+        return target if (target / "config.json").is_file() else None
+    return given if given.is_dir() else None
+
+
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """De-quantize a GGUF file into a safetensors directory, once; return that directory."""
-    target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    target = converted_path(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     log.info("converting %s to safetensors under %s (first start only)", gguf.name, target)

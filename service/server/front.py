@@ -29,6 +29,7 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from .. import contract as c
 from ..ipc import sockets
 from ..models.default_model import served_name
+from ..models.loader import tokenizer_path
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
@@ -73,6 +74,8 @@ class FrontServer:
         self.draining = False
         self.serving = False
         self.failed = False  # it could not get ready (the tokenizer would not load), or HTTP failed
+        # (its path, its load) where the tokenizer could be loaded before the engine named it
+        self._preloaded: tuple[str, asyncio.Task] | None = None
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None  # plaintext, health only (probes under TLS)
         self.http: HttpServer | None = None  # the OpenAI API, when http_port is set
@@ -161,6 +164,10 @@ class FrontServer:
                 log.info("grpc.health.v1 (plaintext) on %s:%d", s.host, s.health_port)
             if self.http is not None:
                 log.info("OpenAI HTTP API (%s%s) on %s:%d", how, auth, s.host, self.http.port)
+        # the tokenizer the engine will name, loaded beside the engine's start where it is known now
+        expected = tokenizer_path(s.model, s.cache_dir)
+        self._preloaded = None if expected is None else (str(expected), asyncio.create_task(
+            in_daemon_thread(_load_tokenizer, str(expected), name="tokenizer")))
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._become_ready())]
 
     async def _receive(self) -> None:
@@ -183,7 +190,14 @@ class FrontServer:
         assert self.client is not None
         ready = await self.client.ready
         info = ready.model
-        loaded = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
+        loaded = None
+        if self._preloaded is not None and self._preloaded[0] == info.tokenizer_path:
+            try:
+                loaded = await self._preloaded[1]
+            except Exception:  # loaded again below from what the engine named, and failed there if it must
+                log.warning("the tokenizer loaded ahead failed; loading it again", exc_info=True)
+        if loaded is None:
+            loaded = await in_daemon_thread(_load_tokenizer, info.tokenizer_path, name="tokenizer")
         tokenizer, longest, files = loaded
         self.telemetry.model = info.name
         s = self.settings
