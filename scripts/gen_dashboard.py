@@ -94,6 +94,12 @@ PANELS = [
          "generation {{generation}} (max over pods)"),
     ], 8, "Share of the engine process's time its step loop stood still in Python garbage collections, "
      "by generation (2 = full). Its start-up objects are frozen out of the walks, so this stays near 0."),
+    ("Start-up by phase", "s", [
+        (f"max by (phase) (tandem_startup_seconds{{{SEL}}})", "{{phase}} (max over pods)"),
+        (f"max(tandem_startup_serving_seconds{{{SEL}}})", "to SERVING (max over pods)"),
+    ], 8, "Seconds of each pod's start-up in each phase (spawn and imports, weights, kv_cache, compile, "
+     "graph_capture, warm_up) and from its process's start to SERVING: a pod that found a shared compile "
+     "cache spends little in compile."),
     # the operator's own metrics (docs/operator.md): what the autoscaler decided, and why
     ("Autoscaler: replicas", "short", [
         (f"sum by (modelserver) (tandem_operator_replicas{{{OP}}})", "{{modelserver}} replicas"),
