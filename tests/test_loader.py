@@ -15,8 +15,8 @@ from tandem.service.models.loader import (
     default_cache_dir,
     load_model,
     remove_stale_staging,
-    tokenizer_path,
 )
+from tandem.service.models.paths import tokenizer_path
 
 
 def _cache() -> Path:

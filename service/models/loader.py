@@ -9,7 +9,6 @@ as safetensors under the cache directory, so the next start loads in well under 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from transformers import (
 from ..cache_dirs import default_cache_dir
 from .default_model import default_gguf_path, served_name
 from .fp8_checkpoint import checkpoint_format, load_fp8_linears, scales_left_unread
+from .paths import converted_path
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     path: Path  # the transformers directory loaded (for a GGUF file: its converted copy)
     quantization: str | None = None  # the checkpoint's own: "fp8" when its linear layers loaded in FP8
-
-
-def _gguf_cache_key(gguf: Path) -> str:
-    st = gguf.stat()
-    return hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 STALE_STAGING_S = 6 * 3600  # a conversion staging folder this old was abandoned (its server stopped)
@@ -66,22 +61,6 @@ def remove_stale_staging(cache_dir: Path, max_age_s: float = STALE_STAGING_S) ->
         except OSError:  # gone meanwhile
             continue
     return removed
-
-
-def converted_path(gguf: Path, cache_dir: Path) -> Path:
-    """Where convert_gguf keeps `gguf` as a safetensors directory."""
-    return cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
-
-
-def tokenizer_path(source: str | None, cache_dir: Path | None) -> Path | None:
-    """Where load_model(source) will find the tokenizer, if it is there already (a GGUF model not yet
-    converted: None), so that a front can load it while the engine loads the weights."""
-    cache_dir = cache_dir or default_cache_dir()
-    given = Path(source) if source else None
-    if given is None or (given.is_file() and given.suffix == ".gguf"):
-        target = converted_path(default_gguf_path() if given is None else given, cache_dir)
-        return target if (target / "config.json").is_file() else None
-    return given if given.is_dir() else None
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:

@@ -159,6 +159,11 @@ class EngineService:
         for front, out in by_front.items():
             self._send(self.fronts[front], out)
 
+    def report_load(self) -> None:
+        """The engine's load and counters to the supervisor now, whether or not a step ran."""
+        self._last_report = 0.0
+        self._report()
+
     def _report(self) -> None:
         core = self.core
         if self.load_queries:
@@ -247,14 +252,18 @@ def engine_main(
     # sent to the whole process group (a service manager, `timeout`) must not cut their streams short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ready = c.EngineReady(_model_info(loaded, str(device), core), limits, dict(clock.seconds))
-    for sock in (*fronts, supervisor):
-        EngineService._send(sock, ready)
-    log.info("model %r ready in %.1f s on %s (%s)", loaded.name, time.perf_counter() - t0, device,
-             clock.summary())
     with GcPauses(frozen) as gc_pauses:
-        EngineService(
+        service = EngineService(
             core, timings, settings.max_waiting_requests, inbox, fronts, supervisor, gc_pauses
-        ).run()
+        )
+        # its load goes to the supervisor ahead of EngineReady (one socket, in order): the pod's
+        # engine gauges are there from the moment it serves
+        service.report_load()
+        for sock in (*fronts, supervisor):
+            EngineService._send(sock, ready)
+        log.info("model %r ready in %.1f s on %s (%s)", loaded.name, time.perf_counter() - t0, device,
+                 clock.summary())
+        service.run()
     for sock in (inbox, *fronts, supervisor):
         sock.close(linger=0)  # the fronts are gone: nothing left to deliver
     ctx.term()

@@ -29,7 +29,7 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from .. import contract as c
 from ..ipc import sockets
 from ..models.default_model import served_name
-from ..models.loader import tokenizer_path
+from ..models.paths import tokenizer_path
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
