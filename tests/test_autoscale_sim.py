@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.bench.autoscale import fair, pods
+from tandem.bench.autoscale import calibration, fair, pods
 from tandem.bench.autoscale.hpa import (
     HorizontalPodAutoscaler,
     Keda,
@@ -91,11 +91,13 @@ def test_scalers_serve_all_work_within_bounds(name: str):
 
 
 def test_a_prefill_bound_pod_reports_its_backlog_as_waiting():
-    # 15 requests/s of 2,000-token prompts need 30,000 prefill tokens/s; one pod does 22,500
-    _, _, _, _, snaps = run(None, rate_rps=15.0, seconds=120, replicas=1, prompt=2000.0, output=40.0)
+    # 2,000-token prompts at 1.3x the prompt tokens a pod prefills beside its decoding rows
+    rate = 1.3 * pods.PREFILL_SHARE * calibration.load().prefill_tokens_per_s / 2000
+    _, _, _, _, snaps = run(None, rate_rps=rate, seconds=120, replicas=1, prompt=2000.0, output=40.0)
     last = snaps[-1]
-    assert last.waiting > 100  # as the engine's scheduler counts them: not yet prefilled
-    assert last.running < 64  # decoding only what is prefilled, far below max_num_seqs
+    assert last.waiting > 500  # as the engine's scheduler counts them: not yet prefilled
+    assert snaps[60].running == pytest.approx(last.running)  # decoding only what is prefilled
+    assert last.running < 0.6 * 256  # below max_num_seqs: the queue is the only sign of overload
 
 
 def test_merging_identical_pods_changes_nothing(monkeypatch: pytest.MonkeyPatch):

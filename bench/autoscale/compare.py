@@ -1,11 +1,13 @@
 """`tandem bench autoscale`: Tandem's policy against the scalers a platform team would deploy (HPA on
 running requests, HPA on batch fill, KEDA on queue length, a Knative-like concurrency target, and
 the naive HPA on GPU utilisation), on a day of diurnal, bursty traffic of three shapes (chat,
-decode-heavy, prefill-heavy) and several seeds, served by simulated H200 pods.
+decode-heavy, prefill-heavy) and several seeds, served by simulated pods calibrated from measured
+results (bench/autoscale/calibration/).
 
     tandem bench autoscale          # the full comparison: JSON, markdown, plot
     tandem bench autoscale --hours 2 --seeds 7 --grid-points 3 --no-plot --out /tmp/f.json
     tandem bench autoscale --one hpa_running --target 64 --shape decode_heavy --seed 8
+    tandem bench autoscale --calibration bench/autoscale/calibration/2026-12-06_h100_8b.json
 
 Reports every cell (shape, seed, scaler): cost per million generated tokens, the share of minutes
 whose p95 time to first token meets the SLO, scaling events per hour, mean and peak pods; and per
@@ -24,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from tandem.bench.autoscale import calibration
 from tandem.bench.autoscale.fair import BY_NAME, Cell, compare, run_cell
-from tandem.bench.autoscale.pods import KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S, STEP_BASE_S, STEP_PER_SEQ_S
 from tandem.bench.autoscale.report import markdown, plot
 from tandem.bench.autoscale.sim import Setup
 from tandem.bench.autoscale.trace import SHAPES, make_trace, shape
@@ -69,6 +71,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--price", type=float, default=3.5, help="USD per GPU-hour")
     parser.add_argument("--cold-start-s", type=float, default=120.0)
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=calibration.DEFAULT,
+        help="the pods' calibration file (bench/autoscale/calibration/, built by "
+        "python -m tandem.bench.autoscale.calibrate)",
+    )
     parser.add_argument("--ttft-slo-s", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: bench/results/<date>_cpu_autoscale_<hours>h.json); the "
@@ -99,7 +108,8 @@ def one_cell(args: argparse.Namespace, setup: Setup) -> int:
     """--one: a single cell, printed."""
     cell = Cell(args.one, args.target, args.shape, args.seed, args.hours)
     _, run = run_cell(cell, setup)
-    print(json.dumps({"cell": asdict(cell), "tandem_cost_ceiling": args.cost_ceiling, **run.summary}))
+    extra = {"tandem_cost_ceiling": args.cost_ceiling, "calibration": setup.pod.name}
+    print(json.dumps({"cell": asdict(cell), **extra, **run.summary}))
     return 0
 
 
@@ -113,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     setup = Setup(
+        pod=calibration.load(args.calibration),
         price_per_gpu_hour=args.price,
         cold_start_s=args.cold_start_s,
         ttft_slo_s=args.ttft_slo_s,
@@ -136,12 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hours": args.hours,
         "seeds": seeds,
         "traces": traces(args.shapes, seeds, args.hours),
-        "pod_model": {
-            "decode_step_s": f"{STEP_BASE_S} + {STEP_PER_SEQ_S} x sequences (H200, 8B shape, measured)",
-            "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
-            "kv_capacity_tokens": round(KV_CAPACITY_TOKENS),
-            "max_num_seqs": 256,
-        },
+        "calibration": {"file": str(args.calibration), **calibration.read(args.calibration)},
+        "max_num_seqs": 256,
         **report,
         "simulated_in_s": round(time.monotonic() - started, 1),
     }

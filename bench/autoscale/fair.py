@@ -61,9 +61,7 @@ def _tandem(target: float | None, setup: Setup) -> Scaler:
     targets = replace(crd_defaults(setup), cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling)
     if target is not None:
         targets = replace(targets, target_utilization=target)
-    return TandemScaler(
-        targets, setup.price_per_gpu_hour * setup.gpus_per_pod, capacity_bias=setup.capacity_bias
-    )
+    return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)
 
 
 @dataclass(frozen=True)

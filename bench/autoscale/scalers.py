@@ -56,13 +56,10 @@ class TandemScaler(Scaler):
         targets: ScalingTargets,
         price_per_gpu_hour: float,
         window_s: float = 60.0,
-        capacity_bias: float = 1.0,
     ) -> None:
         self.targets = targets
         self.price = price_per_gpu_hour
         self.window_s = window_s
-        # what the pods' capacity gauge reads against the true capacity (the server fits it)
-        self.capacity_bias = capacity_bias
         self.state: ScalingState | None = None
         self.last_reasons: list[str] = []
 
@@ -80,7 +77,7 @@ class TandemScaler(Scaler):
         # as the operator's window: the capacity gauges' mean per reporting pod times pods, the
         # TTFT histogram's count rate, the slope of the waiting gauge between first and last scrape
         per_pod = [s.capacity / s.capacity_pods for s in seen if s.capacity_pods]
-        capacity = self.capacity_bias * ready * sum(per_pod) / len(per_pod) if per_pod else None
+        capacity = ready * sum(per_pod) / len(per_pod) if per_pod else None
         growth = (
             (seen[-1].waiting - seen[0].waiting) / (seen[-1].time - seen[0].time) if len(seen) > 1 else None
         )
