@@ -24,7 +24,13 @@ from tandem.bench.autoscale.hpa import (
 )
 from tandem.bench.autoscale.pods import Cluster
 from tandem.bench.autoscale.report import markdown
-from tandem.bench.autoscale.scalers import KnativeLike, MetricHPA, TandemScaler, gpu_util_per_pod
+from tandem.bench.autoscale.scalers import (
+    KnativeLike,
+    MetricHPA,
+    TandemScaler,
+    capacity_utilization_per_pod,
+    gpu_util_per_pod,
+)
 from tandem.bench.autoscale.sim import Setup, simulate
 from tandem.bench.autoscale.trace import SHAPES, TraceConfig, make_trace, shape
 from tandem.operator.policy import ScalingTargets, decide
@@ -229,15 +235,66 @@ def test_report_holds_every_cell_and_every_swept_target(tune_shape: str | None):
                 assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
             assert set(report["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
     tuned = {c.name for c in fair.CONTENDERS if c.grid}
+    assert "hpa_capacity" in tuned  # the HPA on the pods' capacity gauge is swept like the others
+    capacity_hpa = report["contenders"]["hpa_capacity"]
+    assert all(capacity_hpa["targets"][sh] in capacity_hpa["grid"] for sh in shapes)
     assert list(report["sweep"]) == ([tune_shape] if tune_shape else shapes)
     for per in report["sweep"].values():
         assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
     report |= {"date": "today", "command": "test"}
     lines = markdown(report).splitlines()
-    for c in fair.CONTENDERS:  # a row for every cell
+    for c in fair.CONTENDERS:  # a row for every cell; the naive reference apart
         for sd in seeds:
             rows = [line for line in lines if line.split(" | ")[0::2][:2] == [f"| {c.label}", str(sd)]]
-            assert len(rows) == len(shapes)
+            assert len(rows) == (0 if c.kind == "reference" else len(shapes))
+    verdicts = [line for line in lines if line.endswith(("| yes |", "| **no** |"))]
+    assert len(verdicts) == len(shapes) * len(seeds)
+    assert not any("GPU utilisation" in line for line in verdicts)
+
+
+def _cell(cost: float, slo: float, events: float = 1.0) -> dict:
+    return {
+        "cost_per_million_tokens_usd": cost,
+        "ttft_p95_slo_attainment": slo,
+        "scaling_events_per_hour": events,
+    }
+
+
+def test_the_naive_gpu_utilisation_hpa_never_enters_a_verdict():
+    cells = {
+        "tandem_default": _cell(0.30, 0.995),
+        "hpa_gpu_util": _cell(0.20, 1.0, 0.25),  # cheapest and within the SLO: still not a baseline
+        "hpa_running": _cell(0.40, 0.995, 9.0),
+        "knative_concurrency": _cell(0.25, 0.98),
+    }
+    v = fair.verdict(cells)
+    assert (v["best_baseline"], v["best_calm_baseline"]) == ("hpa_running", None)
+    assert v["tandem_cost_vs_best"] == pytest.approx(0.30 / 0.40 - 1)
+    alone = fair.verdict({n: cells[n] for n in ("tandem_default", "hpa_gpu_util")})
+    assert alone["best_baseline"] is None and alone["tandem_cost_vs_best"] is None
+    assert "hpa_gpu_util" not in fair.BASELINES and fair.BY_NAME["hpa_gpu_util"].kind == "reference"
+
+
+def test_the_capacity_utilisation_hpa_is_a_fair_baseline_in_the_verdict():
+    cells = {
+        "tandem_default": _cell(0.30, 0.995),
+        "hpa_capacity": _cell(0.28, 0.993, 5.0),
+        "hpa_running": _cell(0.40, 0.995, 2.0),
+    }
+    v = fair.verdict(cells)
+    assert (v["best_baseline"], v["best_calm_baseline"]) == ("hpa_capacity", "hpa_running")
+    assert not v["tandem_cost_at_most_best"] and not v["target_met"]
+    assert "hpa_capacity" in fair.BASELINES and fair.BY_NAME["hpa_capacity"].grid == fair.UTILIZATION_GRID
+
+
+def test_the_capacity_utilisation_hpa_reads_the_pods_gauge():
+    # tokens over capacity per pod, as tandem_capacity_utilization; the HPA settles near its target
+    scaler = MetricHPA("cap", capacity_utilization_per_pod, 0.5, 1, 16)
+    cluster, seen, _, _, snaps = run(scaler, rate_rps=60.0, seconds=1800, replicas=1)
+    last = snaps[-1]
+    per_pod = last.capacity_tokens / last.capacity
+    assert capacity_utilization_per_pod(last, ScalingTargets()) == pytest.approx(per_pod)
+    assert seen[-1] > 1 and 0.5 / 1.1 * (seen[-1] - 1) / seen[-1] < per_pod <= 0.5 * 1.1
 
 
 def test_tandem_bench_autoscale_writes_json_markdown_and_plot(tmp_path: Path):

@@ -255,6 +255,7 @@ class Snapshot:
     ttft_buckets: list[float]  # requests admitted this second by TTFT bucket, over all pods
     capacity: float = 0.0  # sum of the ready pods' capacity gauges (tokens/s), over those that report one
     capacity_pods: int = 0  # ready pods that report a capacity (they have had traffic)
+    capacity_tokens: float = 0.0  # tokens generated this second by those pods
 
 
 class Cluster:
@@ -338,7 +339,7 @@ class Cluster:
     def step(self, now: float) -> Snapshot:
         ttft = [0.0] * len(_BOUNDS)
         pods = ready = 0
-        running = waiting = kv = idle = tokens = capacity = 0.0
+        running = waiting = kv = idle = tokens = capacity = capacity_tokens = 0.0
         capacity_pods = 0
         for pod in self.pods:
             s = pod.step(now, ttft)
@@ -354,6 +355,7 @@ class Cluster:
                 if s.capacity > 0:
                     capacity += c * s.capacity
                     capacity_pods += c
+                    capacity_tokens += c * s.tokens
         if any(p.draining for p in self.pods):
             self.pods = [p for p in self.pods if not (p.draining and p.empty())]
         if now % MERGE_EVERY_S == 0 and len(self.pods) > 1:
@@ -373,4 +375,5 @@ class Cluster:
             ttft_buckets=ttft,
             capacity=capacity,
             capacity_pods=capacity_pods,
+            capacity_tokens=capacity_tokens,
         )

@@ -54,12 +54,17 @@ def sweep_table(report: dict, shape: str) -> str:
     return "\n".join(lines)
 
 
+def _compared(contenders: dict) -> dict:
+    """Tandem's rows and the fair baselines' (the naive reference has a table of its own)."""
+    return {n: c for n, c in contenders.items() if c["kind"] != "reference"}
+
+
 def cells_table(report: dict, shape: str) -> str:
     lines = _header(
         "scaler", "target", "seed", "$ / million tokens", "minutes within SLO", "events / hour", "mean pods",
         "peak pods",
     )  # fmt: skip
-    for name, c in report["contenders"].items():
+    for name, c in _compared(report["contenders"]).items():
         for seed, by in report["results"][shape].items():
             s = by[name]
             lines.append(
@@ -80,8 +85,8 @@ def cells_table(report: dict, shape: str) -> str:
 def verdict_table(report: dict) -> str:
     lines = _header(
         "shape", "seed", "Tandem, defaults: $/Mtok, SLO, events/h",
-        "cheapest baseline within SLO: $/Mtok, SLO, events/h", "Tandem vs it",
-        "cheapest baseline within SLO and <= 3 events/h", "target met",
+        "cheapest fair baseline within SLO: $/Mtok, SLO, events/h", "Tandem vs it",
+        "cheapest fair baseline within SLO and <= 3 events/h", "target met",
     )  # fmt: skip
     for shape, per_seed in report["verdicts"].items():
         for seed, v in per_seed.items():
@@ -103,7 +108,8 @@ def summary_table(report: dict) -> str:
         "events / hour (worst seed)",
     )  # fmt: skip
     for shape, summary in report["summary"].items():
-        for name, s in summary["scalers"].items():
+        for name in _compared(report["contenders"]):
+            s = summary["scalers"][name]
             lines.append(
                 _row(
                     shape,
@@ -117,6 +123,20 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def reference_table(report: dict) -> str:
+    """The naive HPA on GPU utilisation beside Tandem: reported, never in a verdict."""
+    lines = _header(
+        "shape", "seed", "HPA on GPU utilisation 70%: $/Mtok, SLO, events/h", "mean pods",
+        "Tandem, defaults: $/Mtok",
+    )  # fmt: skip
+    for shape, per_seed in report["results"].items():
+        for seed, cells in per_seed.items():
+            ref = cells["hpa_gpu_util"]
+            tandem = cells["tandem_default"]["cost_per_million_tokens_usd"]
+            lines.append(_row(shape, seed, _brief(ref), f"{ref['mean_pods']:.2f}", f"{tandem:.3f}"))
+    return "\n".join(lines)
+
+
 def markdown(report: dict) -> str:
     parts = [
         f"# Autoscaling, fair comparison ({report['date']})",
@@ -124,13 +144,17 @@ def markdown(report: dict) -> str:
         f"`{report['command']}`; SLO: p95 TTFT <= {report['setup']['ttft_slo_s']:g} s in a minute; "
         f"required: >= {SLO_ATTAINMENT:.0%} of minutes. {_tuning(report)}",
         "",
-        "## Verdict per trace",
+        "## Verdict per trace (fair baselines only)",
         "",
         verdict_table(report),
         "",
         "## Summary per shape",
         "",
         summary_table(report),
+        "",
+        "## The naive reference (never in a verdict)",
+        "",
+        reference_table(report),
         "",
         "## Every cell",
         "",
@@ -153,6 +177,7 @@ def _tuning(report: dict) -> str:
 COLORS = {
     "hpa_gpu_util": "tab:red",
     "hpa_running": "tab:orange",
+    "hpa_capacity": "tab:purple",
     "knative_concurrency": "tab:blue",
     "tandem_default": "tab:green",
 }
