@@ -70,7 +70,7 @@ def test_tandem_bench_autoscale_reads_the_calibration_it_is_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
     def one(*extra: str) -> dict:
-        args = ["--one", "hpa_running", "--target", "64", "--hours", "0.25", "--cold-start-s", "45", *extra]
+        args = ["--one", "hpa_running", "--target", "64", "--hours", "0.25", "--start-s", "45", *extra]
         assert compare.main(args) == 0
         return json.loads(capsys.readouterr().out)
 

@@ -224,32 +224,36 @@ def test_choose_takes_the_cheapest_target_within_the_slo():
 
 @pytest.mark.parametrize("tune_shape", ["chat", None])
 def test_report_holds_every_cell_and_every_swept_target(tune_shape: str | None):
-    shapes, seeds = list(SHAPES), [1, 2]
-    report, _ = fair.compare(Setup(), shapes, seeds, 0.05, tune_shape, 1, grid_points=2, jobs=1, series=False)
+    shapes, seeds, starts = list(SHAPES), [1, 2], [15.0, 120.0]
+    report, _ = fair.compare(
+        Setup(), shapes, seeds, 0.05, tune_shape, 1, grid_points=2, jobs=1, series=False, starts=starts
+    )
+    assert report["start_s"] == starts and list(report["by_start"]) == ["15", "120"]
     names = {c.name for c in fair.CONTENDERS}
-    for sh in shapes:
-        for sd in seeds:
-            cells = report["results"][sh][str(sd)]
-            assert set(cells) == names
-            for s in cells.values():
-                assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
-            assert set(report["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
     tuned = {c.name for c in fair.CONTENDERS if c.grid}
     assert "hpa_capacity" in tuned  # the HPA on the pods' capacity gauge is swept like the others
-    capacity_hpa = report["contenders"]["hpa_capacity"]
-    assert all(capacity_hpa["targets"][sh] in capacity_hpa["grid"] for sh in shapes)
-    assert list(report["sweep"]) == ([tune_shape] if tune_shape else shapes)
-    for per in report["sweep"].values():
-        assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
+    for part in report["by_start"].values():
+        for sh in shapes:
+            for sd in seeds:
+                cells = part["results"][sh][str(sd)]
+                assert set(cells) == names
+                for s in cells.values():
+                    assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
+                assert set(part["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
+            assert part["targets"]["hpa_capacity"][sh] in report["contenders"]["hpa_capacity"]["grid"]
+        assert list(part["sweep"]) == ([tune_shape] if tune_shape else shapes)
+        for per in part["sweep"].values():
+            assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
     report |= {"date": "today", "command": "test"}
     lines = markdown(report).splitlines()
-    for c in fair.CONTENDERS:  # a row for every cell; the naive reference apart
+    for c in fair.CONTENDERS:  # a row for every cell, at every start; the naive reference apart
         for sd in seeds:
             rows = [line for line in lines if line.split(" | ")[0::2][:2] == [f"| {c.label}", str(sd)]]
-            assert len(rows) == (0 if c.kind == "reference" else len(shapes))
+            assert len(rows) == (0 if c.kind == "reference" else len(shapes) * len(starts))
     verdicts = [line for line in lines if line.endswith(("| yes |", "| **no** |"))]
-    assert len(verdicts) == len(shapes) * len(seeds)
+    assert len(verdicts) == len(shapes) * len(seeds) * len(starts)
     assert not any("GPU utilisation" in line for line in verdicts)
+    assert sum(line.startswith(("| 15 s |", "| 120 s |")) for line in lines) == 2 * len(shapes)
 
 
 def _cell(cost: float, slo: float, events: float = 1.0) -> dict:
@@ -312,8 +316,11 @@ def test_tandem_bench_autoscale_writes_json_markdown_and_plot(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["results"]["chat"]["7"]) == {c.name for c in fair.CONTENDERS}
-    assert "| chat | 7 |" in out.with_suffix(".md").read_text()
+    assert report["start_s"] == [15, 45, 120]  # the start times swept by default
+    assert set(report["by_start"]["45"]["results"]["chat"]["7"]) == {c.name for c in fair.CONTENDERS}
+    assert report["calibration"]["name"] == calibration.DEFAULT.stem  # the report names its pods
+    text = out.with_suffix(".md").read_text()
+    assert "| chat | 7 |" in text and f"calibration `{calibration.DEFAULT.stem}`" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,7 +1,7 @@
 """The fair comparison: every scaler a platform team would deploy, each at its best fixed target,
-on three trace shapes and several seeds, every cell reported.
+on three trace shapes and several seeds, at several pod start times, every cell reported.
 
-Method:
+Method (at each pod start time, on its own):
 1. Sweep: each tuned scaler runs every target of its grid on one trace (the tuning shape and
    seed); the cheapest target that keeps >= 99% of minutes within the TTFT SLO is its target
    (if none does, the one with the most minutes within). Tandem's CRD defaults are not tuned.
@@ -142,9 +142,12 @@ class Cell:
     seed: int
     hours: float
     series: bool = False  # keep pods per second and p95 per minute (for the plot)
+    start_s: float | None = None  # the pods' start (None: the setup's)
 
 
 def run_cell(cell: Cell, setup: Setup) -> tuple[Cell, Run]:
+    if cell.start_s is not None:
+        setup = replace(setup, cold_start_s=cell.start_s)
     trace = make_trace(shape(cell.shape, cell.hours, cell.seed))
     scaler = BY_NAME[cell.contender].make(cell.target, setup)
     return cell, simulate(trace, scaler, setup, series=cell.series)
@@ -157,8 +160,9 @@ def run_cells(cells: list[Cell], setup: Setup, jobs: int, log: bool = False) -> 
         done[cell] = run
         if log:
             s = run.summary
+            start = "" if cell.start_s is None else f"start {cell.start_s:g} s "
             print(
-                f"[{len(done)}/{len(cells)}] {cell.shape} seed {cell.seed} {cell.contender} "
+                f"[{len(done)}/{len(cells)}] {start}{cell.shape} seed {cell.seed} {cell.contender} "
                 f"{_target(cell.target)}: ${s['cost_per_million_tokens_usd']:.3f}/Mtok, "
                 f"{s['ttft_p95_slo_attainment']:.2%} of minutes, {s['scaling_events_per_hour']} events/h",
                 file=sys.stderr,
@@ -219,6 +223,14 @@ def verdict(cells: dict[str, dict]) -> dict:
     return out
 
 
+def _grid(c: Contender, points: int | None) -> tuple[float, ...]:
+    """`points` targets of the contender's grid, spread over it (None: all)."""
+    if points is None or points >= len(c.grid):
+        return c.grid
+    step = (len(c.grid) - 1) / max(points - 1, 1)
+    return tuple(c.grid[round(i * step)] for i in range(points))
+
+
 def compare(
     setup: Setup,
     shapes: list[str],
@@ -229,51 +241,78 @@ def compare(
     grid_points: int | None,
     jobs: int,
     series: bool,
+    starts: list[float] | None = None,
     log: bool = False,
 ) -> tuple[dict, dict[Cell, Run]]:
-    """Sweep, choose, run every cell; the report and the runs. `tune_shape` None: every shape's
-    targets are tuned on that shape (at `tune_seed`), not on one shape for all."""
-
-    def grid(c: Contender) -> tuple[float, ...]:
-        if grid_points is None or grid_points >= len(c.grid):
-            return c.grid
-        step = (len(c.grid) - 1) / max(grid_points - 1, 1)
-        return tuple(c.grid[round(i * step)] for i in range(grid_points))
-
+    """Sweep, choose, run every cell, at every pod start time in `starts` (None: the setup's); the
+    report and the runs. `tune_shape` None: every shape's targets are tuned on that shape (at
+    `tune_seed`), not on one shape for all. Each start time is tuned on its own: a platform team
+    tunes for the pods it has."""
+    starts = list(dict.fromkeys(starts or [setup.cold_start_s]))
     tuned_on = {sh: tune_shape or sh for sh in shapes}
-    plotted = tune_shape or shapes[0]
-    keep = lambda sh, sd: series and sh == plotted and sd == tune_seed  # noqa: E731
+    # the figure: the tuning trace, at the start time nearest the pods' measured (warm) start
+    plotted = {
+        "shape": tune_shape or shapes[0],
+        "seed": tune_seed,
+        "start_s": min(starts, key=lambda st: abs(st - setup.pod.start_s_warm)),
+    }
+    keep = lambda sh, sd, st: series and (sh, sd, st) == tuple(plotted.values())  # noqa: E731
     sweep_cells = [
-        Cell(c.name, t, sh, tune_seed, hours, keep(sh, tune_seed))
+        Cell(c.name, t, sh, tune_seed, hours, keep(sh, tune_seed, st), st)
+        for st in starts
         for sh in dict.fromkeys(tuned_on.values())
         for c in CONTENDERS
-        for t in grid(c)
+        for t in _grid(c, grid_points)
     ]
     runs = run_cells(sweep_cells, setup, jobs, log)
-    sweeps: dict[str, dict[str, dict[float, dict]]] = {}
+    sweeps: dict[float, dict[str, dict[str, dict[float, dict]]]] = {}
     for cell, run in runs.items():
-        sweeps.setdefault(cell.shape, {}).setdefault(cell.contender, {})[cell.target] = run.summary
+        per = sweeps.setdefault(cell.start_s, {}).setdefault(cell.shape, {})
+        per.setdefault(cell.contender, {})[cell.target] = run.summary
     chosen = {
-        sh: {c.name: choose(sweeps[tuned_on[sh]][c.name]) if c.grid else c.fixed for c in CONTENDERS}
-        for sh in shapes
+        st: {
+            sh: {c.name: choose(sweeps[st][tuned_on[sh]][c.name]) if c.grid else c.fixed for c in CONTENDERS}
+            for sh in shapes
+        }
+        for st in starts
     }
-
     cells = [
-        Cell(c.name, chosen[sh][c.name], sh, sd, hours, keep(sh, sd))
+        Cell(c.name, chosen[st][sh][c.name], sh, sd, hours, keep(sh, sd, st), st)
+        for st in starts
         for sh in shapes
         for sd in seeds
         for c in CONTENDERS
     ]
-    todo = [c for c in cells if c not in runs]
-    runs.update(run_cells(todo, setup, jobs, log))
+    runs.update(run_cells([c for c in cells if c not in runs], setup, jobs, log))
 
-    results: dict[str, dict[str, dict[str, dict]]] = {}
-    for cell in cells:
-        results.setdefault(cell.shape, {}).setdefault(str(cell.seed), {})[cell.contender] = runs[cell].summary
-    verdicts = {sh: {sd: verdict(by) for sd, by in per.items()} for sh, per in results.items()}
+    by_start = {}
+    for st in starts:
+        results: dict[str, dict[str, dict[str, dict]]] = {}
+        for cell in cells:
+            if cell.start_s == st:
+                results.setdefault(cell.shape, {}).setdefault(str(cell.seed), {})[cell.contender] = runs[
+                    cell
+                ].summary
+        verdicts = {sh: {sd: verdict(by) for sd, by in per.items()} for sh, per in results.items()}
+        by_start[f"{st:g}"] = {
+            "start_s": st,
+            "targets": {c.name: {sh: chosen[st][sh][c.name] for sh in shapes} for c in CONTENDERS},
+            "sweep": {
+                sh: {
+                    name: {str(t): s for t, s in sorted(by.items())}
+                    for name, by in per.items()
+                    if BY_NAME[name].grid
+                }
+                for sh, per in sweeps[st].items()
+            },
+            "results": results,
+            "verdicts": verdicts,
+            "summary": {sh: summarize(per, verdicts[sh]) for sh, per in results.items()},
+        }
     report = {
         "method": __doc__.strip(),
-        "setup": asdict(setup),
+        "setup": {k: v for k, v in asdict(setup).items() if k not in ("pod", "cold_start_s")}
+        | {"pod": setup.pod.name},
         "slo_attainment_required": SLO_ATTAINMENT,
         "events_per_hour_allowed": EVENTS_PER_HOUR,
         "tuning": {"seed": tune_seed, "tuned_on": tuned_on, "plotted": plotted},
@@ -281,24 +320,14 @@ def compare(
             c.name: {
                 "label": c.label,
                 "target_means": c.target_means,
-                "targets": {sh: chosen[sh][c.name] for sh in shapes},
                 "kind": c.kind,
-                "grid": list(grid(c)),
+                "grid": list(_grid(c, grid_points)),
             }
             for c in CONTENDERS
         },
         "tandem_defaults": asdict(crd_defaults(setup)),
-        "sweep": {
-            sh: {
-                name: {str(t): s for t, s in sorted(by.items())}
-                for name, by in per.items()
-                if BY_NAME[name].grid
-            }
-            for sh, per in sweeps.items()
-        },
-        "results": results,
-        "verdicts": verdicts,
-        "summary": {sh: summarize(per, verdicts[sh]) for sh, per in results.items()},
+        "start_s": starts,
+        "by_start": by_start,
     }
     return report, runs
 
