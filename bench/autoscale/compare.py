@@ -68,7 +68,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[7, 8, 9, 10])
     parser.add_argument(
-        "--tune-shape", choices=[*SHAPES, "each"], default="chat", help="each: tune every shape on itself"
+        "--tune-shape",
+        choices=[*SHAPES, "each"],
+        default="each",
+        help="the shape every scaler's target is tuned on (each: every shape on itself)",
     )
     parser.add_argument("--tune-seed", type=int, default=7)
     parser.add_argument(
