@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.bench.autoscale import fair, pods
+from tandem.bench.autoscale import calibration, fair, pods
 from tandem.bench.autoscale.hpa import (
     HorizontalPodAutoscaler,
     Keda,
@@ -24,7 +24,13 @@ from tandem.bench.autoscale.hpa import (
 )
 from tandem.bench.autoscale.pods import Cluster
 from tandem.bench.autoscale.report import markdown
-from tandem.bench.autoscale.scalers import KnativeLike, MetricHPA, TandemScaler, gpu_util_per_pod
+from tandem.bench.autoscale.scalers import (
+    KnativeLike,
+    MetricHPA,
+    TandemScaler,
+    capacity_utilization_per_pod,
+    gpu_util_per_pod,
+)
 from tandem.bench.autoscale.sim import Setup, simulate
 from tandem.bench.autoscale.trace import SHAPES, TraceConfig, make_trace, shape
 from tandem.operator.policy import ScalingTargets, decide
@@ -91,11 +97,13 @@ def test_scalers_serve_all_work_within_bounds(name: str):
 
 
 def test_a_prefill_bound_pod_reports_its_backlog_as_waiting():
-    # 15 requests/s of 2,000-token prompts need 30,000 prefill tokens/s; one pod does 22,500
-    _, _, _, _, snaps = run(None, rate_rps=15.0, seconds=120, replicas=1, prompt=2000.0, output=40.0)
+    # 2,000-token prompts at 1.3x the prompt tokens a pod prefills beside its decoding rows
+    rate = 1.3 * pods.PREFILL_SHARE * calibration.load().prefill_tokens_per_s / 2000
+    _, _, _, _, snaps = run(None, rate_rps=rate, seconds=120, replicas=1, prompt=2000.0, output=40.0)
     last = snaps[-1]
-    assert last.waiting > 100  # as the engine's scheduler counts them: not yet prefilled
-    assert last.running < 64  # decoding only what is prefilled, far below max_num_seqs
+    assert last.waiting > 500  # as the engine's scheduler counts them: not yet prefilled
+    assert snaps[60].running == pytest.approx(last.running)  # decoding only what is prefilled
+    assert last.running < 0.6 * 256  # below max_num_seqs: the queue is the only sign of overload
 
 
 def test_merging_identical_pods_changes_nothing(monkeypatch: pytest.MonkeyPatch):
@@ -216,26 +224,81 @@ def test_choose_takes_the_cheapest_target_within_the_slo():
 
 @pytest.mark.parametrize("tune_shape", ["chat", None])
 def test_report_holds_every_cell_and_every_swept_target(tune_shape: str | None):
-    shapes, seeds = list(SHAPES), [1, 2]
-    report, _ = fair.compare(Setup(), shapes, seeds, 0.05, tune_shape, 1, grid_points=2, jobs=1, series=False)
+    shapes, seeds, starts = list(SHAPES), [1, 2], [15.0, 120.0]
+    report, _ = fair.compare(
+        Setup(), shapes, seeds, 0.05, tune_shape, 1, grid_points=2, jobs=1, series=False, starts=starts
+    )
+    assert report["start_s"] == starts and list(report["by_start"]) == ["15", "120"]
     names = {c.name for c in fair.CONTENDERS}
-    for sh in shapes:
-        for sd in seeds:
-            cells = report["results"][sh][str(sd)]
-            assert set(cells) == names
-            for s in cells.values():
-                assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
-            assert set(report["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
     tuned = {c.name for c in fair.CONTENDERS if c.grid}
-    assert list(report["sweep"]) == ([tune_shape] if tune_shape else shapes)
-    for per in report["sweep"].values():
-        assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
+    assert "hpa_capacity" in tuned  # the HPA on the pods' capacity gauge is swept like the others
+    for part in report["by_start"].values():
+        for sh in shapes:
+            for sd in seeds:
+                cells = part["results"][sh][str(sd)]
+                assert set(cells) == names
+                for s in cells.values():
+                    assert s["cost_per_million_tokens_usd"] > 0 and 0 <= s["ttft_p95_slo_attainment"] <= 1
+                assert set(part["verdicts"][sh][str(sd)]) >= {"target_met", "best_baseline", "tandem_cost"}
+            assert part["targets"]["hpa_capacity"][sh] in report["contenders"]["hpa_capacity"]["grid"]
+        assert list(part["sweep"]) == ([tune_shape] if tune_shape else shapes)
+        for per in part["sweep"].values():
+            assert set(per) == tuned and all(len(per[n]) == 2 for n in tuned)
     report |= {"date": "today", "command": "test"}
     lines = markdown(report).splitlines()
-    for c in fair.CONTENDERS:  # a row for every cell
+    for c in fair.CONTENDERS:  # a row for every cell, at every start; the naive reference apart
         for sd in seeds:
             rows = [line for line in lines if line.split(" | ")[0::2][:2] == [f"| {c.label}", str(sd)]]
-            assert len(rows) == len(shapes)
+            assert len(rows) == (0 if c.kind == "reference" else len(shapes) * len(starts))
+    verdicts = [line for line in lines if line.endswith(("| yes |", "| **no** |"))]
+    assert len(verdicts) == len(shapes) * len(seeds) * len(starts)
+    assert not any("GPU utilisation" in line for line in verdicts)
+    assert sum(line.startswith(("| 15 s |", "| 120 s |")) for line in lines) == 2 * len(shapes)
+
+
+def _cell(cost: float, slo: float, events: float = 1.0) -> dict:
+    return {
+        "cost_per_million_tokens_usd": cost,
+        "ttft_p95_slo_attainment": slo,
+        "scaling_events_per_hour": events,
+    }
+
+
+def test_the_naive_gpu_utilisation_hpa_never_enters_a_verdict():
+    cells = {
+        "tandem_default": _cell(0.30, 0.995),
+        "hpa_gpu_util": _cell(0.20, 1.0, 0.25),  # cheapest and within the SLO: still not a baseline
+        "hpa_running": _cell(0.40, 0.995, 9.0),
+        "knative_concurrency": _cell(0.25, 0.98),
+    }
+    v = fair.verdict(cells)
+    assert (v["best_baseline"], v["best_calm_baseline"]) == ("hpa_running", None)
+    assert v["tandem_cost_vs_best"] == pytest.approx(0.30 / 0.40 - 1)
+    alone = fair.verdict({n: cells[n] for n in ("tandem_default", "hpa_gpu_util")})
+    assert alone["best_baseline"] is None and alone["tandem_cost_vs_best"] is None
+    assert "hpa_gpu_util" not in fair.BASELINES and fair.BY_NAME["hpa_gpu_util"].kind == "reference"
+
+
+def test_the_capacity_utilisation_hpa_is_a_fair_baseline_in_the_verdict():
+    cells = {
+        "tandem_default": _cell(0.30, 0.995),
+        "hpa_capacity": _cell(0.28, 0.993, 5.0),
+        "hpa_running": _cell(0.40, 0.995, 2.0),
+    }
+    v = fair.verdict(cells)
+    assert (v["best_baseline"], v["best_calm_baseline"]) == ("hpa_capacity", "hpa_running")
+    assert not v["tandem_cost_at_most_best"] and not v["target_met"]
+    assert "hpa_capacity" in fair.BASELINES and fair.BY_NAME["hpa_capacity"].grid == fair.UTILIZATION_GRID
+
+
+def test_the_capacity_utilisation_hpa_reads_the_pods_gauge():
+    # tokens over capacity per pod, as tandem_capacity_utilization; the HPA settles near its target
+    scaler = MetricHPA("cap", capacity_utilization_per_pod, 0.5, 1, 16)
+    cluster, seen, _, _, snaps = run(scaler, rate_rps=60.0, seconds=1800, replicas=1)
+    last = snaps[-1]
+    per_pod = last.capacity_tokens / last.capacity
+    assert capacity_utilization_per_pod(last, ScalingTargets()) == pytest.approx(per_pod)
+    assert seen[-1] > 1 and 0.5 / 1.1 * (seen[-1] - 1) / seen[-1] < per_pod <= 0.5 * 1.1
 
 
 def test_tandem_bench_autoscale_writes_json_markdown_and_plot(tmp_path: Path):
@@ -253,8 +316,11 @@ def test_tandem_bench_autoscale_writes_json_markdown_and_plot(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["results"]["chat"]["7"]) == {c.name for c in fair.CONTENDERS}
-    assert "| chat | 7 |" in out.with_suffix(".md").read_text()
+    assert report["start_s"] == [15, 45, 120]  # the start times swept by default
+    assert set(report["by_start"]["45"]["results"]["chat"]["7"]) == {c.name for c in fair.CONTENDERS}
+    assert report["calibration"]["name"] == calibration.DEFAULT.stem  # the report names its pods
+    text = out.with_suffix(".md").read_text()
+    assert "| chat | 7 |" in text and f"calibration `{calibration.DEFAULT.stem}`" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,16 +1,19 @@
 """`tandem bench autoscale`: Tandem's policy against the scalers a platform team would deploy (HPA on
-running requests, HPA on batch fill, KEDA on queue length, a Knative-like concurrency target, and
-the naive HPA on GPU utilisation), on a day of diurnal, bursty traffic of three shapes (chat,
-decode-heavy, prefill-heavy) and several seeds, served by simulated H200 pods.
+running requests, on batch fill and on Tandem's own capacity utilisation gauge, KEDA on queue
+length, a Knative-like concurrency target; the naive HPA on GPU utilisation as a reference apart),
+on a day of diurnal, bursty traffic of three shapes (chat, decode-heavy, prefill-heavy) and several
+seeds, served by simulated pods calibrated from measured results (bench/autoscale/calibration/),
+at several pod start times.
 
     tandem bench autoscale          # the full comparison: JSON, markdown, plot
-    tandem bench autoscale --hours 2 --seeds 7 --grid-points 3 --no-plot --out /tmp/f.json
+    tandem bench autoscale --hours 2 --seeds 7 --grid-points 3 --start-s 45 --no-plot --out /tmp/f.json
     tandem bench autoscale --one hpa_running --target 64 --shape decode_heavy --seed 8
+    tandem bench autoscale --calibration bench/autoscale/calibration/2026-12-06_h100_8b.json
 
-Reports every cell (shape, seed, scaler): cost per million generated tokens, the share of minutes
-whose p95 time to first token meets the SLO, scaling events per hour, mean and peak pods; and per
-trace whether Tandem at the CRD's defaults is within the SLO, calm (<= 3 events/h) and no dearer
-than the cheapest baseline within the SLO. See docs/autoscaling.md.
+Reports every cell (start time, shape, seed, scaler): cost per million generated tokens, the share
+of minutes whose p95 time to first token meets the SLO, scaling events per hour, mean and peak pods;
+and per trace whether Tandem at the CRD's defaults is within the SLO, calm (<= 3 events/h) and no
+dearer than the cheapest fair baseline within the SLO. See docs/autoscaling.md.
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from tandem.bench.autoscale import calibration
 from tandem.bench.autoscale.fair import BY_NAME, Cell, compare, run_cell
-from tandem.bench.autoscale.pods import KV_CAPACITY_TOKENS, PREFILL_TOKENS_PER_S, STEP_BASE_S, STEP_PER_SEQ_S
 from tandem.bench.autoscale.report import markdown, plot
 from tandem.bench.autoscale.sim import Setup
 from tandem.bench.autoscale.trace import SHAPES, make_trace, shape
 from tandem.bench.common import need_modules
 from tandem.bench.record import ResultFile
+
+# The pod start times the report sweeps, beside the calibration's measured ones (8B on an H100: 51 s
+# with a warm compile cache, 105 s with an empty one): 15 s, what a shared compile cache aims at;
+# 45 s, about the warm start; 120 s, a little slower than the cold one.
+START_S = (15.0, 45.0, 120.0)
 
 
 def traces(shapes: list[str], seeds: list[int], hours: float) -> dict:
@@ -60,7 +68,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[7, 8, 9, 10])
     parser.add_argument(
-        "--tune-shape", choices=[*SHAPES, "each"], default="chat", help="each: tune every shape on itself"
+        "--tune-shape",
+        choices=[*SHAPES, "each"],
+        default="each",
+        help="the shape every scaler's target is tuned on (each: every shape on itself)",
     )
     parser.add_argument("--tune-seed", type=int, default=7)
     parser.add_argument(
@@ -68,7 +79,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--price", type=float, default=3.5, help="USD per GPU-hour")
-    parser.add_argument("--cold-start-s", type=float, default=120.0)
+    parser.add_argument(
+        "--start-s",
+        "--cold-start-s",
+        dest="start_s",
+        type=float,
+        nargs="+",
+        default=list(START_S),
+        help="seconds from asking for a pod to its serving; each is compared on its own",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=calibration.DEFAULT,
+        help="the pods' calibration file (bench/autoscale/calibration/, built by "
+        "python -m tandem.bench.autoscale.calibrate)",
+    )
     parser.add_argument("--ttft-slo-s", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default: bench/results/<date>_cpu_autoscale_<hours>h.json); the "
@@ -96,10 +122,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def one_cell(args: argparse.Namespace, setup: Setup) -> int:
-    """--one: a single cell, printed."""
-    cell = Cell(args.one, args.target, args.shape, args.seed, args.hours)
-    _, run = run_cell(cell, setup)
-    print(json.dumps({"cell": asdict(cell), "tandem_cost_ceiling": args.cost_ceiling, **run.summary}))
+    """--one: a single cell at each start time, printed."""
+    for start in args.start_s:
+        cell = Cell(args.one, args.target, args.shape, args.seed, args.hours, start_s=start)
+        _, run = run_cell(cell, setup)
+        extra = {"tandem_cost_ceiling": args.cost_ceiling, "calibration": setup.pod.name}
+        print(json.dumps({"cell": asdict(cell), **extra, **run.summary}))
     return 0
 
 
@@ -113,8 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     setup = Setup(
+        pod=calibration.load(args.calibration),
         price_per_gpu_hour=args.price,
-        cold_start_s=args.cold_start_s,
         ttft_slo_s=args.ttft_slo_s,
         tandem_cost_ceiling=args.cost_ceiling,
         capacity_bias=args.capacity_bias,
@@ -129,32 +157,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     report, runs = compare(
         setup, args.shapes, seeds, args.hours, None if args.tune_shape == "each" else args.tune_shape,
         args.tune_seed, args.grid_points, args.jobs,
-        series=not args.no_plot, log=True,
+        series=not args.no_plot, starts=args.start_s, log=True,
     )  # fmt: skip
     report = {
         "benchmark": "autoscale_fair",
         "hours": args.hours,
         "seeds": seeds,
         "traces": traces(args.shapes, seeds, args.hours),
-        "pod_model": {
-            "decode_step_s": f"{STEP_BASE_S} + {STEP_PER_SEQ_S} x sequences (H200, 8B shape, measured)",
-            "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
-            "kv_capacity_tokens": round(KV_CAPACITY_TOKENS),
-            "max_num_seqs": 256,
-        },
+        "calibration": {"file": str(args.calibration), **calibration.read(args.calibration)},
+        "max_num_seqs": 256,
         **report,
         "simulated_in_s": round(time.monotonic() - started, 1),
     }
 
     def draw(png: Path) -> Path:
-        load = make_trace(shape(report["tuning"]["plotted"], args.hours, args.tune_seed)).counts
+        load = make_trace(shape(report["tuning"]["plotted"]["shape"], args.hours, args.tune_seed)).counts
         plot(report, runs, load, args.plot or png)
         return args.plot or png
 
     out = result_file.write(report, markdown, None if args.no_plot else draw)
-    for name, per_seed in report["verdicts"].items():
-        met = sum(v["target_met"] for v in per_seed.values())
-        print(f"{name}: target met on {met} of {len(per_seed)} seeds", file=sys.stderr)
+    for key, part in report["by_start"].items():
+        for name, per_seed in part["verdicts"].items():
+            met = sum(v["target_met"] for v in per_seed.values())
+            print(f"pods start in {key} s, {name}: target met on {met} of {len(per_seed)}", file=sys.stderr)
     print(f"wrote {out} and its markdown table in {report['simulated_in_s']} s", file=sys.stderr)
     return 0
 

@@ -1,7 +1,7 @@
 """The fair comparison: every scaler a platform team would deploy, each at its best fixed target,
-on three trace shapes and several seeds, every cell reported.
+on three trace shapes and several seeds, at several pod start times, every cell reported.
 
-Method:
+Method (at each pod start time, on its own):
 1. Sweep: each tuned scaler runs every target of its grid on one trace (the tuning shape and
    seed); the cheapest target that keeps >= 99% of minutes within the TTFT SLO is its target
    (if none does, the one with the most minutes within). Tandem's CRD defaults are not tuned.
@@ -9,7 +9,9 @@ Method:
 2. Cells: every scaler at that target, on every shape and seed.
 3. Verdict per shape and seed: Tandem (CRD defaults) meets the target when its minutes within
    the SLO are >= 99%, its scaling events <= 3 an hour, and its cost per million tokens <= that of
-   the cheapest baseline that keeps >= 99% of minutes within the SLO.
+   the cheapest fair baseline that keeps >= 99% of minutes within the SLO. The naive HPA on GPU
+   utilisation is reported beside the others as a reference and never enters a verdict: it holds
+   maxReplicas all day, so "within the SLO" it would only ever set the price of maxReplicas.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
 from tandem.bench.autoscale.scalers import (
     KedaQueue,
@@ -26,6 +29,7 @@ from tandem.bench.autoscale.scalers import (
     Scaler,
     TandemScaler,
     batch_fill_per_pod,
+    capacity_utilization_per_pod,
     gpu_util_per_pod,
     running_per_pod,
 )
@@ -41,7 +45,8 @@ EVENTS_PER_HOUR = 3.0
 # (a 2,000-token prompt takes 90 ms to prefill, its 40 tokens 0.4 s to decode)
 FILL_GRID = (0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 0.95)
 REQUESTS_GRID = (4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 160.0, 192.0)  # per pod
-UTILIZATION_GRID = (0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)  # Tandem's, for the tuned run
+# capacity utilisation: Tandem's target (the tuned run) and the HPA's on the same gauge
+UTILIZATION_GRID = (0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)
 QUEUE_GRID = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)  # waiting requests per pod
 
 
@@ -61,9 +66,7 @@ def _tandem(target: float | None, setup: Setup) -> Scaler:
     targets = replace(crd_defaults(setup), cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling)
     if target is not None:
         targets = replace(targets, target_utilization=target)
-    return TandemScaler(
-        targets, setup.price_per_gpu_hour * setup.gpus_per_pod, capacity_bias=setup.capacity_bias
-    )
+    return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,9 @@ class Contender:
     target_means: str
     grid: tuple[float, ...] = ()  # swept targets; empty: run as configured (fixed below)
     fixed: float | None = None
-    baseline: bool = True  # compared against Tandem's defaults
+    # baseline: a fair one, in the verdict; tandem: Tandem's own; reference: reported apart, never
+    # in a verdict
+    kind: Literal["baseline", "tandem", "reference"] = "baseline"
 
     def make(self, target: float | None, setup: Setup) -> Scaler:
         scaler = FACTORIES[self.name](target if target is not None else self.fixed, setup)
@@ -86,6 +91,9 @@ FACTORIES: dict[str, Callable[[float | None, Setup], Scaler]] = {
     "tandem_tuned": _tandem,
     "hpa_running": lambda t, s: MetricHPA("", running_per_pod, t, s.min_replicas, s.max_replicas),
     "hpa_batch_fill": lambda t, s: MetricHPA("", batch_fill_per_pod, t, s.min_replicas, s.max_replicas),
+    "hpa_capacity": lambda t, s: MetricHPA(
+        "", capacity_utilization_per_pod, t, s.min_replicas, s.max_replicas
+    ),
     "keda_queue": lambda t, s: KedaQueue(t, s.min_replicas, s.max_replicas),
     "knative_concurrency": lambda t, s: KnativeLike(s.min_replicas, s.max_replicas, target=t),
     "hpa_gpu_util": lambda t, s: MetricHPA("", gpu_util_per_pod, t, s.min_replicas, s.max_replicas),
@@ -93,24 +101,37 @@ FACTORIES: dict[str, Callable[[float | None, Setup], Scaler]] = {
 
 CONTENDERS = (
     Contender(
-        "tandem_default", "Tandem, CRD defaults", "none (targetCapacityUtilization 0.7)", baseline=False
+        "tandem_default", "Tandem, CRD defaults", "none (targetCapacityUtilization 0.7)", kind="tandem"
     ),
     Contender(
         "tandem_tuned",
         "Tandem, targetCapacityUtilization tuned",
         "targetCapacityUtilization",
         UTILIZATION_GRID,
-        baseline=False,
+        kind="tandem",
     ),
     Contender("hpa_running", "HPA, running requests", "running requests per pod", REQUESTS_GRID),
     Contender("hpa_batch_fill", "HPA, batch fill", "batch fill per pod", FILL_GRID),
+    Contender(
+        "hpa_capacity",
+        "HPA, capacity utilization",
+        "tandem_capacity_utilization per pod",
+        UTILIZATION_GRID,
+    ),
     Contender("keda_queue", "KEDA, queue length", "waiting requests per pod", QUEUE_GRID),
     Contender(
         "knative_concurrency", "Knative-like, concurrency", "in-flight requests per pod", REQUESTS_GRID
     ),
-    Contender("hpa_gpu_util", "HPA, GPU utilisation (naive)", "GPU utilisation (not tuned)", fixed=0.7),
+    Contender(
+        "hpa_gpu_util",
+        "HPA, GPU utilisation (naive)",
+        "GPU utilisation (not tuned)",
+        fixed=0.7,
+        kind="reference",
+    ),
 )
 BY_NAME = {c.name: c for c in CONTENDERS}
+BASELINES = tuple(c.name for c in CONTENDERS if c.kind == "baseline")
 
 
 @dataclass(frozen=True)
@@ -121,9 +142,12 @@ class Cell:
     seed: int
     hours: float
     series: bool = False  # keep pods per second and p95 per minute (for the plot)
+    start_s: float | None = None  # the pods' start (None: the setup's)
 
 
 def run_cell(cell: Cell, setup: Setup) -> tuple[Cell, Run]:
+    if cell.start_s is not None:
+        setup = replace(setup, cold_start_s=cell.start_s)
     trace = make_trace(shape(cell.shape, cell.hours, cell.seed))
     scaler = BY_NAME[cell.contender].make(cell.target, setup)
     return cell, simulate(trace, scaler, setup, series=cell.series)
@@ -136,8 +160,9 @@ def run_cells(cells: list[Cell], setup: Setup, jobs: int, log: bool = False) -> 
         done[cell] = run
         if log:
             s = run.summary
+            start = "" if cell.start_s is None else f"start {cell.start_s:g} s "
             print(
-                f"[{len(done)}/{len(cells)}] {cell.shape} seed {cell.seed} {cell.contender} "
+                f"[{len(done)}/{len(cells)}] {start}{cell.shape} seed {cell.seed} {cell.contender} "
                 f"{_target(cell.target)}: ${s['cost_per_million_tokens_usd']:.3f}/Mtok, "
                 f"{s['ttft_p95_slo_attainment']:.2%} of minutes, {s['scaling_events_per_hour']} events/h",
                 file=sys.stderr,
@@ -168,9 +193,9 @@ def choose(sweep: dict[float, dict]) -> float:
 
 
 def verdict(cells: dict[str, dict]) -> dict:
-    """Tandem's defaults against the baselines on one trace (one shape, one seed)."""
+    """Tandem's defaults against the fair baselines on one trace (one shape, one seed)."""
     tandem = cells["tandem_default"]
-    baselines = {n: s for n, s in cells.items() if BY_NAME[n].baseline}
+    baselines = {n: s for n, s in cells.items() if BY_NAME[n].kind == "baseline"}
     within = {n: s for n, s in baselines.items() if s["ttft_p95_slo_attainment"] >= SLO_ATTAINMENT}
     calm = {n: s for n, s in within.items() if s["scaling_events_per_hour"] <= EVENTS_PER_HOUR}
 
@@ -198,6 +223,14 @@ def verdict(cells: dict[str, dict]) -> dict:
     return out
 
 
+def _grid(c: Contender, points: int | None) -> tuple[float, ...]:
+    """`points` targets of the contender's grid, spread over it (None: all)."""
+    if points is None or points >= len(c.grid):
+        return c.grid
+    step = (len(c.grid) - 1) / max(points - 1, 1)
+    return tuple(c.grid[round(i * step)] for i in range(points))
+
+
 def compare(
     setup: Setup,
     shapes: list[str],
@@ -208,51 +241,78 @@ def compare(
     grid_points: int | None,
     jobs: int,
     series: bool,
+    starts: list[float] | None = None,
     log: bool = False,
 ) -> tuple[dict, dict[Cell, Run]]:
-    """Sweep, choose, run every cell; the report and the runs. `tune_shape` None: every shape's
-    targets are tuned on that shape (at `tune_seed`), not on one shape for all."""
-
-    def grid(c: Contender) -> tuple[float, ...]:
-        if grid_points is None or grid_points >= len(c.grid):
-            return c.grid
-        step = (len(c.grid) - 1) / max(grid_points - 1, 1)
-        return tuple(c.grid[round(i * step)] for i in range(grid_points))
-
+    """Sweep, choose, run every cell, at every pod start time in `starts` (None: the setup's); the
+    report and the runs. `tune_shape` None: every shape's targets are tuned on that shape (at
+    `tune_seed`), not on one shape for all. Each start time is tuned on its own: a platform team
+    tunes for the pods it has."""
+    starts = list(dict.fromkeys(starts or [setup.cold_start_s]))
     tuned_on = {sh: tune_shape or sh for sh in shapes}
-    plotted = tune_shape or shapes[0]
-    keep = lambda sh, sd: series and sh == plotted and sd == tune_seed  # noqa: E731
+    # the figure: the tuning trace, at the start time nearest the pods' measured (warm) start
+    plotted = {
+        "shape": tune_shape or shapes[0],
+        "seed": tune_seed,
+        "start_s": min(starts, key=lambda st: abs(st - setup.pod.start_s_warm)),
+    }
+    keep = lambda sh, sd, st: series and (sh, sd, st) == tuple(plotted.values())  # noqa: E731
     sweep_cells = [
-        Cell(c.name, t, sh, tune_seed, hours, keep(sh, tune_seed))
+        Cell(c.name, t, sh, tune_seed, hours, keep(sh, tune_seed, st), st)
+        for st in starts
         for sh in dict.fromkeys(tuned_on.values())
         for c in CONTENDERS
-        for t in grid(c)
+        for t in _grid(c, grid_points)
     ]
     runs = run_cells(sweep_cells, setup, jobs, log)
-    sweeps: dict[str, dict[str, dict[float, dict]]] = {}
+    sweeps: dict[float, dict[str, dict[str, dict[float, dict]]]] = {}
     for cell, run in runs.items():
-        sweeps.setdefault(cell.shape, {}).setdefault(cell.contender, {})[cell.target] = run.summary
+        per = sweeps.setdefault(cell.start_s, {}).setdefault(cell.shape, {})
+        per.setdefault(cell.contender, {})[cell.target] = run.summary
     chosen = {
-        sh: {c.name: choose(sweeps[tuned_on[sh]][c.name]) if c.grid else c.fixed for c in CONTENDERS}
-        for sh in shapes
+        st: {
+            sh: {c.name: choose(sweeps[st][tuned_on[sh]][c.name]) if c.grid else c.fixed for c in CONTENDERS}
+            for sh in shapes
+        }
+        for st in starts
     }
-
     cells = [
-        Cell(c.name, chosen[sh][c.name], sh, sd, hours, keep(sh, sd))
+        Cell(c.name, chosen[st][sh][c.name], sh, sd, hours, keep(sh, sd, st), st)
+        for st in starts
         for sh in shapes
         for sd in seeds
         for c in CONTENDERS
     ]
-    todo = [c for c in cells if c not in runs]
-    runs.update(run_cells(todo, setup, jobs, log))
+    runs.update(run_cells([c for c in cells if c not in runs], setup, jobs, log))
 
-    results: dict[str, dict[str, dict[str, dict]]] = {}
-    for cell in cells:
-        results.setdefault(cell.shape, {}).setdefault(str(cell.seed), {})[cell.contender] = runs[cell].summary
-    verdicts = {sh: {sd: verdict(by) for sd, by in per.items()} for sh, per in results.items()}
+    by_start = {}
+    for st in starts:
+        results: dict[str, dict[str, dict[str, dict]]] = {}
+        for cell in cells:
+            if cell.start_s == st:
+                results.setdefault(cell.shape, {}).setdefault(str(cell.seed), {})[cell.contender] = runs[
+                    cell
+                ].summary
+        verdicts = {sh: {sd: verdict(by) for sd, by in per.items()} for sh, per in results.items()}
+        by_start[f"{st:g}"] = {
+            "start_s": st,
+            "targets": {c.name: {sh: chosen[st][sh][c.name] for sh in shapes} for c in CONTENDERS},
+            "sweep": {
+                sh: {
+                    name: {str(t): s for t, s in sorted(by.items())}
+                    for name, by in per.items()
+                    if BY_NAME[name].grid
+                }
+                for sh, per in sweeps[st].items()
+            },
+            "results": results,
+            "verdicts": verdicts,
+            "summary": {sh: summarize(per, verdicts[sh]) for sh, per in results.items()},
+        }
     report = {
         "method": __doc__.strip(),
-        "setup": asdict(setup),
+        "setup": {k: v for k, v in asdict(setup).items() if k not in ("pod", "cold_start_s")}
+        | {"pod": setup.pod.name},
         "slo_attainment_required": SLO_ATTAINMENT,
         "events_per_hour_allowed": EVENTS_PER_HOUR,
         "tuning": {"seed": tune_seed, "tuned_on": tuned_on, "plotted": plotted},
@@ -260,24 +320,14 @@ def compare(
             c.name: {
                 "label": c.label,
                 "target_means": c.target_means,
-                "targets": {sh: chosen[sh][c.name] for sh in shapes},
-                "baseline": c.baseline,
-                "grid": list(grid(c)),
+                "kind": c.kind,
+                "grid": list(_grid(c, grid_points)),
             }
             for c in CONTENDERS
         },
         "tandem_defaults": asdict(crd_defaults(setup)),
-        "sweep": {
-            sh: {
-                name: {str(t): s for t, s in sorted(by.items())}
-                for name, by in per.items()
-                if BY_NAME[name].grid
-            }
-            for sh, per in sweeps.items()
-        },
-        "results": results,
-        "verdicts": verdicts,
-        "summary": {sh: summarize(per, verdicts[sh]) for sh, per in results.items()},
+        "start_s": starts,
+        "by_start": by_start,
     }
     return report, runs
 

@@ -1,10 +1,8 @@
 """Simulated Tandem pods and the cluster of them, at one-second resolution.
 
-A pod's speed comes from Tandem's measurements on one H200, Llama-3.1-8B shape, bf16 (docs/autoscaling.md,
-bench/results/2026-11-29_h200_gpu_8b-*-pod-model.json): a decode step of c sequences takes
-7.85 ms + 0.0494 ms x c (126 tokens/s for one stream, 3,404 tokens/s at 32, 12,163 at 256).
-Prefill runs at PREFILL_TOKENS_PER_S (an estimate, not measured: ~40% of the H200's dense bf16
-peak at 16 GFLOP per token of the 8B model) and takes its time out of the same second as decode.
+A pod's speed and start come from a calibration file of measured numbers (calibration.py: a decode
+step's time against its sequences and the context they attend, the prefill rate, the KV cache);
+prefill takes its time out of the same second as decode.
 
 Requests are fluid cohorts (fractional counts), admitted FIFO while a pod has fewer than
 max_num_seqs sequences and KV-cache room for their full length. An admitted request is prefilled
@@ -29,18 +27,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-STEP_BASE_S = 0.00785
-STEP_PER_SEQ_S = 0.0000494
-PREFILL_TOKENS_PER_S = 25_000.0
+from tandem.bench.autoscale.calibration import PodModel, load
+
 # Share of a second prefill may take while sequences decode (chunked prefill, decode first).
 PREFILL_SHARE = 0.9
-# H200 141 GB: 85% of what the 16 GB of weights leave, at 128 KiB of K/V per token
-KV_CAPACITY_TOKENS = 0.85 * 125e9 / (128 * 1024)
 # TTFT histogram buckets: the OpenTelemetry GenAI conventions' (as the server exports them)
 TTFT_BUCKETS = np.array([0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                          5.0, 7.5, 10.0, np.inf])  # fmt: skip
 _BOUNDS = TTFT_BUCKETS.tolist()
-_PREFILL_S_PER_TOKEN = 1.0 / (PREFILL_TOKENS_PER_S * PREFILL_SHARE)  # while decode runs beside it
 # a cohort with at most this many tokens left is done (fluid counts, float steps)
 _EPS = 1e-9
 # pods whose work differs by less than this are merged (Cluster.merge): tokens, relative count
@@ -54,21 +48,6 @@ MERGE_EVERY_S = 30
 MIX_FORGET = 0.95
 
 
-def step_seconds(sequences: float) -> float:
-    return STEP_BASE_S + STEP_PER_SEQ_S * sequences
-
-
-def capacity_tokens_per_s(context_per_row: float, prefill_per_token: float, max_num_seqs: int) -> float:
-    """Generated tokens per second at the largest batch a pod holds at this mix, as the server's
-    `tandem_capacity_tokens_per_second` defines it (service/telemetry/capacity.py): as many rows as
-    max_num_seqs and the KV cache allow at this context, each generated token with its share of
-    prefill. The simulation knows its pods' step time exactly; the server fits it."""
-    rows = max_num_seqs
-    if context_per_row > 0:
-        rows = max(1.0, min(rows, KV_CAPACITY_TOKENS / context_per_row))
-    return 1.0 / (step_seconds(rows) / rows + prefill_per_token / PREFILL_TOKENS_PER_S)
-
-
 class PodSecond(NamedTuple):
     """What one pod did in one second (the basis of its metrics)."""
 
@@ -77,14 +56,16 @@ class PodSecond(NamedTuple):
     kv_usage: float
     idle: float  # share of the second with no step in flight; GPU utilisation (DCGM) is 1 - idle
     tokens: float
-    capacity: float  # tokens/s at the pod's traffic mix (capacity_tokens_per_s); 0 before traffic
+    capacity: float  # tokens/s at the pod's traffic mix, as it reports it; 0 before traffic
 
 
 @dataclass
 class Pod:
     ready_at: float
+    model: PodModel
     copies: int = 1  # identical pods this object stands for; the fields below are per pod
     max_num_seqs: int = 256
+    capacity_bias: float = 1.0  # what its capacity gauge reads against the truth (the server fits it)
     draining: bool = False
     steps: float = 0.0  # decode steps made since the pod started
     # admitted, prefill not done, FIFO: [prompt tokens left, arrival, prompt, output]
@@ -122,7 +103,7 @@ class Pod:
     def split(self, copies: int) -> Pod:
         """Take `copies` of these identical pods out as their own object."""
         assert 0 < copies < self.copies
-        other = copy.deepcopy(self)
+        other = copy.deepcopy(self, {id(self.model): self.model})
         other.copies, self.copies = copies, self.copies - copies
         return other
 
@@ -151,16 +132,20 @@ class Pod:
         return held
 
     def _admit(self, now: float, ttft: list[float]) -> None:
-        # the hot loop of the simulation: locals, no helper calls
-        queue, prefilling, copies = self.queue, self.prefilling, self.copies
+        # the hot loop of the simulation: locals, one helper call a cohort
+        queue, prefilling, copies, model = self.queue, self.prefilling, self.copies, self.model
         seqs, reserved, backlog = self.seqs, self.reserved, self.prefill_backlog
+        kv_capacity = model.kv_capacity_tokens
+        prefill_s_per_token = 1.0 / (model.prefill_tokens_per_s * PREFILL_SHARE)  # decode runs beside it
+        # the K/V its first decode step reads: what the decoding cohorts hold
+        first_step_kv = model.kv_read_s_per_token * (self.kv_base + self.steps * self.running)
         admitted = 0.0
         while queue:
             head = queue[0]
             arrival, n, prompt, output = head
             length = prompt + output
             take = self.max_num_seqs - seqs
-            kv_room = (KV_CAPACITY_TOKENS - reserved) / length
+            kv_room = (kv_capacity - reserved) / length
             if kv_room < take:
                 take = kv_room
             if n < take:
@@ -168,8 +153,8 @@ class Pod:
             if take <= 1e-9:
                 break
             # the cohort's middle request waits for the backlog and half the cohort's prompts
-            wait = (now - arrival) + (backlog + prompt * (take + 1) / 2) * _PREFILL_S_PER_TOKEN
-            ttft[bisect.bisect_left(_BOUNDS, wait + STEP_BASE_S + STEP_PER_SEQ_S * seqs)] += take * copies
+            wait = (now - arrival) + (backlog + prompt * (take + 1) / 2) * prefill_s_per_token
+            ttft[bisect.bisect_left(_BOUNDS, wait + model.base_s(seqs) + first_step_kv)] += take * copies
             backlog += take * prompt
             prefilling.append([take * prompt, arrival, prompt, output])
             seqs += take
@@ -209,16 +194,18 @@ class Pod:
 
     def step(self, now: float, ttft: list[float]) -> PodSecond:
         """One second: admit, prefill, decode. Adds this pod's admissions to `ttft` (all copies)."""
+        model = self.model
         self._admit(now, ttft)
-        prefilled = min(self.prefill_backlog, PREFILL_SHARE * PREFILL_TOKENS_PER_S)
+        prefilled = min(self.prefill_backlog, PREFILL_SHARE * model.prefill_tokens_per_s)
         if prefilled > 0:
             self._prefill(now, prefilled)
-        prefill_s = prefilled / PREFILL_TOKENS_PER_S
+        prefill_s = prefilled / model.prefill_tokens_per_s
         running = self.running
         tokens = 0.0
         cohorts = self.cohorts
         if cohorts:
-            steps = (1.0 - prefill_s) / (STEP_BASE_S + STEP_PER_SEQ_S * running)
+            held = self.kv_base + self.steps * running  # the context the steps attend, growing
+            steps = model.decode_steps(1.0 - prefill_s, running, held)
             done = self.steps + steps
             tokens = steps * running
             while cohorts and cohorts[0][0] - done <= _EPS:
@@ -238,13 +225,15 @@ class Pod:
         else:
             idle = 1.0 - prefill_s
         held = self.kv_base + self.steps * self.running
-        kv = held / KV_CAPACITY_TOKENS
+        kv = held / model.kv_capacity_tokens
         mix = self.mix
         for i, value in enumerate((running, held, prefilled, tokens)):
             mix[i] = MIX_FORGET * mix[i] + value
         capacity = 0.0
         if mix[3] > 0:
-            capacity = capacity_tokens_per_s(mix[1] / max(mix[0], 1e-9), mix[2] / mix[3], self.max_num_seqs)
+            capacity = self.capacity_bias * model.capacity_tokens_per_s(
+                mix[1] / max(mix[0], 1e-9), mix[2] / mix[3], self.max_num_seqs
+            )
         # waiting as the engine counts it: queued, or admitted with its prefill not yet done
         return PodSecond(running, self.queued + self.unprefilled, kv, idle, tokens, capacity)
 
@@ -264,17 +253,30 @@ class Snapshot:
     util: float  # mean over ready pods
     tokens: float  # generated by all pods
     ttft_buckets: list[float]  # requests admitted this second by TTFT bucket, over all pods
-    capacity: float = 0.0  # sum of the ready pods' capacity (tokens/s), over those that report one
+    capacity: float = 0.0  # sum of the ready pods' capacity gauges (tokens/s), over those that report one
     capacity_pods: int = 0  # ready pods that report a capacity (they have had traffic)
+    capacity_tokens: float = 0.0  # tokens generated this second by those pods
 
 
 class Cluster:
-    def __init__(self, replicas: int, cold_start_s: float, max_num_seqs: int = 256) -> None:
+    def __init__(
+        self,
+        replicas: int,
+        cold_start_s: float,
+        max_num_seqs: int = 256,
+        model: PodModel | None = None,
+        capacity_bias: float = 1.0,
+    ) -> None:
         self.cold_start_s = cold_start_s
         self.max_num_seqs = max_num_seqs
-        self.pods = [Pod(ready_at=0.0, copies=replicas, max_num_seqs=max_num_seqs)] if replicas else []
+        self.model = model or load()
+        self.capacity_bias = capacity_bias
+        self.pods = [self._new(0.0, replicas)] if replicas else []
         self.replicas = replicas
         self.pending: list[list[float]] = []  # arrivals with no ready pod to go to
+
+    def _new(self, ready_at: float, copies: int) -> Pod:
+        return Pod(ready_at, self.model, copies, self.max_num_seqs, capacity_bias=self.capacity_bias)
 
     def active(self) -> list[Pod]:
         return [p for p in self.pods if not p.draining]
@@ -284,7 +286,7 @@ class Cluster:
         active = self.active()
         have = sum(p.copies for p in active)
         if replicas > have:
-            self.pods.append(Pod(now + self.cold_start_s, replicas - have, self.max_num_seqs))
+            self.pods.append(self._new(now + self.cold_start_s, replicas - have))
         remove = have - replicas
         # like the ReplicaSet controller: pods not yet ready go first, then the least loaded
         for pod in sorted(active, key=lambda p: (p.ready(now), p.load)):
@@ -337,7 +339,7 @@ class Cluster:
     def step(self, now: float) -> Snapshot:
         ttft = [0.0] * len(_BOUNDS)
         pods = ready = 0
-        running = waiting = kv = idle = tokens = capacity = 0.0
+        running = waiting = kv = idle = tokens = capacity = capacity_tokens = 0.0
         capacity_pods = 0
         for pod in self.pods:
             s = pod.step(now, ttft)
@@ -353,6 +355,7 @@ class Cluster:
                 if s.capacity > 0:
                     capacity += c * s.capacity
                     capacity_pods += c
+                    capacity_tokens += c * s.tokens
         if any(p.draining for p in self.pods):
             self.pods = [p for p in self.pods if not (p.draining and p.empty())]
         if now % MERGE_EVERY_S == 0 and len(self.pods) > 1:
@@ -372,4 +375,5 @@ class Cluster:
             ttft_buckets=ttft,
             capacity=capacity,
             capacity_pods=capacity_pods,
+            capacity_tokens=capacity_tokens,
         )

@@ -4,7 +4,8 @@
   (the operator's defaults), exactly as the operator calls it.
 - HPAs on a Pods metric (autoscale.hpa: the controller's algorithm at its default behavior),
   every 15 s, on each pod's mean of the last 60 s (a Prometheus adapter's avg_over_time[1m]):
-  running requests, batch fill, or GPU utilisation as DCGM reports it.
+  running requests, batch fill, `tandem_capacity_utilization` (the pods' own gauge, over the
+  server's 60 s window), or GPU utilisation as DCGM reports it.
 - KEDA, Prometheus trigger on the waiting requests (sum over pods of their 60 s mean), an
   AverageValue target per pod, feeding the HPA it creates.
 - Knative-like: the KPA's decider (pkg/autoscaler/scaling/autoscaler.go), every 2 s, on the
@@ -56,13 +57,10 @@ class TandemScaler(Scaler):
         targets: ScalingTargets,
         price_per_gpu_hour: float,
         window_s: float = 60.0,
-        capacity_bias: float = 1.0,
     ) -> None:
         self.targets = targets
         self.price = price_per_gpu_hour
         self.window_s = window_s
-        # what the pods' capacity gauge reads against the true capacity (the server fits it)
-        self.capacity_bias = capacity_bias
         self.state: ScalingState | None = None
         self.last_reasons: list[str] = []
 
@@ -80,7 +78,7 @@ class TandemScaler(Scaler):
         # as the operator's window: the capacity gauges' mean per reporting pod times pods, the
         # TTFT histogram's count rate, the slope of the waiting gauge between first and last scrape
         per_pod = [s.capacity / s.capacity_pods for s in seen if s.capacity_pods]
-        capacity = self.capacity_bias * ready * sum(per_pod) / len(per_pod) if per_pod else None
+        capacity = ready * sum(per_pod) / len(per_pod) if per_pod else None
         growth = (
             (seen[-1].waiting - seen[0].waiting) / (seen[-1].time - seen[0].time) if len(seen) > 1 else None
         )
@@ -113,8 +111,9 @@ class TandemScaler(Scaler):
         return d.replicas
 
 
-# A pod's value of a Pods metric in one second (the snapshot sums or averages over ready pods).
-PodMetric = Callable[[Snapshot, ScalingTargets], float]
+# A pod's value of a Pods metric in one second (the snapshot sums or averages over ready pods);
+# None where the pods export no value that second.
+PodMetric = Callable[[Snapshot, ScalingTargets], float | None]
 
 
 def running_per_pod(s: Snapshot, _: ScalingTargets) -> float:
@@ -125,6 +124,13 @@ def batch_fill_per_pod(s: Snapshot, targets: ScalingTargets) -> float:
     # Tandem's own signal: the larger of KV-cache usage and running / max_num_seqs
     window = MetricsWindow(s.time, s.ready, s.running, s.waiting, kv_cache_usage=s.kv_usage)
     return batch_fill(window, targets)
+
+
+def capacity_utilization_per_pod(s: Snapshot, _: ScalingTargets) -> float | None:
+    # `tandem_capacity_utilization`: generated tokens/s over the pod's capacity gauge; the pods of a
+    # snapshot share the load evenly, so their mean is the ratio of the sums. Pods that report no
+    # capacity yet export no value (None: the second is left out).
+    return s.capacity_tokens / s.capacity if s.capacity_pods else None
 
 
 def gpu_util_per_pod(s: Snapshot, _: ScalingTargets) -> float:
@@ -151,10 +157,11 @@ class MetricHPA(Scaler):
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
         reporting = history[-1].ready
-        seen = [s for s in _last(history, self.window_s) if s.ready > 0]
+        values = [self.metric(s, self.targets) for s in _last(history, self.window_s) if s.ready > 0]
+        seen = [v for v in values if v is not None]
         if reporting == 0 or not seen:
             return replicas  # no metrics: the HPA does not act
-        mean = sum(self.metric(s, self.targets) for s in seen) / len(seen)
+        mean = sum(seen) / len(seen)
         missing = max(replicas - reporting, 0)
         raw = pods_metric_replicas(replicas, mean, reporting, missing, self.target)
         return self.hpa.normalize(now, replicas, raw)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem.bench.autoscale.calibration import PodModel, load
 from tandem.bench.autoscale.pods import TTFT_BUCKETS, Cluster
 from tandem.bench.autoscale.scalers import Scaler, TandemScaler
 from tandem.bench.autoscale.trace import Trace
@@ -15,18 +16,20 @@ from tandem.operator.histogram import histogram_quantile
 
 @dataclass(frozen=True)
 class Setup:
-    """What every run shares: the pods' price and start, the SLO, the bounds of every scaler."""
+    """What every run shares: the pods (their calibrated speed, price and start), the SLO, the
+    bounds of every scaler."""
 
+    pod: PodModel = field(default_factory=load)
     price_per_gpu_hour: float = 3.5
     gpus_per_pod: int = 1
-    cold_start_s: float = 120.0
+    cold_start_s: float = 120.0  # from asking for a pod to its serving (the report sweeps it)
     ttft_slo_s: float = 1.0
     min_replicas: int = 2
     max_replicas: int = 24  # so that the highest burst of every trace fits (~22 pods of chat)
     start_replicas: int = 2
     # Tandem's costCeilingPerMillionTokensUsd; the CRD's default is none (only for --one runs)
     tandem_cost_ceiling: float | None = None
-    # what Tandem's capacity gauge reads against the pods' true capacity (1 = exact; on an H200,
+    # what the pods' capacity gauge reads against their true capacity (1 = exact; on an H200,
     # 0.83 of what 256 streams reached: docs/autoscaling.md)
     capacity_bias: float = 1.0
 
@@ -39,7 +42,9 @@ class Run:
 
 
 def simulate(trace: Trace, scaler: Scaler, setup: Setup, series: bool = False) -> Run:
-    cluster = Cluster(setup.start_replicas, setup.cold_start_s)
+    cluster = Cluster(
+        setup.start_replicas, setup.cold_start_s, model=setup.pod, capacity_bias=setup.capacity_bias
+    )
     history: deque = deque(maxlen=900)
     ttft_seconds: list[list[float]] = []
     pods = np.zeros(trace.seconds, dtype=np.int32)

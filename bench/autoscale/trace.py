@@ -5,8 +5,9 @@ prompt and output lengths are the quartile midpoints of log-normal distributions
 their spread while the simulator moves four cohorts a second instead of every request.
 
 SHAPES are the three kinds of traffic the comparison runs, each with the same diurnal shape and
-bursts; their rates are scaled to what one pod serves within the TTFT SLO at each token mix
-(about 22, 12 and 10 requests/s), so that 16 pods carry the highest burst of each.
+bursts; their rates were scaled to what one pod of an uncalibrated H200 pod model served within the
+TTFT SLO at each token mix (about 22, 12 and 10 requests/s). The calibrated H100 pods carry about
+34, 17 and 17 requests/s at capacity (docs/autoscaling.md), so the same day needs fewer of them.
 """
 
 from __future__ import annotations
