@@ -30,6 +30,7 @@ REASONS = frozenset(
     {
         "AboveMaximum",
         "BelowMinimum",
+        "BurstHeadroom",
         "CostAboveCeiling",
         "CostCeilingUnreachable",
         "MetricsMissing",
