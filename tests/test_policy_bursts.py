@@ -249,3 +249,23 @@ def test_the_load_counts_what_arrives_not_only_what_is_served():
     assert load_in_pods(draining) == pytest.approx(1.0)
     assert load_in_pods(replace(w, capacity_tokens_per_s=None)) is None
 
+
+def test_the_simulator_feeds_the_policy_what_it_learns_from():
+    """The simulated pods start in 45 s: Tandem's scaler measures that from its scale-ups (the
+    spec says 120 s), learns the bursts' growth within it, and keeps pods for it."""
+    from tandem.bench.autoscale.fair import BY_NAME
+    from tandem.bench.autoscale.sim import Setup, simulate
+    from tandem.bench.autoscale.trace import make_trace, shape
+
+    trace = make_trace(replace(shape("chat", 4.0, 7), trough_rps=80.0, bursts_per_day=36.0))
+    runs = {}
+    for on in (True, False):
+        setup = Setup(cold_start_s=45.0, tandem_burst_headroom=on)
+        scaler = BY_NAME["tandem_default"].make(None, setup)
+        runs[on] = simulate(trace, scaler, setup).summary
+        memory = scaler.state.bursts
+        assert memory.start_s(120.0) == 45.0 and memory.starts
+        assert memory.factor(4 * HOUR) > 1.3
+    assert runs[True]["decision_reasons"].get("BurstHeadroom", 0) > 0
+    assert "BurstHeadroom" not in runs[False]["decision_reasons"]
+    assert runs[True]["gpu_hours"] >= runs[False]["gpu_hours"]

@@ -29,6 +29,7 @@ class Setup:
     # what Tandem's capacity gauge reads against the pods' true capacity (1 = exact; on an H200,
     # 0.83 of what 256 streams reached: docs/autoscaling.md)
     capacity_bias: float = 1.0
+    tandem_burst_headroom: bool = True  # Tandem's scaling.burstHeadroom (the CRD's default: on)
 
 
 @dataclass
