@@ -311,7 +311,8 @@ def load_in_pods(window: MetricsWindow) -> float | None:
     tokens = window.tokens_per_s
     if window.admitted_per_s:
         arrivals = window.admitted_per_s + (window.waiting_growth_per_s or 0.0)
-        tokens *= max(arrivals, 0.0) / window.admitted_per_s
+        # bounded before the product: a vanishing admission rate must not make 0 x inf
+        tokens *= min(max(arrivals, 0.0) / window.admitted_per_s, HUGE)
     return min(tokens * window.pods / window.capacity_tokens_per_s, HUGE)
 
 

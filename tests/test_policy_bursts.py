@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from test_policy_properties import wild_windows
 
 from tandem.operator import bursts as b
 from tandem.operator.bursts import Bursts
@@ -16,6 +18,7 @@ from tandem.operator.policy import (
     burst_headroom,
     decide,
     load_in_pods,
+    sanitized,
 )
 
 TARGETS = ScalingTargets(min_replicas=1, max_replicas=20, scale_down_stabilization_s=300, pod_start_s=120)
@@ -248,6 +251,14 @@ def test_the_load_counts_what_arrives_not_only_what_is_served():
     draining = replace(w, waiting_growth_per_s=-0.5 * w.admitted_per_s)  # the backlog is half of it
     assert load_in_pods(draining) == pytest.approx(1.0)
     assert load_in_pods(replace(w, capacity_tokens_per_s=None)) is None
+
+
+
+@given(wild_windows)
+@settings(max_examples=300, deadline=None)
+def test_the_load_of_any_window_is_a_finite_number_or_none(w: MetricsWindow):
+    load = load_in_pods(sanitized(w))
+    assert load is None or 0.0 <= load <= 1e12
 
 
 def test_the_simulator_feeds_the_policy_what_it_learns_from():
