@@ -1,5 +1,6 @@
 """The operator's own Prometheus metrics: its decisions, failed scrapes, tick and reconcile times,
-the replicas of each ModelServer and whether this replica leads; served on GET /metrics.
+the replicas of each ModelServer, what its policy learned about bursts, and whether this replica
+leads; served on GET /metrics.
 
 One registry per operator (tests run several in one process). Label values are bounded: a
 ModelServer's namespace and name (its series go when it is deleted), and words of fixed sets
@@ -30,6 +31,7 @@ REASONS = frozenset(
     {
         "AboveMaximum",
         "BelowMinimum",
+        "BurstHeadroom",
         "CostAboveCeiling",
         "CostCeilingUnreachable",
         "MetricsMissing",
@@ -99,6 +101,26 @@ class OperatorMetrics:
         self.ready = Gauge(
             f"{PREFIX}_ready_replicas", "Ready pods of the ModelServer.", MODELSERVER, registry=r
         )
+        self.burst_growth = Gauge(
+            f"{PREFIX}_burst_growth_ratio",
+            "Growth of the load within one pod start the policy learned (1: none).",
+            MODELSERVER,
+            registry=r,
+        )
+        self.burst_headroom = Gauge(
+            f"{PREFIX}_burst_headroom_replicas",
+            "Pods that carry that growth at the saturation line (0: nothing learned, or "
+            "spec.scaling.burstHeadroom off).",
+            MODELSERVER,
+            registry=r,
+        )
+        self.pod_start = Gauge(
+            f"{PREFIX}_pod_start_seconds",
+            "Seconds from a scale-up to its pods ready, as measured (spec.scaling.podStartSeconds "
+            "until one is).",
+            MODELSERVER,
+            registry=r,
+        )
         self.leader = Gauge(
             f"{PREFIX}_leader",
             "1 while this replica acts (holds the leader Lease, or runs without election), else 0.",
@@ -121,6 +143,15 @@ class OperatorMetrics:
 
     def observed(self, namespace: str, name: str, replicas: int, desired: int, ready: int) -> None:
         for gauge, value in ((self.replicas, replicas), (self.desired, desired), (self.ready, ready)):
+            self._child(gauge, namespace, name).set(value)
+
+    def learned(self, namespace: str, name: str, growth: float, headroom: int, start_s: float) -> None:
+        """What the policy learned about bursts, after a decision."""
+        for gauge, value in (
+            (self.burst_growth, growth),
+            (self.burst_headroom, headroom),
+            (self.pod_start, start_s),
+        ):
             self._child(gauge, namespace, name).set(value)
 
     def forget(self, namespace: str, name: str) -> None:

@@ -14,6 +14,13 @@ the load at the target. In between the policy holds: the tolerance above the tar
 scale-up, against none below it, is the hysteresis that keeps noisy steady load from flapping.
 Pods that do not report a capacity (an older server) are sized by batch fill alone.
 
+Ahead of bursts (bursts.py): a new pod serves a while after it is asked for, and a burst that
+grows faster breaks TTFT before it arrives. The policy learns that start from its own scale-ups
+and how much the load grows within it from the load it has seen, and keeps the pods that carry
+that growth at the saturation line (BurstHeadroom): it scales up ahead when the pods fall a
+tolerance short of them, and never scales down below them. The growth is forgotten after a day,
+so calm traffic keeps no headroom.
+
 The SLO beats the cost ceiling: the policy remembers the tokens/s per pod at which the pods last
 saturated, and the cost rule never goes below the pods that this rate says the current load needs
 (CostCeilingUnreachable). Otherwise a ceiling that the load cannot meet (long prompts, short
@@ -25,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
+
+from .bursts import Bursts, Headroom, headroom
 
 # A scale-down must leave the pods at most this share of the saturation fill: after it, load may
 # grow by a third before the pods count as saturated again.
@@ -70,6 +79,9 @@ class ScalingTargets:
     max_scale_up_step: int = 4
     max_scale_down_step: int = 2
     max_num_seqs: int = 256
+    # how long a new pod takes from a scale-up to serving, until the policy has measured it
+    pod_start_s: float = 120.0
+    burst_headroom: bool = True  # keep the pods that absorb the load's learned growth (bursts.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,8 @@ class MetricsWindow:
     recent_tokens_per_s: float | None = None
     admitted_per_s: float | None = None  # requests that got their first token (TTFT count rate)
     waiting_growth_per_s: float | None = None  # slope of requests_waiting over the window
+    # pods whose counters span two scrapes of the window (the rates sum over them); None: all
+    counted_pods: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,8 @@ class ScalingState:
     saturated_tokens_per_pod: float | None = None
     saturated: bool = False  # whether the last call saw saturation
     scaled_down_at: float | None = None  # the last scale-down (SCALE_DOWN_PERIOD_SHARE)
+    # the load's growth within a pod start, and the starts measured (bounded: bursts.py)
+    bursts: Bursts = field(default_factory=Bursts)
 
 
 @dataclass(frozen=True)
@@ -128,7 +144,7 @@ def sanitized(window: MetricsWindow) -> MetricsWindow:
     changes: dict[str, float | None] = {}
     for f in fields(window):
         value = getattr(window, f.name)
-        if f.name in ("observed_at", "pods") or value is None:
+        if f.name in ("observed_at", "pods", "counted_pods") or value is None:
             continue
         if math.isnan(value):
             changes[f.name] = None
@@ -286,6 +302,54 @@ def _hold(state: ScalingState, reason: str, message: str) -> Decision:
     return Decision("Hold", state.current_replicas, reason, message, state)
 
 
+def load_in_pods(window: MetricsWindow) -> float | None:
+    """The load offered, in pods' worth of capacity: generated tokens/s, scaled by arrivals over
+    admissions (a growing queue adds to it, a draining one takes its backlog out), over one pod's
+    capacity. None without a capacity."""
+    if not window.capacity_tokens_per_s or window.tokens_per_s is None or window.pods <= 0:
+        return None
+    tokens = window.tokens_per_s
+    if window.admitted_per_s:
+        arrivals = window.admitted_per_s + (window.waiting_growth_per_s or 0.0)
+        # bounded before the product: a vanishing admission rate must not make 0 x inf
+        tokens *= min(max(arrivals, 0.0) / window.admitted_per_s, HUGE)
+    return min(tokens * window.pods / window.capacity_tokens_per_s, HUGE)
+
+
+def burst_headroom(state: ScalingState, targets: ScalingTargets, now: float) -> Headroom | None:
+    """The pods that carry the load's learned growth at the saturation line (the target and its
+    tolerance); None until a growth is learned."""
+    line = targets.target_utilization * (1 + UTILIZATION_TOLERANCE)
+    return headroom(state.bursts, now, targets.pod_start_s, line)
+
+
+def _sample_load(
+    state: ScalingState, window: MetricsWindow, targets: ScalingTargets, now: float
+) -> ScalingState:
+    """Learn from the window's load when it is the whole load: every ready pod reports, with a rate."""
+    load = load_in_pods(window)
+    counted = window.pods if window.counted_pods is None else window.counted_pods
+    if load is None or window.pods < state.ready_replicas or counted < window.pods:
+        return state
+    bursts = state.bursts
+    return replace(state, bursts=bursts.observed(now, load, bursts.start_s(targets.pod_start_s)))
+
+
+def _ahead(raw: int, reason: str, message: str, current: int, room: Headroom | None) -> tuple[int, str, str]:
+    """The recommendation with the burst headroom: up ahead of a burst when the learned growth
+    would take the pods a tolerance beyond the saturation line (the hysteresis of the target's own
+    rule), never down below the headroom; a saturation scales up to it at least."""
+    if room is None or room.pods <= raw:
+        return raw, reason, message
+    if reason == "Saturated":
+        return room.pods, reason, f"{message}; {room.says()}"
+    if room.pods > current * (1 + UTILIZATION_TOLERANCE):
+        return room.pods, "BurstHeadroom", f"{room.says()}; {message}"
+    if raw < current:
+        return min(room.pods, current), "BurstHeadroom", f"{message}; but {room.says()}"
+    return raw, reason, message
+
+
 def decide(
     window: MetricsWindow | None,
     targets: ScalingTargets,
@@ -294,13 +358,27 @@ def decide(
     stale_after_s: float = 120.0,
 ) -> Decision:
     """The replica count to run now, with the reason, and the state for the next call."""
+    state = replace(state, bursts=state.bursts.ready(now, state.ready_replicas))
+    d = _decide(window, targets, state, now, stale_after_s)
+    bursts = d.state.bursts.scaled(now, state.current_replicas, d.replicas)
+    return replace(d, state=replace(d.state, bursts=bursts))
+
+
+def _decide(
+    window: MetricsWindow | None,
+    targets: ScalingTargets,
+    state: ScalingState,
+    now: float,
+    stale_after_s: float = 120.0,
+) -> Decision:
+    """decide() without the bookkeeping of scale-ups and their pods' start."""
     current = state.current_replicas
     bounded = _clamp(current, targets)
     if bounded != current:
         # Bounds hold whatever the metrics say (a spec edit moved them).
         action: Action = "ScaleUp" if bounded > current else "ScaleDown"
         reason = "BelowMinimum" if bounded > current else "AboveMaximum"
-        new_state = ScalingState(bounded, state.ready_replicas, (), None)
+        new_state = ScalingState(bounded, state.ready_replicas, (), None, bursts=state.bursts)
         bound = "minReplicas" if bounded > current else "maxReplicas"
         return Decision(action, bounded, reason, f"{current} pods is outside {bound} {bounded}", new_state)
 
@@ -311,6 +389,7 @@ def decide(
     window = sanitized(window) if window is not None else None
     if window is None or window.pods == 0 or None in (window.requests_running, window.requests_waiting):
         return _hold(state, "MetricsMissing", "no pod metrics in the window")
+    state = _sample_load(state, window, targets, now)
     ready = min(state.ready_replicas, current)
     seen = min(ready, window.pods)
     if seen < current:
@@ -335,6 +414,8 @@ def decide(
 
     raw, reason, message = _recommend(window, targets, current, state.saturated_tokens_per_pod)
     state = _remember_saturation(state, window, current, reason)
+    if targets.burst_headroom:
+        raw, reason, message = _ahead(raw, reason, message, current, burst_headroom(state, targets, now))
     raw = _clamp(raw, targets)
     state = _record(state, now, raw, targets)
     history, since = state.recommendations, state.history_since

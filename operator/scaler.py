@@ -26,7 +26,7 @@ from .conditions import now_iso, set_condition
 from .events import post_event
 from .kube import ApiError, KubeApi, NotFound, api_path
 from .metrics import OperatorMetrics
-from .policy import Decision, MetricsWindow, ScalingState, decide
+from .policy import Decision, MetricsWindow, ScalingState, ScalingTargets, burst_headroom, decide
 from .resources import selector, selector_string
 from .scrape import PodSample, Unreadable, metrics_url, scrape_pod
 from .settings import OperatorSettings
@@ -252,9 +252,11 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
 
     state = scaling.state or ScalingState(current, len(ready))
     state = replace(state, current_replicas=current, ready_replicas=len(ready))
-    decision = decide(window, spec.targets(), state, now, settings.stale_after_s)
+    targets = spec.targets()
+    decision = decide(window, targets, state, now, settings.stale_after_s)
     scaling.state = decision.state
     shared.metrics.decided(namespace, name, decision.action, decision.reason)
+    _tell_bursts(shared, namespace, name, decision.state, targets, now)
 
     status: dict[str, Any] = {}
     if decision.action != "Hold":
@@ -280,6 +282,16 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     scaling.latest = await _write_status(api, body, status)
     shared.metrics.observed(namespace, name, current, decision.replicas, len(ready))
     return decision
+
+
+def _tell_bursts(
+    shared: Shared, namespace: str, name: str, state: ScalingState, targets: ScalingTargets, now: float
+) -> None:
+    """The operator's gauges of what the policy learned about bursts."""
+    room = burst_headroom(state, targets, now) if targets.burst_headroom else None
+    growth = room.growth if room is not None else state.bursts.factor(now)
+    start = state.bursts.start_s(targets.pod_start_s)
+    shared.metrics.learned(namespace, name, growth, room.pods if room is not None else 0, start)
 
 
 async def tell_starts(api: KubeApi, body: dict, scaling: Scaling, samples: list[PodSample],

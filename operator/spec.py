@@ -134,6 +134,8 @@ class Scaling(_Camel):
     max_scale_up_step: int = Field(4, ge=1)
     max_scale_down_step: int = Field(2, ge=1)
     metrics_window_seconds: int = Field(60, ge=1)
+    burst_headroom: bool = True
+    pod_start_seconds: int = Field(120, ge=1, le=1800)
 
     @model_validator(mode="after")
     def _bounds(self) -> Scaling:
@@ -209,6 +211,8 @@ class ModelServerSpec(_Camel):
             max_scale_up_step=s.max_scale_up_step,
             max_scale_down_step=s.max_scale_down_step,
             max_num_seqs=self.max_num_seqs,
+            pod_start_s=float(s.pod_start_seconds),
+            burst_headroom=s.burst_headroom,
         )
 
 

@@ -81,6 +81,7 @@ class MetricsHistory:
             recent_tokens_per_s=recent,
             admitted_per_s=self._admitted_per_s(firsts, last),
             waiting_growth_per_s=self._waiting_growth(rounds),
+            counted_pods=self._counted(firsts, last),
         )
 
     @staticmethod
@@ -112,6 +113,14 @@ class MetricsHistory:
             return None
         waiting = [sum(s.waiting or 0.0 for s in r.samples) for r in (first, last)]
         return (waiting[1] - waiting[0]) / (last.time - first.time)
+
+    @staticmethod
+    def _counted(firsts: dict[str, PodSample], last: Round) -> int:
+        """Pods the token rate sums: scraped twice in the window (a pod just ready is not yet)."""
+        return sum(
+            firsts[s.pod] is not s and None not in (s.generated_tokens, firsts[s.pod].generated_tokens)
+            for s in last.samples
+        )
 
     @staticmethod
     def _tokens_per_s(firsts: dict[str, PodSample], last: Round) -> float | None:

@@ -88,6 +88,8 @@ class MetricsPod:
             "tandem_gpu_idle_fraction", "Share of the window with no step in flight.", registry=r
         )
         self.tokens = Counter("tandem_generation_tokens", "Tokens generated.", registry=r)
+        # what the pod could generate at its mix; 0 (never set) reads as not reported
+        self.capacity = Gauge("tandem_capacity_tokens_per_second", "Capacity.", registry=r)
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token_seconds", "TTFT.", buckets=TTFT_BUCKETS, registry=r
         )
@@ -115,8 +117,16 @@ class MetricsPod:
         self.thread.start()
 
     def load(
-        self, running: float, waiting: float, kv: float, idle: float, tokens: float, ttft: float
+        self,
+        running: float,
+        waiting: float,
+        kv: float,
+        idle: float,
+        tokens: float,
+        ttft: float,
+        capacity: float = 0.0,
     ) -> None:
+        self.capacity.set(capacity)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv.set(kv)

@@ -176,6 +176,22 @@ def test_window_has_the_capacity_signal_and_the_load_offered():
     assert w.recent_tokens_per_s == pytest.approx((700.0 + 100.0) / 10.0)
 
 
+def test_a_pod_just_ready_is_not_yet_in_the_rates():
+    """counted_pods: the pods whose counters span two scrapes of the window, which the token rate
+    sums; the policy learns the load only from windows that count every pod."""
+    a, b = FakeServer(), FakeServer()
+    history = MetricsHistory()
+    for t in range(2):
+        a.tokens.inc(100.0)
+        history.add(10.0 * t, [parse_metrics("a", 10.0 * t, a.text())], 60)
+    b.tokens.inc(50.0)
+    history.add(20.0, [parse_metrics("a", 20.0, a.text()), parse_metrics("b", 20.0, b.text())], 60)
+    w = history.window(1.0)
+    assert (w.pods, w.counted_pods) == (2, 1)
+    history.add(30.0, [parse_metrics("a", 30.0, a.text()), parse_metrics("b", 30.0, b.text())], 60)
+    assert history.window(1.0).counted_pods == 2
+
+
 def test_a_window_of_pods_without_a_capacity_has_none():
     s = FakeServer()
     history = MetricsHistory()

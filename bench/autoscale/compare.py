@@ -113,6 +113,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=1.0,
         help="what the pods' capacity gauge reads against their true capacity (1 = exact)",
     )
+    parser.add_argument(
+        "--no-burst-headroom", action="store_true", help="Tandem with scaling.burstHeadroom off"
+    )
     args = parser.parse_args(argv)
     if args.cost_ceiling is not None and not args.one:
         parser.error("--cost-ceiling is for --one runs (the comparison runs the CRD's defaults)")
@@ -146,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ttft_slo_s=args.ttft_slo_s,
         tandem_cost_ceiling=args.cost_ceiling,
         capacity_bias=args.capacity_bias,
+        tandem_burst_headroom=not args.no_burst_headroom,
     )
     if args.one:
         return one_cell(args, setup)

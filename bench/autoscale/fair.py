@@ -63,7 +63,11 @@ def crd_defaults(setup: Setup) -> ScalingTargets:
 
 
 def _tandem(target: float | None, setup: Setup) -> Scaler:
-    targets = replace(crd_defaults(setup), cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling)
+    targets = replace(
+        crd_defaults(setup),
+        cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling,
+        burst_headroom=setup.tandem_burst_headroom,
+    )
     if target is not None:
         targets = replace(targets, target_utilization=target)
     return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)

@@ -83,6 +83,8 @@ class TandemScaler(Scaler):
             (seen[-1].waiting - seen[0].waiting) / (seen[-1].time - seen[0].time) if len(seen) > 1 else None
         )
         newest = seen[-int(self.interval_s) :]  # the operator's newest scrape interval
+        # pods ready a scrape interval ago: the operator's rates count pods with two scrapes
+        counted = min(s.ready for s in recent[-int(self.interval_s) - 1 :])
         return MetricsWindow(
             observed_at=recent[-1].time,
             pods=ready,
@@ -97,6 +99,7 @@ class TandemScaler(Scaler):
             admitted_per_s=float(cumulative[-1]) / len(seen),
             waiting_growth_per_s=growth,
             recent_tokens_per_s=sum(s.tokens for s in newest) / len(newest),
+            counted_pods=counted,
         )
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:

@@ -32,6 +32,7 @@ class Setup:
     # what the pods' capacity gauge reads against their true capacity (1 = exact; on an H200,
     # 0.83 of what 256 streams reached: docs/autoscaling.md)
     capacity_bias: float = 1.0
+    tandem_burst_headroom: bool = True  # Tandem's scaling.burstHeadroom (the CRD's default: on)
 
 
 @dataclass
