@@ -29,7 +29,7 @@ from triton.testing import do_bench_cudagraph
 from tandem.service.engine.ops.fp8_linear import quantize_rows
 from tandem.service.engine.ops.triton_fp8_gemm import (
     GemmConfig,
-    _arrivals,
+    Launch,
     _scale_and_store,
     _sum_of_splits,
     default_config,
@@ -81,18 +81,15 @@ def w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, con
     """x [M, K] bf16 @ (weight [N, K] e4m3 * weight_scale [1, N])^T -> [M, N] bf16."""
     m, k = x.shape
     n = weight.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per_split)
     block_m = triton.next_power_of_2(m) if gemv else min(32, max(16, triton.next_power_of_2(m)))
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    launch = Launch.plan(out, k, config, block_m)
     ones = torch.ones(m, dtype=torch.float32, device=x.device)
-    arrivals = _arrivals(x.device, grid[0] * grid[1])
-    _w8a16_kernel[grid](x, weight, ones, weight_scale, out, partials, arrivals, m, n, k, k_per_split,
-                        x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
-                        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, GEMV=gemv,
-                        num_warps=config.warps, num_stages=config.stages)
+    _w8a16_kernel[launch.grid](x, weight, ones, weight_scale, out, launch.partials, launch.arrivals, m, n, k,
+                               launch.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+                               BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               SPLIT_K=launch.grid[2], GEMV=gemv, num_warps=config.warps,
+                               num_stages=config.stages)
     return out
 
 

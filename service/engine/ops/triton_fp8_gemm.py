@@ -144,6 +144,32 @@ def _sms(device: torch.device) -> int:
     return _SMS[device]
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A split-K launch of an [M, N] output: its grid (N tiles, M tiles, splits), each split's share
+    of K, and the float32 partials and per-tile counters the splits need (the output itself, unused,
+    where K is not split)."""
+
+    grid: tuple[int, int, int]
+    k_per_split: int
+    partials: torch.Tensor
+    arrivals: torch.Tensor
+
+    @classmethod
+    def plan(cls, out: torch.Tensor, k: int, config: GemmConfig, block_m: int) -> Launch:
+        m, n = out.shape
+        # each split's K share, whole BLOCK_K steps (a split past K would have nothing to add)
+        k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+        split = triton.cdiv(k, k_per_split)
+        if split > MAX_SPLIT_K:
+            raise ValueError(f"split_k {split} > {MAX_SPLIT_K}")
+        grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split)
+        if split == 1:
+            return cls(grid, k_per_split, out, out)
+        partials = torch.empty(split, m, n, dtype=torch.float32, device=out.device)
+        return cls(grid, k_per_split, partials, _arrivals(out.device, grid[0] * grid[1]))
+
+
 def fp8_gemm(
     x: torch.Tensor,  # [M, K] e4m3, rows contiguous
     x_scale: torch.Tensor,  # [M, 1] float32
@@ -156,21 +182,14 @@ def fp8_gemm(
     m, k = x.shape
     n = weight.shape[0]
     config = config or default_config(n, k, _sms(x.device))
-    # each split's K share, whole BLOCK_K steps (a split past K would have nothing to add)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per_split)
-    if split > MAX_SPLIT_K:
-        raise ValueError(f"split_k {split} > {MAX_SPLIT_K}")
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     # 16 or 32 rows a program (the tensor cores' least is 16); more rows take more programs
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, block_m), split)
-    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    arrivals = _arrivals(x.device, grid[0] * grid[1]) if split > 1 else out
-    _fp8_gemm_kernel[grid](
-        x, weight, x_scale, weight_scale, out, partials, arrivals, m, n, k, k_per_split,
+    launch = Launch.plan(out, k, config, block_m)
+    _fp8_gemm_kernel[launch.grid](
+        x, weight, x_scale, weight_scale, out, launch.partials, launch.arrivals, m, n, k, launch.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=launch.grid[2],
         num_warps=config.warps, num_stages=config.stages,
     )
     return out
