@@ -103,9 +103,9 @@ class PodTelemetry:
             self.metrics.record_request(msg)
             self.statistics.record(msg)
         elif isinstance(msg, c.EngineReady):
+            self.model = msg.model  # first: the pod is ready whatever its start-up account holds
             for phase, seconds in msg.startup.items():
                 self.startup.add(phase, seconds)
-            self.model = msg.model
 
     def shutdown(self) -> None:
         if self.tracer_provider is not None:
