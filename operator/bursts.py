@@ -4,13 +4,22 @@ and how much the load grows within that time, from the load it has seen.
 Pure and bounded: `Bursts` is an immutable value the policy keeps in its state (policy.py), one
 load sample per decision, at most a few hundred numbers. The load is counted in pods' worth of
 capacity (policy.load_in_pods), so its growth is a growth in pods.
+
+What took a day to learn outlives the operator: the hourly growth and the measured starts go into
+the ModelServer's `status.learnedBursts` (`as_status`), and an operator that starts (a restart, a
+new leader) takes them back from there (`from_status`). The load samples are not kept: an hour of
+them, relearned in the first minutes.
 """
 
 from __future__ import annotations
 
 import bisect
+import datetime
 import math
 from dataclasses import dataclass, replace
+from typing import Any
+
+from .conditions import now_iso
 
 # The growth learned: the highest load(t) / load(t - start) of each hour, and of those of the last
 # day this quantile: the growth exceeded in at most 2 hours of 24 (nearest rank). An unabsorbed
@@ -85,6 +94,33 @@ class Bursts:
         loads = (*self.loads[keep:], (now, load))[-MAX_LOAD_SAMPLES:]
         return replace(self, loads=loads, growth=growth)
 
+    def as_status(self) -> dict[str, Any]:
+        """What outlives the operator, for `status.learnedBursts`."""
+        return {
+            "hourlyGrowth": [{"since": now_iso(t), "ratio": round(r, 4)} for t, r in self.growth],
+            "podStartSeconds": [round(s, 1) for s in self.starts],
+        }
+
+    @classmethod
+    def from_status(cls, status: Any, now: float) -> Bursts:
+        """What `as_status` wrote, as far as it is sound: entries that are not (a time, a finite
+        ratio of at least 1), starts that are not seconds, hours older than a day or in the future
+        are left out (a status is anyone's to edit); the rest ordered and bounded as learned."""
+        if not isinstance(status, dict):
+            return cls()
+        day = now - GROWTH_BLOCKS * GROWTH_BLOCK_S
+        growth = []
+        for entry in _list(status.get("hourlyGrowth")):
+            if not isinstance(entry, dict):
+                continue
+            t, ratio = _time(entry.get("since")), _finite(entry.get("ratio"))
+            if t is not None and ratio is not None and ratio >= 1.0 and day < t <= now:
+                growth.append((t, ratio))
+        growth.sort()
+        starts = [s for s in map(_finite, _list(status.get("podStartSeconds")))
+                  if s is not None and 0.0 < s <= MAX_START_S]
+        return cls(growth=tuple(growth[-GROWTH_BLOCKS:]), starts=tuple(starts[-START_SAMPLES:]))
+
     def _around(self, t: float) -> float | None:
         """The higher of the newest load sample at or before `t` (one second of slack) and the one
         before it; None when there is none within PAIR_SLACK_S of `t`."""
@@ -113,6 +149,27 @@ class Bursts:
             return None
         values = sorted(x for _, x in self.loads)
         return min(self.loads[-1][1], values[(len(values) - 1) // 2])
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _time(value: Any) -> float | None:
+    """An RFC 3339 time (as now_iso writes it) in seconds since the epoch; None if it is not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when.timestamp() if when.tzinfo is not None else None
 
 
 def _highest(

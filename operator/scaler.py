@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from . import modes, owned
+from .bursts import Bursts
 from .conditions import now_iso, set_condition
 from .events import post_event
 from .kube import ApiError, KubeApi, NotFound, api_path
@@ -250,7 +251,7 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
     window = scaling.history.window(spec.price_per_gpu_hour * spec.gpus_per_pod)
     await tell_starts(api, body, scaling, samples, {p["metadata"]["name"] for p in pods})
 
-    state = scaling.state or ScalingState(current, len(ready))
+    state = scaling.state or _first_state(modes.newest(scaling.latest, body), current, len(ready), now)
     state = replace(state, current_replicas=current, ready_replicas=len(ready))
     targets = spec.targets()
     decision = decide(window, targets, state, now, settings.stale_after_s)
@@ -278,10 +279,21 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
 
     status.update(_observed(decision, current, len(ready), window, now))
     status["selector"] = selector_string(name)
+    status["learnedBursts"] = decision.state.bursts.as_status()
     status["conditions"] = _conditions(body, spec, decision, current, len(ready), unreadable, clamped)
     scaling.latest = await _write_status(api, body, status)
     shared.metrics.observed(namespace, name, current, decision.replicas, len(ready))
     return decision
+
+
+def _first_state(body: dict, current: int, ready: int, now: float) -> ScalingState:
+    """The policy's state on its first decision for this ModelServer in this operator: fresh, but
+    for what an earlier operator learned about bursts (status.learnedBursts)."""
+    learned = Bursts.from_status((body.get("status") or {}).get("learnedBursts"), now)
+    if learned.growth or learned.starts:
+        log.info(f"{owned.ref(body)[1]}/{owned.ref(body)[0]}: burst growth of {len(learned.growth)} hours "
+                 f"and {len(learned.starts)} pod starts taken back from the status")
+    return ScalingState(current, ready, bursts=learned)
 
 
 def _tell_bursts(

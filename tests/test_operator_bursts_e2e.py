@@ -2,7 +2,8 @@
 plays the controllers), its pods' /metrics over real HTTP, its own /metrics read as Prometheus
 would. The load doubles within one pod start while the pods stay within their target: the
 operator learns the growth, scales up for it with reason BurstHeadroom, says why in the Event,
-and its gauges show the growth and the headroom."""
+and its gauges show the growth and the headroom. What it learned goes into the ModelServer's status,
+and an operator that starts (a restart, a new leader) takes it back from there."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from test_operator_e2e import MS, NS, declare_resources, events, eventually, kub
 from test_operator_e2e import operator_running as running
 from test_operator_own_metrics import read_metrics, served, value
 from test_operator_scaling_modes import client, deployment_replicas
+
+from tandem.operator.conditions import now_iso
 
 pytestmark = pytest.mark.asyncio
 
@@ -91,8 +94,56 @@ async def test_a_learned_burst_scales_up_ahead_with_the_reason_in_event_and_metr
                 return start is not None and start < 4.0
 
             await eventually(start_measured, timeout=10, what="the pods' start measured")
+
+            async def kept() -> bool:
+                learned = (await api.get(MS + "/ahead"))["status"].get("learnedBursts") or {}
+                growth = [h["ratio"] for h in learned.get("hourlyGrowth") or []]
+                starts = learned.get("podStartSeconds") or []
+                return bool(growth) and max(growth) > 2.0 and bool(starts) and max(starts) < 4.0
+
+            await eventually(kept, timeout=10, what="the growth and the starts in the status")
         finally:
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await feeder
+    await api.close()
+
+
+async def test_an_operator_that_starts_takes_back_the_bursts_learned_before_it(
+    kmock, unused_tcp_port: int
+) -> None:
+    """A ModelServer whose status holds what an earlier operator learned (a 2.5x growth an hour ago,
+    pods that started in 40 s): under a steady load, where nothing new could teach it either, the
+    operator's first decisions use them."""
+    declare_resources(kmock)
+    api = client(kmock)
+    port = unused_tcp_port
+    addresses = Addresses((9400,))
+    an_hour_ago = now_iso(time.time() - 3600.0)
+
+    def factory(container: dict) -> MetricsPod:
+        pod = MetricsPod(addresses.take(), 9400)
+        pod.load(running=2, waiting=0, kv=0.05, idle=0.001, tokens=0.0, ttft=0.05, capacity=CAPACITY)
+        return pod
+
+    scaling = {"minReplicas": 1, "maxReplicas": 4, "metricsWindowSeconds": 2}
+    body = model_server("ahead", maxNumSeqs=64, scaling=scaling)
+    body["status"] = {"learnedBursts": {"hourlyGrowth": [{"since": an_hour_ago, "ratio": 2.5}],
+                                        "podStartSeconds": [40.0]}}  # fmt: skip
+    await api.create(MS, body)
+    async with (
+        running(kmock, liveness_port=0, prometheus_port=port),
+        kubelet_running(api, factory),
+    ):
+        await served(port)
+
+        async def taken_back() -> bool:
+            samples = await read_metrics(port)
+            growth = value(samples, "tandem_operator_burst_growth_ratio", **AHEAD)
+            start = value(samples, "tandem_operator_pod_start_seconds", **AHEAD)
+            return growth == 2.5 and start == 40.0
+
+        await eventually(taken_back, timeout=15, what="the growth and the start taken back")
+        learned = (await api.get(MS + "/ahead"))["status"]["learnedBursts"]
+        assert learned["podStartSeconds"] == [40.0] and learned["hourlyGrowth"][0]["ratio"] == 2.5
     await api.close()

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_policy_properties import wild_windows
 
 from tandem.operator import bursts as b
@@ -280,3 +283,61 @@ def test_the_simulator_feeds_the_policy_what_it_learns_from():
     assert runs[True]["decision_reasons"].get("BurstHeadroom", 0) > 0
     assert "BurstHeadroom" not in runs[False]["decision_reasons"]
     assert runs[True]["gpu_hours"] >= runs[False]["gpu_hours"]
+
+
+# what a restarted operator takes back from status.learnedBursts
+NOW = 1_800_000_000.0  # an epoch time: RFC 3339 in the status
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=30) | st.dictionaries(st.text(max_size=15), inner, max_size=5),
+    max_leaves=60,
+)
+
+
+def test_what_the_status_keeps_restores_the_growth_and_starts_but_not_the_loads():
+    memory = learn(steady_with_bursts(24, {3, 9, 15, 21}), t0=NOW - 24 * HOUR)
+    memory = memory.scaled(NOW - 300.0, 2, 4).ready(NOW - 250.0, 4)
+    kept = json.loads(json.dumps(memory.as_status()))  # as the API server stores it
+    back = Bursts.from_status(kept, NOW)
+    assert back.factor(NOW) == pytest.approx(memory.factor(NOW), abs=1e-4) and back.factor(NOW) > 1.5
+    assert back.learned(NOW)[1:] == memory.learned(NOW)[1:]
+    assert back.starts == (50.0,) and back.start_s(120.0) == 50.0
+    assert back.loads == () and back.pending == ()
+    # learning goes on from there: the next hour's growth is one more hour
+    later = back.observed(NOW + 15.0, 4.0, 50.0).observed(NOW + 30.0, 4.0, 50.0)
+    assert later.learned(NOW + 30.0)[2] == memory.learned(NOW)[2]
+
+
+def test_a_status_edited_by_hand_gives_back_only_what_is_sound():
+    hour = {"since": "2027-01-15T07:00:00Z", "ratio": 2.5}  # within the day before NOW (08:00)
+    status = {
+        "hourlyGrowth": [
+            hour,
+            {"since": "2027-01-15T06:00:00Z", "ratio": float("nan")},
+            {"since": "2027-01-15T05:00:00Z", "ratio": 0.5},  # a growth is at least 1
+            {"since": "2027-01-15T04:00:00", "ratio": 2.0},  # no time zone
+            {"since": "yesterday", "ratio": 2.0},
+            {"since": "2027-01-14T07:00:00Z", "ratio": 9.0},  # older than a day
+            {"since": "2027-01-15T09:00:00Z", "ratio": 9.0},  # in the future
+            {"since": "2027-01-15T03:00:00Z", "ratio": True},
+            "2.0",
+        ],
+        "podStartSeconds": [45.0, -1.0, "30", None, 1e9, 60],
+    }
+    back = Bursts.from_status(status, NOW)
+    assert [r for _, r in back.growth] == [2.5] and back.starts == (45.0, 60.0)
+    for nothing in (None, [], "x", {"hourlyGrowth": {"since": 1}}, {"podStartSeconds": 3}):
+        assert Bursts.from_status(nothing, NOW) == Bursts()
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON, st.lists(st.tuples(st.floats(NOW - 30 * HOUR, NOW + HOUR), st.floats(-10, 1e6)), max_size=40))
+def test_whatever_the_status_holds_the_restored_memory_is_bounded_and_usable(junk, entries):
+    for status in (junk, {"hourlyGrowth": [{"since": b.now_iso(t), "ratio": r} for t, r in entries],
+                          "podStartSeconds": [r for _, r in entries]}):
+        back = Bursts.from_status(status, NOW)
+        assert len(back.growth) <= b.GROWTH_BLOCKS and len(back.starts) <= b.START_SAMPLES
+        assert all(NOW - b.GROWTH_BLOCKS * HOUR < t <= NOW and r >= 1.0 for t, r in back.growth)
+        assert 1.0 <= back.factor(NOW) < math.inf and 0.0 < back.start_s(120.0) <= b.MAX_START_S
+        once = Bursts.from_status(json.loads(json.dumps(back.as_status())), NOW)
+        assert Bursts.from_status(json.loads(json.dumps(once.as_status())), NOW) == once
