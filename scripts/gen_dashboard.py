@@ -119,6 +119,17 @@ PANELS = [
         ("max(tandem_operator_leader)", "a leader acts (1)"),
     ], 8, "Ready pods whose /metrics the operator could not use, by problem; the p99 time of one scaling "
      "tick; whether an operator replica holds the leader Lease."),
+    ("Autoscaler: bursts learned", "short", [
+        (f"max by (modelserver) (tandem_operator_burst_growth_ratio{{{OP}}})", "{{modelserver}} growth (x)"),
+        (f"max by (modelserver) (tandem_operator_burst_headroom_replicas{{{OP}}})",
+         "{{modelserver}} headroom pods"),
+    ], 8, "The load's growth within one pod start the policy learned from the last day (the 90th "
+     "percentile of each hour's highest), and the pods that carry it (0 with burstHeadroom off): the "
+     "replicas stay at or above them (docs/operator.md#scaling-ahead-of-bursts)."),
+    ("Autoscaler: pod start", "s", [
+        (f"max by (modelserver) (tandem_operator_pod_start_seconds{{{OP}}})", "{{modelserver}}"),
+    ], 8, "Seconds from a scale-up to its pods ready, the slowest of the last four the operator "
+     "measured (spec.scaling.podStartSeconds until one is): the time the burst headroom bridges."),
 ]  # fmt: skip
 
 

@@ -74,6 +74,7 @@ def test_the_autoscaler_panels_query_only_metrics_the_operator_exports():
     with m.tick("Operator"):
         pass
     m.leading(lambda: True)
+    m.learned("ml", "chat", 1.8, 4, 52.0)
     exported = {
         sample.name
         for family in text_string_to_metric_families(m.render().decode())
@@ -82,5 +83,6 @@ def test_the_autoscaler_panels_query_only_metrics_the_operator_exports():
     d = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in d["panels"] for t in p["targets"]]
     wanted = {n for e in exprs for n in re.findall(r"\b(tandem_operator_[a-z_]+)\b", e)}
-    assert len(wanted) >= 6, wanted  # replicas, desired, ready, decisions, failed scrapes, tick, leader
+    # replicas, desired, ready, decisions, failed scrapes, tick, leader, burst growth, headroom, pod start
+    assert len(wanted) >= 10, wanted
     assert wanted <= exported, f"not exported by the operator: {wanted - exported}"
