@@ -365,6 +365,15 @@ def test_engine_gauges_under_load(served: Served):
     assert value(served.after, "tandem_kv_cache_usage_ratio") == 0  # every request finished
 
 
+def test_cache_config_info_gives_the_kv_caches_shape(served: Served):
+    """tandem_cache_config_info: one series of value 1 labelled with the block size the server runs
+    (the default 16 tokens) and the blocks it was given (--num-kv-blocks 256), from the first report on."""
+    for samples in (served.quiet, served.after):
+        ((labels, one),) = samples["tandem_cache_config_info"]
+        assert one == 1.0
+        assert labels.items() >= {"block_size": "16", "num_gpu_blocks": "256"}.items()
+
+
 def test_the_engine_serves_with_its_start_up_heap_frozen_and_counts_its_collections(served: Served):
     """The engine process froze its start-up objects (model, torch, transformers) out of the garbage
     collector's walks before serving, and reports each collection it made since, by generation."""
