@@ -282,3 +282,11 @@ def test_network_policy_lets_the_pickers_scrape(chart: helm.Chart, gateway: list
             for peer in rule.get("from", []):
                 labels = peer.get("podSelector", {}).get("matchLabels", {})
                 assert labels.get("app.kubernetes.io/component") != "endpoint-picker"
+
+
+def test_notes_name_the_pools(chart: helm.Chart) -> None:
+    notes = chart.render(TWO_POOLS, name=RELEASE, namespace=NAMESPACE)["tandem/templates/NOTES.txt"]
+    assert f"{NAMESPACE}/{POOL}, ml/llama-8b." in notes
+    assert "kind InferencePool" in notes
+    default = chart.render({}, name=RELEASE, namespace=NAMESPACE)["tandem/templates/NOTES.txt"]
+    assert "InferencePool" not in default
