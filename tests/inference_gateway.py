@@ -2,9 +2,11 @@
 (inference.networking.k8s.io/v1) as a JSON schema, and the endpoint picker's configuration.
 
 The schema is written from the API's Go types (kubernetes-sigs/gateway-api-inference-extension,
-api/v1/inferencepool_types.go and shared_types.go, v1.0-v1.6): the spec's fields, their required
-ones, enums, bounds and name patterns, and nothing else, so a typo or an unknown field fails as it
-would against the CRD with strict field validation. Only the spec: the status is the gateway's.
+api/v1/inferencepool_types.go and shared_types.go): the spec's fields, their required ones, enums,
+bounds and name patterns, and nothing else, so a typo or an unknown field fails as it would against
+the CRD with strict field validation. It is what every release of the v1 API accepts, v1.0 to v1.6:
+`endpointPickerRef` required (optional only since v1.6) and no `appProtocol` (new in v1.4; left out,
+a pool speaks HTTP/1.1). Only the spec: the status is the gateway's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _PORT = {
 INFERENCE_POOL_SPEC = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["selector", "targetPorts"],
+    "required": ["selector", "targetPorts", "endpointPickerRef"],
     "properties": {
         "selector": {
             "type": "object",
@@ -48,7 +50,6 @@ INFERENCE_POOL_SPEC = {
             },
         },
         "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
-        "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
         "endpointPickerRef": {
             "type": "object",
             "additionalProperties": False,

@@ -103,7 +103,8 @@ def test_the_pool_check_catches_wrong_fields(gateway: list[dict]) -> None:
         {"targetPorts": []},
         {"targetPorts": [{"number": 0}]},
         {"targetPorts": [{"port": 8000}]},
-        {"appProtocol": "grpc"},
+        {"appProtocol": "http"},  # not in the API before v1.4
+        {"endpointPickerRef": None},  # none: required before v1.6
         {"endpointPickerRef": {"name": "smollm2-epp", "failureMode": "Open"}},
         {"endpointPickerRef": {"port": {"number": 9002}}},
         {"extensionRef": {"name": "smollm2-epp"}},  # v1alpha2's field
@@ -111,6 +112,7 @@ def test_the_pool_check_catches_wrong_fields(gateway: list[dict]) -> None:
     for broken_spec in broken_specs:
         broken = copy.deepcopy(pool)
         broken["spec"].update(broken_spec)
+        broken["spec"] = {k: v for k, v in broken["spec"].items() if v is not None}
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.Draft7Validator(INFERENCE_POOL).validate(broken)
     old = copy.deepcopy(pool) | {"apiVersion": "inference.networking.x-k8s.io/v1alpha2"}
@@ -130,7 +132,9 @@ def test_the_pool_selects_the_operators_pods_on_their_openai_port(gateway: list[
     (container,) = template["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]] == [resources.HTTP_PORT]
-    assert pool["spec"]["appProtocol"] == "http"  # the OpenAI API speaks HTTP/1.1
+    # HTTP/1.1, the OpenAI API's, is a pool's protocol when it names none (and a CRD before v1.4 has
+    # no field to name one)
+    assert "appProtocol" not in pool["spec"]
 
 
 def test_the_pool_names_the_charts_picker(gateway: list[dict]) -> None:
