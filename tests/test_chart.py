@@ -124,7 +124,7 @@ VALUE_SETS: dict[str, dict] = {
     "gateway": {
         "inferenceGateway": {
             "enabled": True,
-            "failureMode": "FailOpen",
+            "failureMode": "FailClose",
             "endpointPicker": {
                 "replicas": 2,
                 "nodeSelector": {"kubernetes.io/os": "linux"},
