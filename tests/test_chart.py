@@ -394,6 +394,7 @@ BAD_VALUES = [
     {"inferenceGateway": {"modelServers": [{"namespace": "ml"}]}},
     {"inferenceGateway": {"endpointPicker": {"replicas": 0}}},
     {"inferenceGateway": {"endpointPicker": {"metricsPort": 9400}}},
+    {"inferenceGateway": {"endpointPicker": {"image": {"tag": ""}}}},  # not the chart's appVersion
 ]
 
 
