@@ -121,6 +121,18 @@ VALUE_SETS: dict[str, dict] = {
         "networkPolicy": {"enabled": True, "metricsFrom": [PROMETHEUS]},
         "exampleModelServer": {"scaling": {"mode": "External", "minReplicas": 1, "maxReplicas": 6}},
     },
+    "gateway": {
+        "inferenceGateway": {
+            "enabled": True,
+            "failureMode": "FailClose",
+            "endpointPicker": {
+                "replicas": 2,
+                "nodeSelector": {"kubernetes.io/os": "linux"},
+                "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system"}],
+            },
+        },
+        "networkPolicy": {"enabled": True, "metricsFrom": [PROMETHEUS]},
+    },
     "no-example": {
         "exampleModelServer": {"enabled": False},
         "tests": {"target": "llama-8b.ml.svc:50051"},
@@ -272,6 +284,8 @@ def test_every_manifest_passes_the_api_schemas(
             continue
         if doc["kind"] in ("ServiceMonitor", "PodMonitor"):
             continue  # Prometheus Operator CRDs: no offline schema; checked field by field below
+        if doc["kind"] == "InferencePool":
+            continue  # the Inference Extension's: test_chart_gateway.py checks it against its API
         for version in KUBE_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
 
@@ -329,6 +343,9 @@ def test_every_kind_is_expected(rendered: dict[str, list[dict]]) -> None:
         [*base, "ConfigMap", "ModelServer", "NetworkPolicy", "PodMonitor", "ServiceAccount", "ServiceMonitor"]
     )
     assert kinds["no-example"] == sorted(base)
+    assert kinds["gateway"] == sorted(
+        [*base, "ConfigMap", "InferencePool", "ModelServer", "NetworkPolicy", "Service", "ServiceAccount"]
+    )
 
 
 # ---------------------------------------------------------------- values schema
@@ -369,6 +386,15 @@ BAD_VALUES = [
     {"otel": {"protocol": "http/protobuf"}},  # the servers speak OTLP/gRPC only
     {"tests": {"timeoutSeconds": 0}},
     {"networkPolicy": {"enabled": "yes"}},
+    {"inferenceGateway": {"enabled": "true"}},
+    {"inferenceGateway": {"failureMode": "Open"}},
+    {"inferenceGateway": {"modelServers": ["smollm2"]}},  # {name, namespace} objects
+    {"inferenceGateway": {"modelServers": [{"name": "Llama_8B"}]}},
+    {"inferenceGateway": {"modelServers": [{"name": "m" * 60}]}},  # NAME-epp: over 63 characters
+    {"inferenceGateway": {"modelServers": [{"namespace": "ml"}]}},
+    {"inferenceGateway": {"endpointPicker": {"replicas": 0}}},
+    {"inferenceGateway": {"endpointPicker": {"metricsPort": 9400}}},
+    {"inferenceGateway": {"endpointPicker": {"image": {"tag": ""}}}},  # not the chart's appVersion
 ]
 
 
@@ -432,8 +458,9 @@ def test_pods_are_locked_down(rendered: dict[str, list[dict]], value_set: str) -
             assert sc["privileged"] is False, name
             assert sc["capabilities"] == {"drop": ["ALL"]}, name
             assert container["resources"]["requests"] and container["resources"]["limits"]["memory"], name
-        # a token only where the API is called: the operator
-        assert spec["automountServiceAccountToken"] is name.endswith("-operator"), name
+        # a token only where the API is called: the operator, and the inference gateway's endpoint
+        # pickers (they watch their pool and its pods)
+        assert spec["automountServiceAccountToken"] is name.endswith(("-operator", "-epp")), name
 
 
 def test_service_account_does_not_hand_out_tokens(rendered: dict[str, list[dict]]) -> None:
@@ -590,7 +617,7 @@ def test_a_scaler_role_lets_its_holder_scale_modelservers_and_nothing_else(chart
 
 def test_operator_elects_a_leader_on_the_lease_the_rbac_names(rendered: dict[str, list[dict]]) -> None:
     for name, docs in rendered.items():
-        (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+        container = operator_container(docs)
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["TANDEM_OPERATOR_LEADER_ELECTION"] == "true", name
         assert env["TANDEM_OPERATOR_LEADER_ELECTION_NAMESPACE"] == NAMESPACE
@@ -835,7 +862,9 @@ def test_network_policies(rendered: dict[str, list[dict]]) -> None:
 
 
 def operator_container(docs: list[dict]) -> dict:
-    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    """The operator's container (beside it, the value set `gateway` renders endpoint pickers)."""
+    (deployment,) = [d for d in objects(docs, "Deployment") if d["metadata"]["name"].endswith("-operator")]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
 
 

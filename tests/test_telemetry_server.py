@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
@@ -41,7 +42,8 @@ MODEL = "tiny-llama"
 WINDOW_S = 6.0  # the server's idle / cost window
 PRICE, GPUS = 2.5, 2
 LOAD_S = 2.5  # clients keep the engine busy this long
-DASHBOARD = Path(__file__).resolve().parent.parent / "charts" / "tandem" / "dashboards" / "tandem.json"
+CHART = Path(__file__).resolve().parent.parent / "charts" / "tandem"
+DASHBOARD = CHART / "dashboards" / "tandem.json"
 
 
 # -- the OTLP receiver ---------------------------------------------------------------------------
@@ -365,6 +367,15 @@ def test_engine_gauges_under_load(served: Served):
     assert value(served.after, "tandem_kv_cache_usage_ratio") == 0  # every request finished
 
 
+def test_cache_config_info_gives_the_kv_caches_shape(served: Served):
+    """tandem_cache_config_info: one series of value 1 labelled with the block size the server runs
+    (the default 16 tokens) and the blocks it was given (--num-kv-blocks 256), from the first report on."""
+    for samples in (served.quiet, served.after):
+        ((labels, one),) = samples["tandem_cache_config_info"]
+        assert one == 1.0
+        assert labels.items() >= {"block_size": "16", "num_gpu_blocks": "256"}.items()
+
+
 def test_the_engine_serves_with_its_start_up_heap_frozen_and_counts_its_collections(served: Served):
     """The engine process froze its start-up objects (model, torch, transformers) out of the garbage
     collector's walks before serving, and reports each collection it made since, by generation."""
@@ -567,6 +578,47 @@ def test_dashboard_queries_only_metrics_the_server_exports(served: Served):
         "tandem_requests_waiting",
     ):
         assert wanted in names
+
+
+# -- the Inference Gateway's endpoint picker --------------------------------------------------------
+
+
+def test_the_inference_gateways_picker_reads_gauges_the_server_exports(served: Served):
+    """The endpoint picker the chart deploys (inferenceGateway on) is told, for each metric of the
+    Inference Extension's model server protocol, a selector that finds in this server's /metrics a
+    gauge with the protocol's meaning, read as the picker reads it: the plain-text exposition it gets
+    without an Accept header, the family of that name, a sample whose labels match."""
+    import helm_python as helm
+    from inference_gateway import engine_metrics, parse_spec, picker_config
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render({"inferenceGateway": {"enabled": True}}, name="tandem", namespace="tandem")
+    docs = [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    specs = engine_metrics(picker_config(docs, "smollm2", "tandem"))
+    assert specs["loraSpec"] == ""  # no LoRA adapters: the picker reads none
+
+    with urllib.request.urlopen(served.metrics_url, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+    def gauge(field: str) -> tuple[str, dict[str, str]]:
+        name, labels = parse_spec(specs[field])
+        assert families[name].type == "gauge", (field, families[name].type)
+        samples = [s for s in families[name].samples if labels.items() <= s.labels.items()]
+        assert len(samples) == 1, (field, samples)
+        return name, samples[0].labels
+
+    # queued and running requests: the engine's waiting queue and running batch (none once idle, the
+    # batch during the load); KV-cache utilisation a fraction 0-1 (the picker scores 1 - it)
+    running, waiting = gauge("runningRequestsSpec")[0], gauge("queuedRequestsSpec")[0]
+    kv = gauge("kvUsageSpec")[0]
+    assert value(served.during, running) >= 1 and value(served.after, running) == 0
+    assert value(served.after, waiting) == 0
+    assert 0 < value(served.during, kv) <= 1 and value(served.after, kv) == 0
+    # the KV cache's shape in the label names the picker reads by default
+    _, labels = gauge("cacheInfoSpec")
+    assert (int(labels["block_size"]), int(labels["num_gpu_blocks"])) == (16, 256)
 
 
 def test_a_cancelled_stream_ends_its_span_as_cancelled(served: Served):

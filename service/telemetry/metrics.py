@@ -53,9 +53,11 @@ class ServerMetrics:
         self.capacity: Callable[[], tuple[float, float] | None] = lambda: None
         # the labels of tandem_model_info; None until the engine has loaded the model
         self.model_info: Callable[[], dict[str, str] | None] = lambda: None
+        # (tokens per KV-cache block, blocks of the device's KV cache); None before the engine's first report
+        self.cache_config: Callable[[], tuple[int, int] | None] = lambda: None
         # (seconds of each start-up phase, seconds from the process's start to SERVING or None)
         self.startup: Callable[[], tuple[dict[str, float], float | None]] = lambda: ({}, None)
-        self._info_gauge(meter)
+        self._info_gauges(meter)
         self._startup_gauges(meter)
         self.generation_tokens = meter.create_counter(
             "tandem_generation_tokens",
@@ -190,7 +192,7 @@ class ServerMetrics:
             "(absent while no token was generated in the window).",
         )
 
-    def _info_gauge(self, meter: Meter) -> None:
+    def _info_gauges(self, meter: Meter) -> None:
         # What the pod serves as labels of one constant series (Prometheus' info pattern, as
         # kube_pod_info): dashboards join it to any other metric by pod, e.g. cost per token by
         # quantization, and the other series keep their label sets (the operator sums over them)
@@ -201,6 +203,15 @@ class ServerMetrics:
             description="1, labelled with what the pod's engine built (absent until it has loaded the "
             "model): model, quantization (fp8: FP8 linear layers, from the setting or the checkpoint; "
             "none) and kv_cache_dtype (fp8, or the model's dtype by name).",
+        )
+        # The KV cache's shape in the labels vLLM and SGLang give theirs (`vllm:cache_config_info`): the
+        # Gateway API Inference Extension's endpoint picker reads them to size its prefix-cache index
+        meter.create_observable_gauge(
+            "tandem_cache_config_info",
+            callbacks=[self._observe_cache_config],
+            unit="",
+            description="1, labelled with the KV cache's shape (absent until the engine's first report): "
+            "block_size (tokens per block) and num_gpu_blocks (blocks of the KV cache on the device).",
         )
 
     def _startup_gauges(self, meter: Meter) -> None:
@@ -226,6 +237,12 @@ class ServerMetrics:
     def _observe_serving_after(self, _: CallbackOptions) -> Iterable[Observation]:
         serving_after = self.startup()[1]
         return [] if serving_after is None else [Observation(serving_after)]
+
+    def _observe_cache_config(self, _: CallbackOptions) -> Iterable[Observation]:
+        shape = self.cache_config()
+        if shape is None:
+            return []
+        return [Observation(1, {"block_size": str(shape[0]), "num_gpu_blocks": str(shape[1])})]
 
     def _observe_model_info(self, _: CallbackOptions) -> Iterable[Observation]:
         labels = self.model_info()

@@ -38,6 +38,7 @@ class PodTelemetry:
         self.capacity = CapacityModel(settings.max_num_seqs, kv_tokens=0)  # sized by the first report
         self.metrics.capacity = self._capacity
         self.metrics.model_info = self._model_info
+        self.metrics.cache_config = self._cache_config
         self.model: ModelInfo | None = None  # the engine's, once it has loaded the model
         self.stats: EngineStats | None = None  # the engine's latest report
         self.gc: GcTotals | None = None  # its process's garbage collections, as of that report
@@ -67,6 +68,10 @@ class PodTelemetry:
             "quantization": self.model.quantization,
             "kv_cache_dtype": self.model.kv_cache_dtype,
         }
+
+    def _cache_config(self) -> tuple[int, int] | None:
+        """The labels of tandem_cache_config_info: tokens per block, and the device's blocks."""
+        return None if self.stats is None else (self.block_size, self.stats.kv_blocks_total)
 
     def _startup(self) -> tuple[dict[str, float], float | None]:
         return self.startup.seconds, self.serving_after_s
