@@ -1,7 +1,8 @@
-"""Evaluation over the OpenAI HTTP front of a real `tandem serve`: echo with prompt logprobs, vLLM's
-`prompt_logprobs`, `/tokenize`, `/detokenize` and `/tokenizer_info`, and the requests
+"""Evaluation against a real `tandem serve`: over the OpenAI HTTP front, echo with prompt logprobs,
+vLLM's `prompt_logprobs`, `/tokenize`, `/detokenize` and `/tokenizer_info`, and the requests
 lm-evaluation-harness's `local-completions` model sends, byte for byte in shape, with its parsing of
-the answers; the logprobs checked against a float32 transformers forward of the served model.
+the answers; over the native gRPC API, `prompt_logprobs`. The logprobs are checked against a
+float32 transformers forward of the served model.
 
 lm-evaluation-harness itself is not a test dependency (it brings ~560 MB of packages and indexes
 ~14k task files when it starts: docs/api.md, "Evaluation"); its requests are copied from
@@ -15,12 +16,16 @@ import http.client
 import json
 from urllib.parse import urlsplit
 
+import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serverproc import TINY_SERVER_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 TIMEOUT = 60.0
 TOL = 1e-3  # per token, fp32 on CPU
@@ -218,6 +223,37 @@ def test_a_prompt_cached_by_others_still_gets_its_logprobs(base_url: str, model,
     ref = reference(model, ids)
     got = out["choices"][0]["logprobs"]["token_logprobs"]
     assert got[1:] == pytest.approx([float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)], abs=TOL)
+
+
+# -- the native API ------------------------------------------------------------------------------
+
+
+def test_native_prompt_logprobs(tiny_server: str, model, tokenizer) -> None:
+    ids = tokenizer.encode(CONTEXT)
+    ref = reference(model, ids)
+    with grpc.insecure_channel(tiny_server) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        req = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids), stopping=pb.StoppingCriteria(max_tokens=3),
+            prompt_logprobs=pb.LogprobsOptions(enabled=True, top_logprobs=2),
+        )  # fmt: skip
+        answer = stub.Generate(req, timeout=TIMEOUT)
+        streamed = list(stub.GenerateStream(req, timeout=TIMEOUT))
+        plain = stub.Generate(pb.GenerateRequest(text=CONTEXT), timeout=TIMEOUT)
+        with pytest.raises(grpc.RpcError) as bad:
+            req.prompt_logprobs.top_logprobs = 21
+            stub.Generate(req, timeout=TIMEOUT)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not plain.prompt_logprobs
+    assert [lp.token_id for lp in answer.prompt_logprobs] == ids[1:]
+    for pos, lp in enumerate(answer.prompt_logprobs):
+        dist = ref[pos]
+        assert lp.logprob == pytest.approx(float(dist[ids[pos + 1]]), abs=TOL)
+        assert lp.token == tokenizer.convert_ids_to_tokens(ids[pos + 1]) and lp.HasField("rank")
+        assert [t.logprob for t in lp.top_logprobs] == pytest.approx(dist.topk(2).values.tolist(), abs=TOL)
+    assert len(streamed[0].prompt_logprobs) == len(ids) - 1
+    assert all(not m.prompt_logprobs for m in streamed[1:])
+    assert [lp.logprob for lp in streamed[0].prompt_logprobs] == [lp.logprob for lp in answer.prompt_logprobs]
 
 
 # -- /tokenize, /detokenize ---------------------------------------------------------------------
