@@ -29,7 +29,8 @@ def reference(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
     model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([prompt])).logits[0].float()
+            device = next(model.parameters()).device
+            logits = model(torch.tensor([prompt], device=device)).logits[0].float().cpu()
     finally:
         model.set_attn_implementation(previous)
     return logits.log_softmax(-1)[:-1]
@@ -133,3 +134,23 @@ def test_steps_without_prompt_logprobs_keep_only_sampled_rows(model, monkeypatch
     requests = [(Request(f"r{i}", p, params), 0) for i, p in enumerate(prompts)]
     assert drive(core, requests) == {"r0": None, "r1": None}
     assert kept and max(kept) <= 2
+
+
+@pytest.mark.gpu
+def test_cuda_prompt_logprobs_beside_graph_replays(tiny_model_dir):
+    """On CUDA, with decode graphs and the asynchronous loop: steps of requests that ask run
+    eagerly beside graph-replayed decode steps, and give the model's logprobs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    model = model.to("cuda").eval()
+    prompts = _prompts(model.config.vocab_size, [40, 7, 90, 25], seed=4)
+    core = make_core(model, num_blocks=64, block_size=16, max_num_batched_tokens=64, max_model_len=256,
+                     max_num_seqs=8, cuda_graphs=True, step_loop="async", prefix_caching=True)
+    asks = [None, 2, 0, 4]
+    requests = [
+        (Request(f"r{i}", p, SamplingParams(max_tokens=16, prompt_logprobs=k)), 3 * i)
+        for i, (p, k) in enumerate(zip(prompts, asks, strict=True))
+    ]
+    got = drive(core, requests)
+    assert got["r0"] is None
+    for i in (1, 2, 3):
+        check(model, prompts[i], got[f"r{i}"], asks[i])
