@@ -94,18 +94,18 @@ def test_prompt_logprobs_equal_the_models_forward_through_chunked_prefill(model,
 @pytest.mark.parametrize("loop", ["sync", "async"])
 def test_prompt_logprobs_skip_the_prefix_cache_and_survive_preemption(model, loop):
     vocab = model.config.vocab_size
-    shared = _prompts(vocab, [40], seed=1)[0]
-    tails = _prompts(vocab, [11, 7, 23, 30], seed=2)
-    # 30 blocks of 4 for five requests of up to 110 tokens: preemption is forced
-    core = make_core(model, num_blocks=30, block_size=4, max_num_batched_tokens=32, step_loop=loop,
+    shared = _prompts(vocab, [24], seed=1)[0]
+    tails = _prompts(vocab, [5, 3, 9, 12], seed=2)
+    # 20 blocks of 4 for five requests of up to 56 tokens: preemption is forced
+    core = make_core(model, num_blocks=20, block_size=4, max_num_batched_tokens=64, step_loop=loop,
                      prefix_caching=True)
     first = Request("warm", shared + tails[0], SamplingParams(max_tokens=2))
     drive(core, [(first, 0)])  # its prompt's blocks are cached now
     requests = [
-        (Request(f"r{i}", shared + tail, SamplingParams(max_tokens=40, prompt_logprobs=2)), i)
+        (Request(f"r{i}", shared + tail, SamplingParams(max_tokens=20, prompt_logprobs=2)), i)
         for i, tail in enumerate(tails)
     ]
-    requests.append((Request("plain", shared + tails[1], SamplingParams(max_tokens=40)), 0))
+    requests.append((Request("plain", shared + tails[1], SamplingParams(max_tokens=20)), 0))
     got = drive(core, requests)
     seqs_preempted = core.scheduler.preempted_recompute + core.scheduler.preempted_offload
     assert seqs_preempted > 0
