@@ -46,7 +46,7 @@ def drive(core: EngineCore, requests: list[tuple[Request, int]]) -> dict[str, li
         while pending and pending[0][1] <= step:
             core.add(pending.pop(0)[0])
         for out in core.run_once().values():
-            assert not out.failed
+            assert not out.failed, out.failed
             for row, logprobs in out.prompt_logprobs:
                 rid = out.request_ids[row]
                 assert got[rid] is None, "prompt logprobs come once, with the first token"
@@ -112,6 +112,31 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_survive_preemption(model, loo
     assert core.scheduler.blocks.hit_tokens > 0  # the plain request found the shared prefix
     for i, tail in enumerate(tails):
         check(model, shared + tail, got[f"r{i}"], 2)
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_a_failed_step_s_prompt_logprobs_are_computed_again(model, loop):
+    """A step that fails after its launch (its prompt rows marked computed): its sequences are
+    recomputed alone (failure containment), and their prompt logprobs come complete all the same."""
+    prompts = _prompts(model.config.vocab_size, [50, 30, 9], seed=5)
+    core = make_core(model, max_num_batched_tokens=32, step_loop=loop)
+    runner, wait = core.runner, core.runner.wait
+    failed = []
+
+    def failing_once(step):
+        result = wait(step)
+        mid_prompt = any(c.seq.request_id == "r0" and c.start > 0 for c in step.out.chunks)
+        if mid_prompt and len(step.out.chunks) > 1 and not failed:
+            failed.append(step)
+            raise RuntimeError("injected")
+        return result
+
+    runner.wait = failing_once
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    got = drive(core, [(Request(f"r{i}", p, params), 0) for i, p in enumerate(prompts)])
+    assert failed
+    for i, p in enumerate(prompts):
+        check(model, p, got[f"r{i}"], 1)
 
 
 def test_steps_without_prompt_logprobs_keep_only_sampled_rows(model, monkeypatch):
