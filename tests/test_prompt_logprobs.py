@@ -13,6 +13,7 @@ from engine_harness import make_core
 from transformers import AutoModelForCausalLM
 
 from tandem.service.contract import Request, SamplingParams, TokenLogprob
+from tandem.service.engine import sampler
 from tandem.service.engine.engine_core import EngineCore
 
 TOL = 1e-3
@@ -77,7 +78,8 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("loop", ["sync", "async"])
-def test_prompt_logprobs_equal_the_models_forward_through_chunked_prefill(model, loop):
+def test_prompt_logprobs_equal_the_models_forward_through_chunked_prefill(model, loop, monkeypatch):
+    monkeypatch.setattr(sampler, "PROMPT_ROWS_AT_ONCE", 5)  # a chunk's rows in several slices
     prompts = _prompts(model.config.vocab_size, [2, 37, 90, 9])
     core = make_core(model, max_num_batched_tokens=24, step_loop=loop)  # 90 tokens: 4 chunks
     asks = [None, 0, 3, 5]

@@ -101,16 +101,24 @@ class PromptLogprobs(Generic[Rows]):
         return self.map(lambda t: t.tolist())
 
 
+PROMPT_ROWS_AT_ONCE = 256  # rows of float32 log-softmax held at once: 128 MiB at a 128k vocabulary
+
+
 def prompt_logprobs(
     logits: torch.Tensor, rows: PromptRows, targets: torch.Tensor
 ) -> PromptLogprobs[torch.Tensor]:
-    """`logits`: [P, V] of the prompt rows; `targets`: [P] their next tokens, on the device."""
-    logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(-1, targets[:, None])
-    out = PromptLogprobs(chosen[:, 0], (logp > chosen).sum(dim=-1) + 1)
-    if rows.top > 0:
-        out.top_logprobs, out.top_ids = logp.topk(rows.top, dim=-1)
-    return out
+    """`logits`: [P, V] of the prompt rows; `targets`: [P] their next tokens, on the device. Taken
+    a slice of rows at a time, so that a long prompt chunk needs no float32 copy of all its logits."""
+    parts = []
+    for start in range(0, len(targets), PROMPT_ROWS_AT_ONCE):
+        logp = logits[start : start + PROMPT_ROWS_AT_ONCE].float().log_softmax(dim=-1)
+        chosen = logp.gather(-1, targets[start : start + PROMPT_ROWS_AT_ONCE, None])
+        part = [chosen[:, 0], (logp > chosen).sum(dim=-1) + 1]
+        if rows.top > 0:
+            values, ids = logp.topk(rows.top, dim=-1)
+            part += [ids, values]
+        parts.append(part)
+    return PromptLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput[torch.Tensor]:
