@@ -95,7 +95,7 @@ class StepInputsBuilder:
                 steps.append(seq.num_output + seq.num_inflight - 1)  # this token's index in the output
                 if p.logprobs:
                     num_logprobs = max(num_logprobs, p.top_logprobs)
-            if (first := seq.prompt_logprobs_from) is not None:
+            if start + 1 < seq.prompt_len and (first := seq.prompt_logprobs_from) is not None:
                 # its prompt positions in this chunk whose logits no launched step computes yet
                 lo, hi = max(start, first), min(start + n, seq.prompt_len - 1)
                 if hi > lo:
