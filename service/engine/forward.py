@@ -24,7 +24,8 @@ def forward_and_sample(
     tokens: torch.Tensor,  # [S] the slot's sampled-token buffer
     prompt: PromptRows | None = None,  # prompt rows whose logits `keep` holds after the sampled ones
 ) -> tuple[torch.Tensor, SampleOutput[torch.Tensor]]:
-    """-> (the sampled rows' logits, the sample); the tokens are also copied into `tokens`."""
+    """-> (the sampled rows' logits, the sample, with the prompt rows' logprobs where `prompt` is
+    given); the tokens are also copied into `tokens`."""
     with attending(meta):
         out = forward(
             input_ids=input_ids[None],

@@ -253,8 +253,8 @@ class ModelRunner:
         prompt = batch.prompt
         if prompt is not None:  # the sampled rows' logits, then the prompt rows' (sampler.prompt_logprobs)
             keep = torch.cat([dev.logits_indices, prompt.indices.to(self.device, non_blocking=True)])
-            if self.prefill_compiled and len(keep) < 2:  # as below: no graph for 1 row
-                keep = keep.repeat(2)
+            if self.prefill_compiled and len(keep) < 2:  # 1 row: a size the compiler specialises on
+                keep = keep.repeat(2)  # (as below); the repeated row is past those read
         elif self.prefill_compiled and not meta.decode_only and len(keep) < 2:
             # 0 and 1 rows are sizes the compiler specialises on: pad to 2 (row 0, dropped
             # below) so that no step with one prompt or none sampling compiles another graph;
