@@ -80,6 +80,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # the prompt's own logprobs: each prompt token's after the one before, with this many top tokens
+    # (None = none; computed only for requests that ask: their prompt is not looked up in the
+    # prefix cache, and their prefill keeps every position's logits)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +134,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # of the token in its distribution, 1 = likeliest (prompt logprobs only)
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -145,6 +150,9 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     # (row, why, the stop token id where one of the request's stop_token_ids ended it)
     finished: list[tuple[int, FinishReason, int | None]] = msgspec.field(default_factory=list)
     logprobs: list[tuple[int, TokenLogprob]] = msgspec.field(default_factory=list)
+    # (row, the logprob of each prompt token after the first), with a request's first token, for
+    # requests that asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[tuple[int, list[TokenLogprob]]] = msgspec.field(default_factory=list)
     failed: list[tuple[str, ErrorKind, str]] = msgspec.field(default_factory=list)  # request id, status, why
 
 

@@ -433,7 +433,21 @@ BAD = [  # (path, body, status, param)
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 21}, 400, "top_logprobs"),
+    (CHAT_PATH, {**M, "prompt_logprobs": 1}, 400, "prompt_logprobs"),  # completions only
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": M["messages"]}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4o"}, 404, "model"),
     (COMPLETIONS, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
     (COMPLETIONS, {"prompt": "x", "stream": True, "max_tokens": 0}, 400, "max_tokens"),  # before the stream
@@ -550,7 +564,7 @@ _ANY = st.recursive(
 _FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
            "stream_options", "logprobs", "top_logprobs", "max_completion_tokens", "ignore_eos",
            "stop_token_ids", "return_token_ids", "echo", "logit_bias", "tools",
-           "response_format"]  # fmt: skip
+           "response_format", "prompt_logprobs"]  # fmt: skip
 _GOOD = {"messages": [{"role": "user", "content": "hi"}], "prompt": "Once upon a time"}
 
 

@@ -144,8 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = data.prompt_ids(tokenizer)[: a.prompts]
     longest = max(map(len, prompts)) + a.new
     blocks = max(blocks_for(1, a.window + 1, 16), blocks_for(len(prompts), longest, 16))
-    # no CUDA graphs: their decode steps bypass the forward that perplexity.EveryRow reads (they
-    # replay the same forward, so the numbers are those of graphed steps)
+    # no CUDA graphs: every step runs the eager forward (graphs replay the same forward, so the
+    # numbers are those of graphed steps)
     spec = EngineConfig(num_blocks=blocks, max_num_seqs=len(prompts), max_num_batched_tokens=a.chunk,
                         cuda_graphs=False)
     shape = f"{model_name}{'-smoke' if a.smoke else ''}"

@@ -67,6 +67,19 @@ class StepInputs:
     # async loop: per token, the row of the previous step's sampled tokens that is its input
     # (the host holds a placeholder there), or -1; None when nothing is carried
     carry: torch.Tensor | None = None
+    # prompt logprobs of the sequences that ask (None: no row of the step needs any)
+    prompt: PromptRows | None = None
+
+
+@dataclass
+class PromptRows:
+    """The prompt positions of a step whose logits give prompt logprobs: only sequences that ask
+    have any, so a step without them keeps only its sampled rows' logits."""
+
+    indices: torch.Tensor  # [P] packed index of each position
+    targets: torch.Tensor  # [P] the prompt token after it: the one whose logprob it gives
+    chunks: list[tuple[int, int]]  # (chunk index, rows of it), in row order
+    top: int  # top tokens to report per row (the most any of the step's sequences asks)
 
 
 def _slots_of(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

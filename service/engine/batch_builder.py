@@ -18,7 +18,7 @@ from array import array
 import numpy as np
 import torch
 
-from .batch import SamplingTensors, StepInputs
+from .batch import PromptRows, SamplingTensors, StepInputs
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
 
@@ -30,7 +30,9 @@ class StepInputsBuilder:
 
     def build(self, chunks: list[ScheduledChunk], prev_rows: dict[int, int] | None = None) -> StepInputs:
         """The inputs of a step of `chunks`. `prev_rows`: id(sequence) -> its row in the previous
-        step's samples, for carried chunks (None: nothing is carried)."""
+        step's samples, for carried chunks (None: nothing is carried). A sequence that asks for
+        prompt logprobs has its positions in the step's prompt rows marked as launched
+        (Sequence.prompt_logprobs_next)."""
         steady = bool(chunks) and all(c.num_tokens == 1 and c.carried and c.samples for c in chunks)
         inputs = self._derived(chunks, prev_rows) if steady else None
         if inputs is None:
@@ -56,6 +58,10 @@ class StepInputsBuilder:
         prefills: list[tuple[int, int, int, array | None]] = []
         temps, top_ps, top_ks, seeds, steps = [], [], [], [], []
         num_logprobs = -1
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_chunks: list[tuple[int, int]] = []
+        prompt_top = 0
 
         q = 0  # the chunk's first row in the packed step
         for ci, chunk in enumerate(chunks):
@@ -89,6 +95,15 @@ class StepInputsBuilder:
                 steps.append(seq.num_output + seq.num_inflight - 1)  # this token's index in the output
                 if p.logprobs:
                     num_logprobs = max(num_logprobs, p.top_logprobs)
+            if start + 1 < seq.prompt_len and (first := seq.prompt_logprobs_from) is not None:
+                # its prompt positions in this chunk whose logits no launched step computes yet
+                lo, hi = max(start, first), min(start + n, seq.prompt_len - 1)
+                if hi > lo:
+                    prompt_rows.extend(range(q + lo - start, q + hi - start))
+                    prompt_targets.extend(seq.token_ids[lo + 1 : hi + 1])
+                    prompt_chunks.append((ci, hi - lo))
+                    prompt_top = max(prompt_top, seq.params.prompt_logprobs)
+                    seq.prompt_logprobs_next = hi
             q += n
 
         sampling = SamplingTensors(
@@ -113,6 +128,12 @@ class StepInputsBuilder:
             prefills=prefills,
             sampling=sampling,
             carry=torch.from_numpy(carry) if carried else None,
+            prompt=PromptRows(
+                torch.tensor(prompt_rows, dtype=torch.int64),
+                torch.tensor(prompt_targets, dtype=torch.int64),
+                prompt_chunks,
+                prompt_top,
+            ) if prompt_rows else None,
         )
 
     def _derived(

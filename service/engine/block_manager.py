@@ -120,7 +120,10 @@ class BlockManager:
         logits give the next token."""
         if not self.prefix_caching or seq.block_ids or seq.num_computed:
             return 0
-        seq.num_computed = self._share_cached(seq, (seq.length - 1) // self.block_size) * self.block_size
+        most = (seq.length - 1) // self.block_size
+        if (needed := seq.prompt_logprobs_from) is not None:  # positions whose logits it needs are computed
+            most = min(most, needed // self.block_size)
+        seq.num_computed = self._share_cached(seq, most) * self.block_size
         self.queried_tokens += seq.length
         self.hit_tokens += seq.num_computed
         return seq.num_computed

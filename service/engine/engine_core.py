@@ -239,6 +239,8 @@ class EngineCore:
         """Hand the step's tokens to their sequences, and fill each front's outputs with those that
         took one (`result`'s rows are the step's chunks `step.batch.sample_chunks`)."""
         out, sample_chunks = step.out, step.batch.sample_chunks
+        if result.prompt is not None:
+            _collect_prompt_logprobs(step, result)
         sampled = dict(zip(sample_chunks, result.tokens, strict=True))
         took = self.scheduler.finish_step(out, sampled)
         rows = {ci: row for row, ci in enumerate(sample_chunks)} if result.logprobs is not None else {}
@@ -255,6 +257,8 @@ class EngineCore:
             if seq.num_output == 1:
                 self.prompt_tokens += seq.prompt_len
                 o.started.append((row, seq.scheduled_at, seq.cached_tokens or 0))
+                if seq.params.prompt_logprobs is not None:
+                    o.prompt_logprobs.append((row, seq.prompt_logprobs))
             if rows and seq.params.logprobs:
                 o.logprobs.append((row, _logprob(result, rows[ci], seq.params.top_logprobs)))
             if seq.finish_reason is not None:
@@ -298,3 +302,19 @@ def _logprob(result: SampleOutput[list], row: int, top: int) -> TokenLogprob:
     if result.top_ids is not None:
         pairs = list(zip(result.top_ids[row][:top], result.top_logprobs[row][:top], strict=True))
     return TokenLogprob(result.logprobs[row], pairs)
+
+
+def _collect_prompt_logprobs(step: LaunchedStep, result: SampleOutput[list]) -> None:
+    """Hand each prompt row's logprob to its sequence (rows of a chunk: consecutive positions, after
+    those of its steps before)."""
+    prompt, rows = result.prompt, step.batch.prompt
+    row = 0
+    for ci, count in rows.chunks:
+        seq = step.out.chunks[ci].seq
+        top = seq.params.prompt_logprobs or 0
+        for r in range(row, row + count):
+            pairs = []
+            if top:
+                pairs = list(zip(prompt.top_ids[r][:top], prompt.top_logprobs[r][:top], strict=True))
+            seq.prompt_logprobs.append(TokenLogprob(prompt.logprobs[r], pairs, prompt.ranks[r]))
+        row += count

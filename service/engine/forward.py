@@ -1,7 +1,7 @@
 """One step's forward and sampling: the model over the step's packed tokens, as transformers takes
 them, its attention ops reading the step's metadata; then each sampling row's token, written into
-the slot's buffer. The eager step (model_runner.py) and the captured decode graphs
-(cuda_graphs.py) run this same call."""
+the slot's buffer, and the logprobs of the prompt rows of sequences that ask for them. The eager
+step (model_runner.py) and the captured decode graphs (cuda_graphs.py) run this same call."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from .batch import DeviceBatch
+from .batch import DeviceBatch, PromptRows
 from .ops.attention_metadata import AttentionMetadata
 from .ops.mixed_op import attending
-from .sampler import SampleOutput, sample
+from .sampler import SampleOutput, prompt_logprobs, sample
 
 
 def forward_and_sample(
@@ -22,8 +22,10 @@ def forward_and_sample(
     meta: AttentionMetadata,
     keep: torch.Tensor | int,  # the rows whose logits are kept (0 = every row)
     tokens: torch.Tensor,  # [S] the slot's sampled-token buffer
+    prompt: PromptRows | None = None,  # prompt rows whose logits `keep` holds after the sampled ones
 ) -> tuple[torch.Tensor, SampleOutput[torch.Tensor]]:
-    """-> (the sampled rows' logits, the sample); the tokens are also copied into `tokens`."""
+    """-> (the sampled rows' logits, the sample, with the prompt rows' logprobs where `prompt` is
+    given); the tokens are also copied into `tokens`."""
     with attending(meta):
         out = forward(
             input_ids=input_ids[None],
@@ -32,7 +34,11 @@ def forward_and_sample(
             use_cache=False,
             tandem_meta=meta,
         )
-    logits = out.logits[0, : len(tokens)]
+    s = len(tokens)
+    logits = out.logits[0, :s]
     sampled = sample(logits, dev.sampling)
     tokens.copy_(sampled.tokens)
+    if prompt is not None:
+        targets = prompt.targets.to(logits.device, non_blocking=True)
+        sampled.prompt = prompt_logprobs(out.logits[0, s : s + len(targets)], prompt, targets)
     return logits, sampled

@@ -190,7 +190,7 @@ class ModelRunner:
         prev_tokens = self.slots[prev.slot].tokens if prev is not None else None
         n = len(batch.sample_chunks)
         bucket = None
-        if self.graphs is not None:
+        if self.graphs is not None and batch.prompt is None:  # prompt logprobs: the eager step
             bucket = self.graphs.bucket_for(len(batch.decode_token_idx), bool(batch.prefills))
         st = self.streams
         ev = StageEvents.make() if st is not None else None
@@ -215,6 +215,7 @@ class ModelRunner:
             host = SampleOutput(
                 buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True),
                 _to_host(sampled.logprobs), _to_host(sampled.top_ids), _to_host(sampled.top_logprobs),
+                None if sampled.prompt is None else sampled.prompt.map(_to_host),
             )
             if ev is not None:
                 ev.d2h_done.record()
@@ -249,13 +250,18 @@ class ModelRunner:
         if input_ids is not dev.input_ids:  # in the slot's buffer, as without carries: one kind of
             input_ids = dev.input_ids.copy_(input_ids)  # tensor for the compiled forward's guards
         keep = 0 if meta.decode_only else dev.logits_indices
-        if self.prefill_compiled and not meta.decode_only and len(keep) < 2:
+        prompt = batch.prompt
+        if prompt is not None:  # the sampled rows' logits, then the prompt rows' (sampler.prompt_logprobs)
+            keep = torch.cat([dev.logits_indices, prompt.indices.to(self.device, non_blocking=True)])
+            if self.prefill_compiled and len(keep) < 2:  # 1 row: a size the compiler specialises on
+                keep = keep.repeat(2)  # (as below); the repeated row is past those read
+        elif self.prefill_compiled and not meta.decode_only and len(keep) < 2:
             # 0 and 1 rows are sizes the compiler specialises on: pad to 2 (row 0, dropped
             # below) so that no step with one prompt or none sampling compiles another graph;
             # padded in the slot's own buffer, so the tensor is of the same kind as unpadded ones
             keep = self.slots[s].padded_logits_indices(len(keep), 2)
         forward = self.decode_forward if meta.decode_only else self.prefill_forward
-        return forward_and_sample(forward, input_ids, dev, meta, keep, tokens)[1]
+        return forward_and_sample(forward, input_ids, dev, meta, keep, tokens, prompt)[1]
 
     @staticmethod
     def wait(step: LaunchedStep) -> SampleOutput[list]:

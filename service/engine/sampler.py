@@ -1,4 +1,5 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, logprobs; and the
+logprobs of prompt tokens, for the requests that ask.
 
 Randomness is a counter-based hash of (request seed, output index, vocabulary id), turned into
 Gumbel noise: argmax(logits / T + Gumbel) samples from softmax(logits / T). A seeded request
@@ -7,12 +8,13 @@ therefore draws the same numbers whatever else is in the batch, and no generator
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
-from .batch import SamplingTensors
+from .batch import PromptRows, SamplingTensors
 
 _M64 = (1 << 64) - 1
 
@@ -59,6 +61,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 Rows = TypeVar("Rows", torch.Tensor, list)
+Rows2 = TypeVar("Rows2", torch.Tensor, list)
 
 
 @dataclass
@@ -70,11 +73,52 @@ class SampleOutput(Generic[Rows]):
     logprobs: Rows | None = None  # [S] log-probability of the chosen token
     top_ids: Rows | None = None  # [S, K]
     top_logprobs: Rows | None = None  # [S, K]
+    prompt: PromptLogprobs[Rows] | None = None  # the step's prompt rows (batch.PromptRows), if any
 
     def tolist(self) -> SampleOutput[list]:
         """The same rows as Python lists (of host tensors, once their copies have landed)."""
         rows = (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)
-        return SampleOutput(*(None if t is None else t.tolist() for t in rows))
+        out = SampleOutput(*(None if t is None else t.tolist() for t in rows))
+        if self.prompt is not None:
+            out.prompt = self.prompt.tolist()
+        return out
+
+
+@dataclass
+class PromptLogprobs(Generic[Rows]):
+    """Each prompt row's next prompt token: its logprob and rank, and the row's top tokens."""
+
+    logprobs: Rows  # [P]
+    ranks: Rows  # [P] 1 = the likeliest token
+    top_ids: Rows | None = None  # [P, K]
+    top_logprobs: Rows | None = None  # [P, K]
+
+    def map(self, f: Callable[[Rows], Rows2]) -> PromptLogprobs[Rows2]:
+        return PromptLogprobs(*(None if t is None else f(t) for t in
+                                (self.logprobs, self.ranks, self.top_ids, self.top_logprobs)))
+
+    def tolist(self) -> PromptLogprobs[list]:
+        return self.map(lambda t: t.tolist())
+
+
+PROMPT_ROWS_AT_ONCE = 256  # rows of float32 log-softmax held at once: 128 MiB at a 128k vocabulary
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, rows: PromptRows, targets: torch.Tensor
+) -> PromptLogprobs[torch.Tensor]:
+    """`logits`: [P, V] of the prompt rows; `targets`: [P] their next tokens, on the device. Taken
+    a slice of rows at a time, so that a long prompt chunk needs no float32 copy of all its logits."""
+    parts = []
+    for start in range(0, len(targets), PROMPT_ROWS_AT_ONCE):
+        logp = logits[start : start + PROMPT_ROWS_AT_ONCE].float().log_softmax(dim=-1)
+        chosen = logp.gather(-1, targets[start : start + PROMPT_ROWS_AT_ONCE, None])
+        part = [chosen[:, 0], (logp > chosen).sum(dim=-1) + 1]
+        if rows.top > 0:
+            values, ids = logp.topk(rows.top, dim=-1)
+            part += [ids, values]
+        parts.append(part)
+    return PromptLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput[torch.Tensor]:

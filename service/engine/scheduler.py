@@ -128,6 +128,7 @@ class Scheduler:
                     queue.remove(seq)
             self._release(seq)
             seq.num_computed = seq.num_inflight = 0
+            seq.prompt_logprobs_next = len(seq.prompt_logprobs)  # a failed step's are computed again
             self.suspects.append(seq)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from ..contract import FinishReason, Request, SamplingParams
+from ..contract import FinishReason, Request, SamplingParams, TokenLogprob
 
 
 @dataclass(eq=False, slots=True)
@@ -30,6 +30,11 @@ class Sequence:
     num_inflight: int = 0  # sampled by a launched step, not yet seen by the host (async loop)
     finish_reason: FinishReason | None = None
     stop_token: int | None = None  # the one of its stop_token_ids that ended it (None: EOS or no token)
+    # prompt logprobs (a request that asks: SamplingParams.prompt_logprobs): those of prompt tokens
+    # 1.. received from finished steps, and the positions below this one whose logits a launched
+    # step computes (position p's logits give token p + 1's logprob)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_next: int = 0
     num_preemptions: int = 0
     num_failed_steps: int = 0  # steps that failed with it in the batch (failure containment)
     scheduled_at: float | None = None  # wall clock of the first step that computed any of it (telemetry)
@@ -46,6 +51,14 @@ class Sequence:
     def cache_scope(self) -> bytes:
         """Shares cached prefix blocks with sequences of this scope only."""
         return self.request.cache_scope
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first prompt position whose logits it still needs (its prefix cache lookup stops
+        there); None if it needs none."""
+        if self.params.prompt_logprobs is None or self.prompt_logprobs_next >= self.prompt_len - 1:
+            return None
+        return self.prompt_logprobs_next
 
     @property
     def num_output(self) -> int:

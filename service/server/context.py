@@ -130,7 +130,9 @@ class ModelContext:
         self._check_fits(len(text), "the prompt", "prompt")
         return await self.tokenize(text)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not self.has_chat_template:
             raise invalid(f"model {self.name!r} has no chat template", "messages")
         if not messages:
@@ -139,7 +141,7 @@ class ModelContext:
         self._check_fits(chars, "the chat", "messages")
         try:
             render = self.tokenizer.apply_chat_template
-            kwargs = {"add_generation_prompt": True, "tokenize": True}
+            kwargs = {"add_generation_prompt": add_generation_prompt, "tokenize": True}
             if chars <= INLINE_CHARS:
                 out = render(messages, **kwargs)
             else:

@@ -96,6 +96,9 @@ class EngineClient:
         for row, logprob in out.logprobs:
             if (stream := streams.get(ids[row])) is not None:
                 stream.logprob(logprob)
+        for row, logprobs in out.prompt_logprobs:
+            if (stream := streams.get(ids[row])) is not None:
+                stream.prompt_logprobs = logprobs
         for row, reason, stop_token in out.finished:
             if (stream := streams.get(ids[row])) is not None:
                 stream.finish(reason, stop_token)

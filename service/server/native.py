@@ -13,7 +13,7 @@ import grpc
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-from ..contract import FinishReason, RequestError, invalid
+from ..contract import FinishReason, RequestError, TokenLogprob, invalid
 from .context import Chat, Delivery, Prompt, whole_answer
 from .errors import abort, abort_if_too_large
 from .request_stream import GenerationChunk
@@ -67,6 +67,7 @@ class _Generation:
 
     def sampling(self) -> dict[str, Any]:
         s, st, lp = self.request.sampling, self.request.stopping, self.request.logprobs
+        pl = self.request.prompt_logprobs
         return {
             "temperature": s.temperature if s.HasField("temperature") else None,
             "top_p": s.top_p if s.HasField("top_p") else None,
@@ -78,6 +79,7 @@ class _Generation:
             "ignore_eos": st.ignore_eos,
             "logprobs": lp.enabled,
             "top_logprobs": lp.top_logprobs,
+            "prompt_logprobs": pl.top_logprobs if pl.enabled else None,
         }
 
     def delivery(self) -> Delivery:
@@ -99,6 +101,17 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
     def _token(self, token_id: int) -> str:
         return self.ctx.tokenizer.convert_ids_to_tokens(token_id) or ""
 
+    def _logprob(self, token_id: int, lp: TokenLogprob) -> pb.TokenLogprob:
+        out = pb.TokenLogprob(
+            token_id=token_id,
+            token=self._token(token_id),
+            logprob=lp.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=i, token=self._token(i), logprob=v) for i, v in lp.top],
+        )
+        if lp.rank is not None:
+            out.rank = lp.rank
+        return out
+
     def _response(self, request_id: str, chunk: GenerationChunk) -> pb.GenerateResponse:
         out = pb.GenerateResponse(
             request_id=request_id,
@@ -108,16 +121,10 @@ class TandemServicer(Servicer, pb_grpc.TandemServicer):
             finish_reason=_FINISH[chunk.finish_reason],
         )
         for tid, lp in zip(chunk.token_ids, chunk.logprobs or [], strict=False):
-            out.logprobs.append(
-                pb.TokenLogprob(
-                    token_id=tid,
-                    token=self._token(tid),
-                    logprob=lp.logprob,
-                    top_logprobs=[
-                        pb.TopLogprob(token_id=i, token=self._token(i), logprob=v) for i, v in lp.top
-                    ],
-                )
-            )
+            out.logprobs.append(self._logprob(tid, lp))
+        if chunk.prompt_logprobs is not None and chunk.prompt_ids is not None:
+            pairs = zip(chunk.prompt_ids[1:], chunk.prompt_logprobs, strict=False)
+            out.prompt_logprobs.extend(self._logprob(tid, lp) for tid, lp in pairs)
         if chunk.finish_reason is not None:
             out.usage.prompt_tokens = chunk.prompt_tokens
             out.usage.completion_tokens = chunk.completion_tokens

@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP API of a front: `/v1/chat/completions`, `/v1/completions` (streamed as
 server-sent events or whole), `/v1/models` (with where the model's tokenizer files are, and the
-files themselves), and the probes `/health` (liveness) and `/ready` (readiness, as the front's gRPC
-health).
+files themselves), vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, and the probes
+`/health` (liveness) and `/ready` (readiness, as the front's gRPC health).
 
 It admits requests through the same `ModelContext` as the gRPC servicers and feeds the same
 `EngineClient`, on the front's event loop. Every refusal is an OpenAI error body with its HTTP
 status (request_error); a streamed response starts once its first chunk is ready, so that a request
 the engine refuses (queue full) still gets its status. A client that goes away, streaming or not,
-aborts its request in the engine. Every /v1 request needs the bearer token when a token file is set.
+aborts its request in the engine. Every /v1 request, and the tokenizer endpoints, need the bearer token
+when a token file is set.
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ from .interceptor_kit import RateLimitedLog
 from .openai_responses import (
     ChatResponse,
     CompletionResponse,
+    Echo,
     TokenTexts,
     error_body,
     request_error,
 )
-from .openai_schema import ChatCompletionRequest, CompletionRequest
+from .openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat,
+)
 from .request_stream import GenerationChunk
+from .validation import check_token_ids
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -153,6 +162,9 @@ class OpenAIApi:
         app.add_api_route(tokenizer, self.tokenizer, methods=["GET"])
         app.add_api_route(tokenizer + "/{file:path}", self.tokenizer_file, methods=["GET"])
         app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/tokenizer_info", self.tokenizer_info, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/ready", self.ready, methods=["GET"])
         app.add_exception_handler(RequestError, self._request_error)
@@ -232,13 +244,24 @@ class OpenAIApi:
         self, ctx: ModelContext, body: ChatCompletionRequest | CompletionRequest, rid: str
     ) -> ChatResponse | CompletionResponse:
         texts = None
-        if body.sampling()["logprobs"]:
+        sampling = body.sampling()
+        if sampling["logprobs"] or sampling["prompt_logprobs"] is not None:
             if self._texts is None:  # one tokenizer per front, loaded once
                 self._texts = TokenTexts(ctx.tokenizer)
             texts = self._texts
         if isinstance(body, ChatCompletionRequest):
             return ChatResponse(f"chatcmpl-{rid}", ctx.name, texts, body.return_token_ids)
-        return CompletionResponse(f"cmpl-{rid}", ctx.name, texts, body.return_token_ids)
+        echo = None
+        if body.echo or body.prompt_logprobs is not None:
+            echo = Echo(
+                text=body.prompt_text,
+                decode=ctx.tokenizer.decode,
+                echo=bool(body.echo),
+                logprobs=body.logprobs,
+                prompt_logprobs=body.prompt_logprobs,
+                prompt_only=body.prompt_only,
+            )
+        return CompletionResponse(f"cmpl-{rid}", ctx.name, texts, body.return_token_ids, echo=echo)
 
     # -- generation -------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -352,6 +375,46 @@ class OpenAIApi:
             message = f"{file!r} is not a file of the tokenizer of {ctx.name!r}; its files: {files}"
             raise ApiError(404, message, "invalid_request_error", "not_found")
         return FileResponse(path)
+
+    # -- tokenizer --------------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's: a prompt's token ids (with the tokenizer's special tokens unless
+        add_special_tokens is false), or a chat's as its template renders it."""
+        self._authorize(request)
+        body = TokenizeRequest.model_validate_json(await self._body(request))
+        ctx = self.holder.get()
+        ctx.check_model(body.model or "")
+        body.check()
+        if body.messages is not None:
+            ids = await ctx.encode_chat(chat(body.messages).messages, body.add_generation_prompt)
+        else:
+            ids = await ctx.tokenize(body.prompt, body.add_special_tokens)
+        return _json({"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.max_model_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's: token ids to their text (special tokens included)."""
+        self._authorize(request)
+        body = DetokenizeRequest.model_validate_json(await self._body(request))
+        ctx = self.holder.get()
+        ctx.check_model(body.model or "")
+        check_token_ids("tokens", body.tokens, min(ctx.limits.vocab_size, len(ctx.tokenizer)))
+        return _json({"prompt": ctx.tokenizer.decode(body.tokens)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's: the tokenizer's special tokens and chat template (lm-evaluation-harness's remote
+        tokenizer reads it, then tokenizes through /tokenize)."""
+        self._authorize(request)
+        ctx = self.holder.get()
+        tok = ctx.tokenizer
+        return _json({
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": ctx.limits.max_model_len,
+        })
 
     async def health(self) -> Response:
         """Liveness: 200 while the front can serve at all (loading and draining included)."""

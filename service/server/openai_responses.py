@@ -8,6 +8,7 @@ ended a request) and `token_ids` (when the request sets `return_token_ids`) are 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -159,24 +160,97 @@ class ChatResponse(_Response):
         return {"content": content, "refusal": None}
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What a completion shows of its prompt: `echo` (its text first, and with `logprobs` its
+    tokens' logprobs first, the first token's null), vLLM's `prompt_logprobs` (top N per position),
+    and whether the completion itself is left out (`max_tokens: 0` with echo)."""
+
+    text: str | None  # the prompt as given, where it was text; None: decoded from its ids
+    decode: Callable[[list[int]], str]
+    echo: bool = False
+    logprobs: int | None = None  # echo's top tokens per position (None: no logprobs asked)
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
+
+
 @dataclass
 class CompletionResponse(_Response):
-    # characters of completion text before this chunk's first token (text_offset)
+    echo: Echo | None = None
+    # characters of text before this chunk's first token (text_offset)
     _offset: int = field(default=0, init=False)
+    _echoing: bool = field(default=False, init=False)  # the choice being made shows the prompt
 
     whole_object = chunk_object = "text_completion"
+
+    def _shown(self, chunk: GenerationChunk) -> GenerationChunk:
+        """The chunk as the response shows it: without its completion where only the prompt is asked."""
+        if self.echo is None or not self.echo.prompt_only:
+            return chunk
+        return dataclasses.replace(chunk, text="", token_ids=[], completion_tokens=0,
+                                   logprobs=None if chunk.logprobs is None else [])
+
+    def whole(self, done: GenerationChunk) -> dict:
+        return super().whole(self._shown(done))
+
+    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict:
+        return super().stream_chunk(self._shown(chunk), with_usage)
+
+    def usage_chunk(self, last: GenerationChunk) -> dict:
+        return super().usage_chunk(self._shown(last))
 
     def _whole_body(self, done: GenerationChunk) -> dict:
         return {"text": done.text}
 
     _chunk_body = _whole_body  # a stream's chunk carries its own text the same way
 
+    def _choice(self, chunk: GenerationChunk, body: dict) -> dict:
+        echo = self.echo
+        self._echoing = echo is not None and echo.echo and chunk.prompt_ids is not None
+        if self._echoing:
+            prompt_text = echo.text if echo.text is not None else echo.decode(chunk.prompt_ids)
+            body = {**body, "text": prompt_text + body["text"]}
+        choice = super()._choice(chunk, body)
+        if echo is not None and echo.prompt_logprobs is not None and chunk.prompt_ids is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(chunk, echo.prompt_logprobs)
+        return choice
+
+    def _prompt_entries(self, chunk: GenerationChunk) -> list[tuple[int, TokenLogprob | None]]:
+        """The prompt's tokens and their logprobs (None for the first token, as for vLLM)."""
+        ids = chunk.prompt_ids or []
+        logprobs = chunk.prompt_logprobs or []
+        return list(zip(ids, [None, *logprobs], strict=False))
+
+    def _prompt_logprobs(self, chunk: GenerationChunk, top: int) -> list[dict | None]:
+        """vLLM's: per prompt position, {token id: {logprob, rank, decoded_token}} of the prompt's
+        token and the position's top `top`; null for the first."""
+        text = self._texts().text
+        out: list[dict | None] = []
+        for tid, lp in self._prompt_entries(chunk):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(tid)}}
+            for rank, (i, v) in enumerate(lp.top[:top], 1):
+                entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": text(i)})
+            out.append(entry)
+        return out
+
+    def _texts(self) -> TokenTexts:
+        assert self.texts is not None, "a request with prompt logprobs gets token texts"
+        return self.texts
+
     def _logprobs(self, chunk: GenerationChunk) -> dict | None:
-        """The legacy API's: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset."""
+        """The legacy API's: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset;
+        with echo, the prompt's first."""
         if self.texts is None or chunk.logprobs is None:
             return None
         text = self.texts.text
-        entries = self._entries(chunk)
+        entries: list[tuple[int, TokenLogprob | None]] = list(self._entries(chunk))
+        top = None
+        if self._echoing and self.echo.logprobs is not None:
+            entries = self._prompt_entries(chunk) + entries
+            top = self.echo.logprobs
         tokens = [text(tid) for tid, _ in entries]
         offsets = []
         for t in tokens:
@@ -184,7 +258,9 @@ class CompletionResponse(_Response):
             self._offset += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for _, lp in entries],
-            "top_logprobs": [{text(i): v for i, v in lp.top} for _, lp in entries],
+            "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+            "top_logprobs": [
+                None if lp is None else {text(i): v for i, v in lp.top[:top]} for _, lp in entries
+            ],
             "text_offset": offsets,
         }

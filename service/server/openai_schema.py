@@ -2,9 +2,12 @@
 `/v1/completions`, and what each field means for the engine.
 
 Unknown fields are ignored, as OpenAI ignores them. Known fields whose values Tandem cannot honour
-(n > 1, penalties, logit_bias, tools, echo, suffix, best_of > 1, non-text content) are refused with
+(n > 1, penalties, logit_bias, tools, suffix, best_of > 1, non-text content) are refused with
 a message naming the field rather than dropped in silence. `top_k`, `ignore_eos`, `stop_token_ids`,
-`return_token_ids` and `cache_salt` are extensions, spelled as vLLM spells them. Values are checked
+`return_token_ids`, `cache_salt` and (completions only) `prompt_logprobs` are extensions, spelled
+as vLLM spells them. A completion's `echo` with `logprobs` asks the engine for the prompt's logprobs
+too; `max_tokens: 0` is allowed with `echo` (the prompt alone: the engine samples one token, which
+the response leaves out). Values are checked
 strictly (a number given as a string is an error); their ranges are resolve_params's to check, as
 for gRPC.
 """
@@ -53,6 +56,14 @@ class ChatMessage(_Body):
         return "\n".join(texts)  # as vLLM joins text parts
 
 
+def chat(messages: list[ChatMessage]) -> Chat:
+    """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
+    return Chat([
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+        for i, m in enumerate(messages)
+    ])
+
+
 class _Request(_Body):
     """Fields both endpoints share. A body is what admission reads (context.WireRequest)."""
 
@@ -73,6 +84,7 @@ class _Request(_Body):
     stop_token_ids: list[int] | None = None  # extension
     return_token_ids: bool = False  # extension: each choice carries its token ids
     cache_salt: str | None = None  # extension: shares cached prompt prefixes only within this salt
+    prompt_logprobs: int | None = None  # extension (completions): the prompt's logprobs, top N each
 
     @property
     def streams(self) -> bool:
@@ -102,6 +114,9 @@ class _Request(_Body):
     def _logprobs(self) -> tuple[bool, int]:
         return False, 0
 
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling(self) -> dict[str, Any]:
         """The request's sampling fields as resolve_params's keyword arguments."""
         logprobs, top = self._logprobs()
@@ -116,6 +131,7 @@ class _Request(_Body):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "top_logprobs": top,
+            "prompt_logprobs": self._prompt_logprobs(),
         }
 
 
@@ -135,13 +151,11 @@ class ChatCompletionRequest(_Request):
             raise invalid("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs is supported on /v1/completions only", "prompt_logprobs")
 
     def prompt_input(self) -> Chat:
-        """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
-        return Chat([
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(self.messages)
-        ])
+        return chat(self.messages)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -159,8 +173,8 @@ class CompletionRequest(_Request):
 
     def check(self) -> None:
         self._check_common()
-        if self.echo:
-            raise invalid("echo is not supported (the engine returns no prompt logprobs)", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens must be positive, got 0 (0 is allowed with echo only)", "max_tokens")
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
@@ -179,5 +193,47 @@ class CompletionRequest(_Request):
             return p[0]
         return p
 
+    @property
+    def prompt_text(self) -> str | None:
+        """The prompt where it was given as text (what echo shows as it is), else None."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        return p[0] if len(p) == 1 and isinstance(p[0], str) else None
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, no completion."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens  # the engine samples at least one token
+
     def _logprobs(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
+
+    def _prompt_logprobs(self) -> int | None:
+        """The top tokens per prompt position the response shows (echo's and prompt_logprobs's)."""
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a prompt's token ids, or a chat's as its template renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # a prompt's (a chat's template adds its own)
+    add_generation_prompt: bool = True  # a chat's: end with the assistant's turn, as for a completion
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("give either prompt or messages", "prompt")
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's `/detokenize`: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

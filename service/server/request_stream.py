@@ -44,6 +44,10 @@ class GenerationChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (known from the first token)
     times: RequestTimes | None = None  # when the front saw the request's milestones (telemetry)
+    # the first chunk's: the prompt's token ids, and the logprobs of its tokens after the first
+    # where the request asked for them (SamplingParams.prompt_logprobs)
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,10 @@ class RequestStream:
         self.request_id = request.request_id
         self.interval = interval
         self.release = release  # called once its reader is done with it
+        self.prompt_ids = request.prompt_ids
         self.prompt_len = len(request.prompt_ids)
+        # as the engine sent them, with the first token (where the request asked)
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self.params = params = request.params
         self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids)
         self.stops = StopStringMatcher(params.stop)
@@ -165,6 +172,7 @@ class RequestStream:
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         completion = 0
+        first = True
         timer = None
         if self._deadline is not None:
             timer = asyncio.get_running_loop().call_later(self._deadline - time.time(), self._expire)
@@ -199,7 +207,10 @@ class RequestStream:
                     completion_tokens=completion,
                     cached_tokens=self.cached_tokens,
                     times=self.times,
+                    prompt_ids=self.prompt_ids if first else None,
+                    prompt_logprobs=self.prompt_logprobs if first else None,
                 )
+                first = False
                 if finish is not None:
                     return
         finally:
@@ -220,4 +231,6 @@ async def whole(chunks: AsyncIterator[GenerationChunk], logprobs: bool) -> Gener
         merged.prompt_tokens, merged.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
         merged.cached_tokens = chunk.cached_tokens
         merged.times = chunk.times
+        if merged.prompt_ids is None:
+            merged.prompt_ids, merged.prompt_logprobs = chunk.prompt_ids, chunk.prompt_logprobs
     return merged

@@ -19,7 +19,7 @@ def _finite(name: str, value: float) -> None:
         raise invalid(f"{name} must be a finite number, got {value}", name)
 
 
-def _token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
     """`name`: the request field that holds them."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -30,7 +30,7 @@ def validate_prompt(prompt_ids: list[int], limits: Limits, param: str = "prompt"
     """`param`: the request field that holds the prompt (OpenAI's chat: "messages")."""
     if not prompt_ids:
         raise invalid("prompt is empty", param)
-    _token_ids("prompt", prompt_ids, limits.vocab_size)
+    check_token_ids("prompt", prompt_ids, limits.vocab_size)
     if len(prompt_ids) >= limits.max_model_len:
         raise invalid(
             f"the model's context length is {limits.max_model_len} tokens, and the prompt has "
@@ -54,6 +54,7 @@ def resolve_params(
     ignore_eos: bool = False,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Validate raw request fields (None = not given) and fill defaults, for a prompt of `prompt_len`
     tokens that fits the context (validate_prompt). `top_p` 0 keeps only the likeliest token: greedy."""
@@ -93,9 +94,12 @@ def resolve_params(
         if len(s) > limits.max_stop_string_chars:
             most = limits.max_stop_string_chars
             raise invalid(f"a stop string has {len(s)} characters; at most {most}", "stop")
-    _token_ids("stop_token_ids", list(stop_token_ids), limits.vocab_size)
+    check_token_ids("stop_token_ids", list(stop_token_ids), limits.vocab_size)
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}", "top_logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        most = MAX_TOP_LOGPROBS
+        raise invalid(f"prompt_logprobs must be in [0, {most}], got {prompt_logprobs}", "prompt_logprobs")
     return SamplingParams(
         temperature=float(temperature or 0.0),
         top_p=float(top_p if top_p is not None else 1.0),
@@ -107,4 +111,5 @@ def resolve_params(
         ignore_eos=ignore_eos,
         logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
