@@ -27,16 +27,9 @@ SHAPES = [(1, 32, 8, 128, 16, 16384), (7, 8, 8, 64, 16, 300), (32, 32, 8, 128, 1
           (2, 8, 1, 64, 16, 9000)]
 
 
-def _kernel_rotated(positions: torch.Tensor, spec: DeferredRotary, k: torch.Tensor) -> torch.Tensor:
-    """k rotated as the kernels rotate it: in fp32, rounded once to k's dtype. (transformers' way,
-    rounding cos, sin and each product to a bf16 k, lands up to ~|k| * 2^-8 away where the two terms
-    nearly cancel: many e4m3 steps of a small stored key.)"""
-    return rotate(positions, spec, k.float())[0].to(k.dtype)
-
-
 def _one_step_apart(got: torch.Tensor, want: torch.Tensor, scale: float) -> None:
-    """Stored e4m3 values equal, or one e4m3 step apart (the kernel's cos and sin may differ from
-    torch's in the last bit, and a key then fall on the other side of a rounding boundary)."""
+    """Stored e4m3 values equal, or one e4m3 step apart (a key the kernel rotated in fp32 and rounded
+    once, transformers after each op, may fall on the other side of a rounding boundary)."""
     g, w = got.float() * scale, want.float() * scale
     torch.testing.assert_close(g, w, rtol=2**-3, atol=2**-9 * scale)
 
@@ -84,8 +77,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
         base = 500000.0 if head_dim == 128 else 10000.0
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
         spec = DeferredRotary(inv_freq, 1.0)
-        ref_q = rotate(last, spec, q)[0]
-        ref_new_k = _kernel_rotated(last, spec, new_k)
+        ref_q, ref_new_k = rotate(last, spec, q, new_k)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     write(ref_k, new_slots, ref_new_k, ks)
     write(ref_v, new_slots, new_v, vs)
@@ -158,8 +150,7 @@ def test_write_kernel_quantizes_the_steps_kv_into_an_fp8_cache(tokens, heads, kv
     if rotary:
         inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
         spec = DeferredRotary(inv_freq, 1.25)
-        ref_q = rotate(positions, spec, q)[0]
-        ref_k = _kernel_rotated(positions, spec, k)
+        ref_q, ref_k = rotate(positions, spec, q, k)
     ref_k_cache, ref_v_cache = cache(), cache()
     write(ref_k_cache, slot_mapping, ref_k, ks)
     write(ref_v_cache, slot_mapping, v, vs)
