@@ -4,7 +4,7 @@ measured `tandem bench` results, so that the simulated pod is the pod those resu
     python -m tandem.bench.autoscale.calibrate \\
         --decode bench/results/2026-12-06_h100_fp8_8b-bf16-w8a8+kv8-4-workloads.json \\
         --prefill bench/results/2026-12-05_h100_workloads_8b-mixed-long.json \\
-        --start-warm-s 51 --start-cold-s 105 --start-source "..."
+        --start bench/results/2026-12-06_h100_start_8b.json
 
 Where each number comes from:
 - **Decode step**: each workload `RxP+N` of the decode results (`tandem bench fp8`, its bf16 variant;
@@ -23,8 +23,9 @@ Where each number comes from:
 - **KV cache**: the server's `kv_cache_memory_fraction` default of the GPU memory its name states
   (the 80GB of `NVIDIA H100 80GB HBM3`, or `--gpu-memory-gb`) less the weights the results measured,
   over a token's K/V bytes: an estimate (the server sizes it from free memory after loading).
-- **Start**: no result file holds it yet; `--start-warm-s`, `--start-cold-s` and `--start-source`
-  record where the numbers come from.
+- **Start**: a `tandem bench start` result of the same shape on the same GPU: its `warm` run (a
+  new pod on a compile cache another pod filled) and its `cold` run (an empty cache), launch to
+  SERVING.
 """
 
 from __future__ import annotations
@@ -149,12 +150,20 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
+def start_times(start: Path) -> dict:
+    """A `tandem bench start` result's launch-to-SERVING times, warm and cold cache."""
+    record = json.loads(Path(start).read_text())
+    runs = record.get("runs") or {}
+    if record.get("benchmark") != "start" or not {"warm", "cold"} <= runs.keys():
+        raise SystemExit(f"{start}: not a tandem bench start result with a cold and a warm run")
+    return {"warm_cache_s": runs["warm"]["serving_s"], "cold_cache_s": runs["cold"]["serving_s"],
+            "source": _relative(Path(start))}  # fmt: skip
+
+
 def build(
     decode: Sequence[Path],
     prefill: Path,
-    start_warm_s: float,
-    start_cold_s: float,
-    start_source: str,
+    start: Path,
     check_context: float = CHECK_CONTEXT,
     memory_gb: float | None = None,
 ) -> dict:
@@ -167,14 +176,15 @@ def build(
     prefill_record = json.loads(Path(prefill).read_text())
     facts = [_facts(r) for r in records]
     gpu = facts[0]["gpu"]
-    if any(f["gpu"] != gpu for f in [*facts, _facts(prefill_record)]):
+    start_record = json.loads(Path(start).read_text())
+    if any(f["gpu"] != gpu for f in [*facts, _facts(prefill_record), _facts(start_record)]):
         raise SystemExit("the result files come from different GPUs")
     record = {
         "name": f"{max(f['date'] for f in facts)}_{short_gpu(gpu)}_8b",
         "date": max(f["date"] for f in facts),
         "gpu": gpu,
         "model": "Llama-3.1-8B shape, bf16 (random-init weights), the server's CUDA defaults",
-        "commits": sorted({f["commit"] for f in [*facts, _facts(prefill_record)]}),
+        "commits": sorted({f["commit"] for f in [*facts, _facts(prefill_record), _facts(start_record)]}),
         "built_by": "python -m tandem.bench.autoscale.calibrate (bench/autoscale/calibrate.py)",
         "decode_step": {
             "sources": [_relative(Path(p)) for p in decode],
@@ -195,7 +205,7 @@ def build(
         },
         "prefill": {"source": _relative(Path(prefill)), **prefill_rate(prefill_record)},
         "kv_cache": kv_cache_tokens(prefill_record, gpu, memory_gb),
-        "start": {"warm_cache_s": start_warm_s, "cold_cache_s": start_cold_s, "source": start_source},
+        "start": start_times(start),
     }
     model = pod_model(record, record["name"])
     for check, w in zip(record["decode_step"]["checks"], held_out, strict=True):
@@ -217,15 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tandem bench fp8 (its bf16 variant) or tandem bench gpu result files",
     )
     ap.add_argument("--prefill", type=Path, required=True, help="a tandem bench workloads result (mixed)")
-    ap.add_argument("--start-warm-s", type=float, required=True, help="a new pod's start, compile cache warm")
-    ap.add_argument("--start-cold-s", type=float, required=True, help="the same, compile cache empty")
-    ap.add_argument("--start-source", required=True, help="where the start times were measured")
+    ap.add_argument("--start", type=Path, required=True,
+                    help="a tandem bench start result (cold and warm runs) of the same GPU")
     ap.add_argument("--check-context", type=float, default=CHECK_CONTEXT)
     ap.add_argument("--gpu-memory-gb", type=float, default=None)
     ap.add_argument("--out", type=Path, default=None, help=f"default: {CALIBRATIONS}/<date>_<gpu>_8b.json")
     args = ap.parse_args(argv)
-    record = build(args.decode, args.prefill, args.start_warm_s, args.start_cold_s, args.start_source,
-                   args.check_context, args.gpu_memory_gb)  # fmt: skip
+    record = build(args.decode, args.prefill, args.start, args.check_context, args.gpu_memory_gb)
     out = args.out or CALIBRATIONS / f"{record['name']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
