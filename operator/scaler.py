@@ -291,8 +291,9 @@ def _first_state(body: dict, current: int, ready: int, now: float) -> ScalingSta
     for what an earlier operator learned about bursts (status.learnedBursts)."""
     learned = Bursts.from_status((body.get("status") or {}).get("learnedBursts"), now)
     if learned.growth or learned.starts:
-        log.info(f"{owned.ref(body)[1]}/{owned.ref(body)[0]}: burst growth of {len(learned.growth)} hours "
-                 f"and {len(learned.starts)} pod starts taken back from the status")
+        name, namespace, _ = owned.ref(body)
+        log.info(f"{namespace}/{name}: burst growth of {len(learned.growth)} hours and "
+                 f"{len(learned.starts)} pod starts taken back from the status")
     return ScalingState(current, ready, bursts=learned)
 
 
