@@ -14,12 +14,11 @@ them, relearned in the first minutes.
 from __future__ import annotations
 
 import bisect
-import datetime
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .conditions import now_iso
+from .conditions import from_iso, now_iso
 
 # The growth learned: the highest load(t) / load(t - start) of each hour, and of those of the last
 # day this quantile: the growth exceeded in at most 2 hours of 24 (nearest rank). An unabsorbed
@@ -113,7 +112,7 @@ class Bursts:
         for entry in _list(status.get("hourlyGrowth")):
             if not isinstance(entry, dict):
                 continue
-            t, ratio = _time(entry.get("since")), _finite(entry.get("ratio"))
+            t, ratio = from_iso(entry.get("since")), _finite(entry.get("ratio"))
             if t is not None and ratio is not None and ratio >= 1.0 and day < t <= now:
                 growth.append((t, ratio))
         growth.sort()
@@ -159,17 +158,6 @@ def _finite(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
-
-
-def _time(value: Any) -> float | None:
-    """An RFC 3339 time (as now_iso writes it) in seconds since the epoch; None if it is not one."""
-    if not isinstance(value, str):
-        return None
-    try:
-        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when.timestamp() if when.tzinfo is not None else None
 
 
 def _highest(

@@ -14,6 +14,18 @@ def now_iso(ts: float | None = None) -> str:
     return when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def from_iso(value: object) -> float | None:
+    """An RFC 3339 time with a zone (as now_iso writes it) in seconds since the epoch; None if it is
+    not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when.timestamp() if when.tzinfo is not None else None
+
+
 def set_condition(
     conditions: list[dict] | None,
     type_: str,
