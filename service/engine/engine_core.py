@@ -296,12 +296,18 @@ class EngineCore:
         return outputs
 
 
+def _top_pairs(
+    top_ids: list | None, top_logprobs: list | None, row: int, top: int
+) -> list[tuple[int, float]]:
+    """Row `row`'s `top` most likely (token, logprob) pairs; none where no top tokens were taken."""
+    if top_ids is None or top_logprobs is None or not top:
+        return []
+    return list(zip(top_ids[row][:top], top_logprobs[row][:top], strict=True))
+
+
 def _logprob(result: SampleOutput[list], row: int, top: int) -> TokenLogprob:
     """Row `row`'s logprob, with the `top` most likely tokens' (the step sampled at least that many)."""
-    pairs = []
-    if result.top_ids is not None:
-        pairs = list(zip(result.top_ids[row][:top], result.top_logprobs[row][:top], strict=True))
-    return TokenLogprob(result.logprobs[row], pairs)
+    return TokenLogprob(result.logprobs[row], _top_pairs(result.top_ids, result.top_logprobs, row, top))
 
 
 def _collect_prompt_logprobs(step: LaunchedStep, result: SampleOutput[list]) -> None:
@@ -313,8 +319,6 @@ def _collect_prompt_logprobs(step: LaunchedStep, result: SampleOutput[list]) -> 
         seq = step.out.chunks[ci].seq
         top = seq.params.prompt_logprobs or 0
         for r in range(row, row + count):
-            pairs = []
-            if top:
-                pairs = list(zip(prompt.top_ids[r][:top], prompt.top_logprobs[r][:top], strict=True))
+            pairs = _top_pairs(prompt.top_ids, prompt.top_logprobs, r, top)
             seq.prompt_logprobs.append(TokenLogprob(prompt.logprobs[r], pairs, prompt.ranks[r]))
         row += count
