@@ -150,9 +150,9 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
-def start_times(start: Path) -> dict:
-    """A `tandem bench start` result's launch-to-SERVING times, warm and cold cache."""
-    record = json.loads(Path(start).read_text())
+def start_times(record: dict, start: Path) -> dict:
+    """A `tandem bench start` result's (`record`, read from `start`) launch-to-SERVING times, warm
+    and cold cache."""
     runs = record.get("runs") or {}
     if record.get("benchmark") != "start" or not {"warm", "cold"} <= runs.keys():
         raise SystemExit(f"{start}: not a tandem bench start result with a cold and a warm run")
@@ -205,7 +205,7 @@ def build(
         },
         "prefill": {"source": _relative(Path(prefill)), **prefill_rate(prefill_record)},
         "kv_cache": kv_cache_tokens(prefill_record, gpu, memory_gb),
-        "start": start_times(start),
+        "start": start_times(start_record, start),
     }
     model = pod_model(record, record["name"])
     for check, w in zip(record["decode_step"]["checks"], held_out, strict=True):
