@@ -27,9 +27,57 @@ SHAPES = [(1, 32, 8, 128, 16, 16384), (7, 8, 8, 64, 16, 300), (32, 32, 8, 128, 1
           (2, 8, 1, 64, 16, 9000)]
 
 
+def _rotate_as_the_kernels(positions: torch.Tensor, rotary: DeferredRotary, *xs: torch.Tensor
+                           ) -> tuple[torch.Tensor, ...]:
+    """The kernels' rotary arithmetic (triton_rotary.rotary_cos_sin): cos and sin rounded to x's
+    dtype as transformers rounds them, then x * cos + rotate_half(x) * sin in float32, rounded once
+    to x's dtype. transformers rounds each product and the sum to x's dtype: where the two products
+    nearly cancel, the two differ by about |x| * 2^-8 in bf16, many e4m3 steps of a small key."""
+    angles = positions.float()[:, None] * rotary.inv_freq.to(positions.device)[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [B, 1, D]
+    dtype = xs[0].dtype
+    cos = (angles.cos() * rotary.scaling).to(dtype).float()
+    sin = (angles.sin() * rotary.scaling).to(dtype).float()
+    half = xs[0].shape[-1] // 2
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return (x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin).to(dtype)
+
+    return tuple(one(x) for x in xs)
+
+
+def _product_magnitude(x: torch.Tensor, positions: torch.Tensor, rotary: DeferredRotary) -> torch.Tensor:
+    """|x * cos| + |x_pair * sin| in float32: the size of the two products a rotated value sums."""
+    angles = positions.float()[:, None] * rotary.inv_freq.to(positions.device)[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    half = x.shape[-1] // 2
+    xf = x.float()
+    pair = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+    return ((xf * angles.cos()).abs() + (pair * angles.sin()).abs()) * rotary.scaling
+
+
+def _rotated_as_expected(got: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                         rotary: DeferredRotary) -> None:
+    """`got`, x rotated by a kernel: the kernels' arithmetic within one step of x's dtype (plus a
+    float32 multiply-add's rounding of the products), and transformers' (deferred_rotary.rotate)
+    within its rounding of the two products and their sum in x's dtype."""
+    magnitude = _product_magnitude(x, positions, rotary)
+    tiny = torch.finfo(x.dtype).tiny
+    ours = _rotate_as_the_kernels(positions, rotary, x)[0].float()
+    bound = torch.finfo(x.dtype).eps * ours.abs() + 2 * torch.finfo(torch.float32).eps * magnitude + tiny
+    excess = ((got.float() - ours).abs() - bound).max().item()
+    assert excess <= 0, f"beyond the kernels' arithmetic by {excess}"
+    theirs = rotate(positions, rotary, x)[0].float()
+    bound = 4 * torch.finfo(x.dtype).eps * magnitude + tiny
+    excess = ((got.float() - theirs).abs() - bound).max().item()
+    assert excess <= 0, f"beyond the rounding of transformers' products by {excess}"
+
+
 def _one_step_apart(got: torch.Tensor, want: torch.Tensor, scale: float) -> None:
-    """Stored e4m3 values equal, or one e4m3 step apart (a key the kernel rotated in fp32 and rounded
-    once, transformers after each op, may fall on the other side of a rounding boundary)."""
+    """Stored e4m3 values equal, or one e4m3 step apart: the kernels' float32 sums may fuse a
+    multiply-add the reference rounds, so a key next to a rounding boundary may fall on its other
+    side (one step of the model's dtype, at most one e4m3 step)."""
     g, w = got.float() * scale, want.float() * scale
     torch.testing.assert_close(g, w, rtol=2**-3, atol=2**-9 * scale)
 
@@ -77,7 +125,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
         base = 500000.0 if head_dim == 128 else 10000.0
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
         spec = DeferredRotary(inv_freq, 1.0)
-        ref_q, ref_new_k = rotate(last, spec, q, new_k)
+        ref_q, ref_new_k = _rotate_as_the_kernels(last, spec, q, new_k)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     write(ref_k, new_slots, ref_new_k, ks)
     write(ref_v, new_slots, new_v, vs)
@@ -146,11 +194,11 @@ def test_write_kernel_quantizes_the_steps_kv_into_an_fp8_cache(tokens, heads, kv
     positions = torch.randint(0, 40000, (tokens,), device="cuda", generator=g)
     ks, vs = (torch.tensor(s, device="cuda") for s in (K_SCALE, V_SCALE))
     spec = None
-    ref_q, ref_k = q, k
+    ref_k = k
     if rotary:
         inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
         spec = DeferredRotary(inv_freq, 1.25)
-        ref_q, ref_k = rotate(positions, spec, q, k)
+        (ref_k,) = _rotate_as_the_kernels(positions, spec, k)
     ref_k_cache, ref_v_cache = cache(), cache()
     write(ref_k_cache, slot_mapping, ref_k, ks)
     write(ref_v_cache, slot_mapping, v, vs)
@@ -158,9 +206,9 @@ def test_write_kernel_quantizes_the_steps_kv_into_an_fp8_cache(tokens, heads, kv
                               kv_scales=(ks, vs))
     assert torch.equal(as_bytes(v_cache), as_bytes(ref_v_cache))
     if rotary:
-        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-        torch.testing.assert_close(out, ref_q, atol=tol, rtol=tol)
+        _rotated_as_expected(out, q, positions, spec)
         assert keys.dtype == dtype
+        _rotated_as_expected(keys, k, positions, spec)
         _one_step_apart(k_cache, ref_k_cache, K_SCALE)
         # the keys handed back are those stored, before quantization
         assert torch.equal(as_bytes(select(k_cache, slot_mapping)), as_bytes(quantize(keys, ks)))
