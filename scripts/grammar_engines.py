@@ -3,7 +3,8 @@
 For a few JSON schemas (nested objects, enums, arrays, bounded numbers) it measures, each engine in
 a process of its own: the one-off tokenizer preparation, a grammar's compile time (no cache), the
 per-token time of a decode step's grammar work (fill the next-token bitmask, then accept the token)
-while matching a valid instance token by token, and the memory the process grew by (resident, after torch and the tokenizer are loaded).
+while matching a valid instance token by token, and the memory the process grew by (resident, after
+torch and the tokenizer are loaded).
 
     python scripts/grammar_engines.py                      # the embedded SmolLM2 tokenizer
     python scripts/grammar_engines.py --tokenizer DIR --repeat 5
@@ -27,7 +28,8 @@ SCHEMAS: dict[str, tuple[dict, object]] = {
             "address": {"type": "object", "properties": {
                 "street": {"type": "string", "maxLength": 60},
                 "city": {"type": "string", "maxLength": 40},
-                "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                "geo": {"type": "object",
+                        "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
                         "required": ["lat", "lon"], "additionalProperties": False}},
                 "required": ["street", "city", "geo"], "additionalProperties": False}},
          "required": ["name", "age", "address"], "additionalProperties": False},
@@ -106,7 +108,8 @@ def run_xgrammar(tok: object, repeat: int) -> dict:
     for name, (schema, instance) in SCHEMAS.items():
         def compile_once(schema: dict = schema) -> object:
             compiler = xgr.GrammarCompiler(info, cache_enabled=False, max_threads=1)
-            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+            return compiler.compile_json_schema(
+                json.dumps(schema), any_whitespace=False, separators=(",", ":"))
 
         compile_s, compiled = _timed(compile_once, repeat)
         ids = tok.encode(json.dumps(instance, separators=(",", ":")), add_special_tokens=False)
@@ -189,14 +192,16 @@ def main() -> int:
     _, path = _tokenizer(args.tokenizer)
     results = []
     for engine in ("xgrammar", "llguidance"):
-        cmd = [sys.executable, __file__, "--engine", engine, "--tokenizer", path, "--repeat", str(args.repeat)]
+        cmd = [sys.executable, __file__, "--engine", engine, "--tokenizer", path,
+               "--repeat", str(args.repeat)]
         results.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
     print(json.dumps({"tokenizer": path, "results": results}, indent=1))
     print(f"\n{'schema':<16} {'engine':<11} {'compile ms':>10} {'mask+accept us (mean/p50/max)':>30}")
     for r in results:
         for name, s in r["schemas"].items():
+            times = (s["mask_accept_us_mean"], s["mask_accept_us_p50"], s["mask_accept_us_max"])
             print(f"{name:<16} {r['engine']:<11} {s['compile_ms']:>10.1f} "
-                  f"{s['mask_accept_us_mean']:>12.0f} {s['mask_accept_us_p50']:>8.0f} {s['mask_accept_us_max']:>8.0f}")
+                  f"{times[0]:>12.0f} {times[1]:>8.0f} {times[2]:>8.0f}")
     for r in results:
         print(f"{r['engine']}: tokenizer prepared in {r['tokenizer_prepare_ms']:.0f} ms, "
               f"process grew by {r['rss_growth_mib']:.0f} MiB")

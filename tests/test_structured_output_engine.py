@@ -68,7 +68,8 @@ _ALONE: dict = {}
 def _alone(model, tokenizer, loop: str):
     """The unconstrained arrivals' tokens by themselves (once per loop)."""
     if loop not in _ALONE:
-        _ALONE[loop] = run(_core(model, tokenizer, step_loop=loop)[0], _arrivals(tokenizer, constrained=False))
+        core = _core(model, tokenizer, step_loop=loop)[0]
+        _ALONE[loop] = run(core, _arrivals(tokenizer, constrained=False))
     return _ALONE[loop]
 
 
