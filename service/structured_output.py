@@ -39,6 +39,21 @@ def _choice_ebnf(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# xgrammar (0.2.9) writes a string with a length bound (minLength / maxLength) as characters of this
+# class, which lets raw control characters through (invalid JSON: a tab, U+001E); it is swapped for
+# the class of JSON's own unescaped characters
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
+def _json(schema: str, strict: bool = True) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHARACTER not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+
+
 def build(constraint: StructuredOutput) -> xgr.Grammar:
     """The constraint's grammar; ValueError (with the reason) if it is not one."""
     kind = constraint.kind
@@ -46,9 +61,9 @@ def build(constraint: StructuredOutput) -> xgr.Grammar:
         raise ValueError(f"the {kind} is longer than {MAX_CONSTRAINT_CHARS} characters")
     try:
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(constraint.json_schema, any_whitespace=False)
+            return _json(constraint.json_schema)
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return _json('{"type": "object"}', strict=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(constraint.regex)
         if kind == "choice":

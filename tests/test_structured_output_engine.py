@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tandem.service.contract import Request, SamplingParams, StructuredOutput
 from tandem.service.engine.grammar import Grammars
 from tandem.service.engine.sampler import mask_logits
+from tandem.service.engine.sequence import Sequence
 from tandem.service.structured_output import canonical_schema
 
 SCHEMA = {
@@ -141,3 +142,22 @@ def test_masked_logits_keep_allowed_tokens_and_drop_the_rest():
     out = mask_logits(logits, mask)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5, 67]
     assert out[0, 67] == 67 and torch.equal(out[1], logits[1])
+
+
+def test_a_length_bounded_json_string_refuses_raw_control_characters(model_and_tokenizer):
+    # JSON strings carry control characters escaped only; xgrammar's class for bounded strings lets
+    # them through raw (structured_output._json swaps it)
+    _, tokenizer = model_and_tokenizer
+    core, _ = _core(*model_and_tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+    bounded = StructuredOutput(json_schema=canonical_schema(schema))
+    for constraint in (bounded, StructuredOutput(json_object=True)):
+        seq = Sequence(Request("r", [1], SamplingParams(structured_output=constraint)), [1], 1, 0, 100,
+                       frozenset({2}))
+        seq.grammar = core.grammars.state_for(seq)
+        for token in tokenizer.encode('{"a": "x', add_special_tokens=False):
+            assert not seq.grammar.accept(token)
+        mask = core.grammars.fill([seq], 0)[0]
+        allowed = {t for t in range(len(tokenizer)) if (mask[t // 32] >> (t % 32)) & 1}
+        assert tokenizer.convert_tokens_to_ids("Ğ") not in allowed  # byte 0x1e
+        assert all(not any(ord(c) < 0x20 for c in tokenizer.decode([t])) for t in allowed)

@@ -116,4 +116,7 @@ def requested(response_format_value: dict[str, Any] | None,
     from_vllm = vllm_fields(fields)
     if from_format is not None and from_vllm is not None:
         raise invalid(f"give response_format or {from_vllm[1].split('.')[0]}, not both", from_vllm[1])
-    return (from_format, "response_format") if from_format is not None else from_vllm
+    if from_format is None:
+        return from_vllm
+    param = "response_format.json_schema.schema" if from_format.json_schema is not None else "response_format"
+    return from_format, param
