@@ -2,7 +2,8 @@
 embedded model's tokenizer, whose unconstrained output is noise, so every parse below is the
 grammar's doing), asked by the published `openai` client: `chat.completions.parse` with a pydantic
 model, OpenAI's response_format, vLLM's structured_outputs and guided_* fields, bad constraints
-refused with 400, neighbours left as they were, a cancelled constrained stream."""
+refused with 400, neighbours left as they were, a cancelled constrained stream; the native gRPC
+field and KServe's sampling_parameters, with INVALID_ARGUMENT for bad ones."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from enum import Enum
 
 import grpc
 import jsonschema
+import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as tc
 from pydantic import BaseModel, Field
-from serverproc import wait_idle
+from serverproc import TINY_SERVER_MODEL, wait_idle
+from tritonclient.utils import InferenceServerException
 
+from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 TIMEOUT = 60.0
@@ -223,3 +228,70 @@ def test_a_cancelled_constrained_stream_frees_its_request(client, tiny_server):
     stream.close()  # the client goes away mid-answer
     with grpc.insecure_channel(tiny_server) as channel:
         wait_idle(pb_grpc.TandemStub(channel), timeout=10.0)  # its matcher and blocks went with it
+
+
+# -- the native gRPC API and KServe v2 -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native(tiny_server: str) -> Iterator[pb_grpc.TandemStub]:
+    with grpc.insecure_channel(tiny_server) as channel:
+        yield pb_grpc.TandemStub(channel)
+
+
+def _generate(native, structured: pb.StructuredOutput, seed: int = 0) -> pb.GenerateResponse:
+    return native.Generate(pb.GenerateRequest(
+        text="Answer:", sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+        stopping=pb.StoppingCriteria(max_tokens=160), structured_output=structured), timeout=TIMEOUT)
+
+
+def test_native_grpc_fields(native):
+    r = _generate(native, pb.StructuredOutput(json_schema=json.dumps(SCHEMAS["arrays"])), seed=7)
+    assert r.finish_reason == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(r.text), SCHEMAS["arrays"])
+    r = _generate(native, pb.StructuredOutput(choice=pb.StructuredOutput.Choice(options=["on", "off"])))
+    assert r.text in ("on", "off")
+    assert re.fullmatch("[a-z]{4}", _generate(native, pb.StructuredOutput(regex="[a-z]{4}")).text)
+
+
+@pytest.mark.parametrize("structured,words", [
+    (pb.StructuredOutput(json_schema='{"type": "nope"}'), "Unsupported type"),
+    (pb.StructuredOutput(json_schema="{"), "not valid JSON"),
+    (pb.StructuredOutput(regex="[a-"), "invalid regex"),
+    (pb.StructuredOutput(), "none of its fields"),
+])
+def test_native_grpc_refuses_a_bad_constraint_with_invalid_argument(native, structured, words):
+    with pytest.raises(grpc.RpcError) as caught:
+        _generate(native, structured)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
+
+
+def _kserve(tiny_server: str, sampling: dict) -> tuple[str | None, str | None]:
+    """(text_output, the error's message) of a KServe ModelInfer through tritonclient."""
+    client = tc.InferenceServerClient(url=tiny_server)
+    try:
+        inputs = []
+        for name, value in (("text_input", "Answer:"), ("sampling_parameters", json.dumps(sampling))):
+            tensor = tc.InferInput(name, [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+            inputs.append(tensor)
+        exclude = tc.InferInput("exclude_input_in_output", [1], "BOOL")
+        exclude.set_data_from_numpy(np.array([True], dtype=bool))
+        inputs.append(exclude)
+        result = client.infer(TINY_SERVER_MODEL, inputs, client_timeout=TIMEOUT)
+        return result.as_numpy("text_output")[0].decode(), None
+    except InferenceServerException as exc:
+        return None, f"{exc.status()} {exc.message()}"
+    finally:
+        client.close()
+
+
+def test_kserve_sampling_parameters(tiny_server):
+    text, error = _kserve(tiny_server, {"temperature": 1.0, "seed": 3, "max_tokens": 160, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS["numbers"]}}})
+    assert error is None
+    jsonschema.validate(json.loads(text), SCHEMAS["numbers"])
+    text, _ = _kserve(tiny_server, {"max_tokens": 10, "guided_choice": ["alpha", "beta"]})
+    assert text in ("alpha", "beta")
+    _, error = _kserve(tiny_server, {"max_tokens": 10, "structured_outputs": {"regex": "(unclosed"}})
+    assert error.startswith("StatusCode.INVALID_ARGUMENT") and "invalid regex" in error, error

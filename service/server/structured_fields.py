@@ -32,6 +32,11 @@ def _schema(value: object, param: str) -> str:
     return canonical_schema(value)
 
 
+def schema_text(text: str, param: str) -> str:
+    """A JSON schema given as JSON text (the native API's field), as the contract carries it."""
+    return _schema(text, param)
+
+
 def _strings(value: object, param: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise invalid("choice must be a non-empty list of strings", param)
