@@ -20,6 +20,7 @@ BENCHMARKS = {  # `tandem bench NAME`: the module of tandem.bench whose main(arg
     "gpu": "engine.gpu_sync",
     "fp8": "engine.fp8",
     "cpu": "engine.cpu_throughput",
+    "structured": "engine.structured",
     "cpu-profile": "engine.profile_cpu",
     "host": "engine.host_step",
     "timeline": "engine.timeline",

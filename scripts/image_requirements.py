@@ -18,7 +18,8 @@ import tomllib
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 # Provided by the CUDA PyTorch base image of the server; a pip-installed torch would be a second copy.
-BASE_IMAGE_PROVIDES = frozenset({"torch"})
+# torch, and triton, which CUDA builds of torch require (xgrammar asks for it too: never replace the image's)
+BASE_IMAGE_PROVIDES = frozenset({"torch", "triton"})
 # Only the model server loads models; the operator image (and `tandem health`) never imports these.
 MODEL_SERVING = frozenset({"torch", "transformers", "gguf", "accelerate", "compressed-tensors"})
 

@@ -67,6 +67,31 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate (structured output): exactly one field is set.
+    Any front fills it (OpenAI's `response_format`, vLLM's `structured_outputs`, tool choices, the
+    native and KServe fields); the front checks it (structured_output.check) and the engine turns it
+    into a grammar, compiled once per distinct record (its cache key)."""
+
+    json_schema: str | None = None  # a JSON schema, serialized (compact)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (GBNF / xgrammar's dialect), rule `root` first
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set, by name."""
+        fields = ("json_schema", "regex", "choice", "grammar")
+        set_ = [name for name in fields if getattr(self, name) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise ValueError(f"a StructuredOutput sets exactly one field, this one sets {set_ or 'none'}")
+        return set_[0]
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of generation: sampling, stopping, logprobs."""
 
@@ -84,6 +109,8 @@ class SamplingParams:
     # (None = none; computed only for requests that ask: their prompt is not looked up in the
     # prefix cache, and their prefill keeps every position's logits)
     prompt_logprobs: int | None = None
+    # generation constrained to a grammar (None = free); ends when the grammar does (finish "stop")
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

@@ -184,6 +184,11 @@ class ServerSettings(BaseSettings):
     )
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Longest stop string accepted.")
+    grammar_cache_size: int = Field(
+        256, ge=1,
+        description="Structured output: compiled grammars kept in the engine (least recently used "
+        "first out); a request whose schema, regex, choices or grammar is cached skips the compile.",
+    )
     max_message_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
     )

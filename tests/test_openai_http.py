@@ -564,7 +564,8 @@ _ANY = st.recursive(
 _FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
            "stream_options", "logprobs", "top_logprobs", "max_completion_tokens", "ignore_eos",
            "stop_token_ids", "return_token_ids", "echo", "logit_bias", "tools",
-           "response_format", "prompt_logprobs"]  # fmt: skip
+           "response_format", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar"]  # fmt: skip
 _GOOD = {"messages": [{"role": "user", "content": "hi"}], "prompt": "Once upon a time"}
 
 

@@ -86,3 +86,14 @@ def test_logprobs_and_top_alternatives():
     assert out.top_ids.shape == (3, 4)
     assert torch.equal(out.top_ids[:, 0], logits.argmax(-1))
     assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+
+
+def test_a_token_whose_logit_is_minus_infinity_is_never_sampled_even_at_the_top_noise():
+    # seed 13, step 0 draws the top 24-bit value at vocabulary id 593417: in float32 its uniform
+    # would round to 1.0 and its Gumbel noise to +inf, which beats any logit, -inf included (NaN)
+    vocab, top = 593_418, 593_417
+    u = uniform_noise(torch.tensor([13]), torch.tensor([0]), vocab)
+    assert u[0, top] < 1
+    logits = torch.zeros(1, vocab)
+    logits[0, top] = float("-inf")  # masked (structured output) or filtered (top-k / top-p)
+    assert sample(logits, tensors([1.0], seeds=[13], steps=[0])).tokens[0] != top

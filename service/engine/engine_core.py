@@ -4,6 +4,10 @@ Driven by one thread (the engine process's loop, a benchmark, a test) that calls
 `run_once` in turn; nothing in it is shared with another thread. It takes each request as admission
 made it (`contract.Request`) and fills each step's `contract.StepOutputs`, one per front, as it hands
 the step's tokens to their sequences.
+
+A step with constrained rows (structured output: grammar.py) is launched as its forward alone; its
+rows' token masks are filled on the host while the device runs that forward, after the step before
+has been handed out (its tokens are the ones the masks follow), and only then is it sampled.
 """
 
 from __future__ import annotations
@@ -13,8 +17,18 @@ import random
 import time
 from collections.abc import Callable
 
-from ..contract import EngineStats, ErrorKind, Outputs, Request, StepOutputs, StepTiming, TokenLogprob
+from ..contract import (
+    EngineStats,
+    ErrorKind,
+    Outputs,
+    Request,
+    StepOutputs,
+    StepTiming,
+    TokenLogprob,
+    invalid,
+)
 from .config import EngineConfig
+from .grammar import Grammars
 from .model_runner import LaunchedStep, ModelRunner
 from .sampler import SampleOutput
 from .scheduler import Scheduler, SchedulerOutput
@@ -61,9 +75,17 @@ class EngineCore:
         self._observer_failed = False
         # start-up seconds of its build: compiling each step shape, capturing the decode graphs
         self.start_up_seconds: dict[str, float] = {}
+        # structured output's compiler and masks (the factory sets it: it needs the tokenizer)
+        self.grammars: Grammars | None = None
 
     def add(self, request: Request) -> None:
-        self.scheduler.add(self._new_sequence(request))
+        """Queue a request; RequestError (INVALID_ARGUMENT) if its constraint cannot be compiled."""
+        seq = self._new_sequence(request)
+        if request.params.structured_output is not None:
+            if self.grammars is None:
+                raise invalid("structured output needs the model's tokenizer, which this engine lacks")
+            seq.grammar = self.grammars.state_for(seq)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is not here (any more)."""
@@ -133,7 +155,9 @@ class EngineCore:
             return {}
         self._mark_scheduled(out, t0)
         try:
-            step = self.runner.launch(out, None, t0)
+            step = self.runner.launch(out, None, t0, self._constrained(out))
+            if step.unsampled is not None:
+                self._sample_masked(step)
             result = self.runner.wait(step)
         except Exception as exc:  # a failed step fails the request that caused it, not the server
             return self._contain([out], exc, {})
@@ -152,7 +176,9 @@ class EngineCore:
         if out is not None and out.chunks:
             self._mark_scheduled(out, t0)
             try:
-                nxt = self.runner.launch(out, launched, t0)
+                nxt = self.runner.launch(out, launched, t0, self._constrained(out))
+                if nxt.unsampled is not None and launched is None:  # no step before it to hand out
+                    self._sample_masked(nxt)
             except Exception as exc:  # step N is sound unless its wait fails too: finish it first
                 failed, outputs = [out], {}
                 if launched is not None:
@@ -173,7 +199,24 @@ class EngineCore:
                 self._settle(nxt)
                 failed.append(nxt.out)
             return self._contain(failed, exc, {}), None
-        return self._complete(launched, result), nxt
+        outputs = self._complete(launched, result)
+        if nxt is not None and nxt.unsampled is not None:
+            # step N's tokens are in their matchers: step N+1's masks, while the device runs its forward
+            try:
+                self._sample_masked(nxt)
+            except Exception as exc:
+                self._settle(nxt)
+                return self._contain([nxt.out], exc, outputs), None
+        return outputs, nxt
+
+    def _constrained(self, out: SchedulerOutput) -> bool:
+        """Some row the step samples has a grammar (its sampling waits for the masks)."""
+        return self.grammars is not None and any(c.samples and c.seq.grammar is not None for c in out.chunks)
+
+    def _sample_masked(self, step: LaunchedStep) -> None:
+        """Fill a constrained step's token masks on the host, then queue its sampling."""
+        seqs = [step.out.chunks[ci].seq for ci in step.batch.sample_chunks]
+        self.runner.sample_masked(step, self.grammars.fill(seqs, step.slot))
 
     def _schedule(self) -> SchedulerOutput:
         """The next step, its K/V copies to and from the host pool already queued (they come

@@ -15,6 +15,7 @@ from ..settings import ServerSettings
 from .config import EngineConfig
 from .core_builder import build_core
 from .engine_core import EngineCore
+from .grammar import Grammars
 from .ops.fp8_linear import compute_dtype
 from .ops.kv_cache import CacheShape, KVCache
 from .ops.kv_quant import storage_dtype
@@ -103,6 +104,10 @@ def build_engine(
         telemetry_window_s=settings.telemetry_window_s,
     )
     core = build_core(model, config, loaded.eos_token_ids, step_observer)
+    core.grammars = Grammars(
+        loaded.tokenizer, model.config.get_text_config().vocab_size, loaded.eos_token_ids,
+        settings.grammar_cache_size, pin_memory=cuda, threads=4 if cuda else 1,
+    )
     limits = Limits(
         vocab_size=model.config.get_text_config().vocab_size,
         max_model_len=core.max_model_len,

@@ -9,6 +9,11 @@ chained by events, and returns at once:
 
 Steps alternate between two slots of buffers, so the CPU fills one while the device reads the
 other; `wait` blocks on d2h_done, the one host wait per step. On CPU the stages simply run.
+
+A step with constrained rows (structured output) is launched without its sampling: the compute
+stream runs the forward, and the host, meanwhile, fills the rows' token masks (grammar.py); then
+`sample_masked` queues the masks' upload on the h2d stream and the sampling behind it (the compute
+stream waits for that upload only), and the d2h copies as above.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ import torch
 from .batch import DeviceBatch, StepInputs, build_attention_metadata, carry_over
 from .batch_builder import StepInputsBuilder
 from .config import EngineConfig
-from .forward import forward_and_sample
+from .forward import forward_and_sample, forward_logits
 from .kv_offload import KVOffload
 from .ops.decode_op import num_sms
 from .ops.deferred_rotary import defer_rotary
 from .ops.kv_cache import KVCache
-from .sampler import SampleOutput, sample
+from .sampler import PromptLogprobs, SampleOutput, mask_logits, sample
 from .scheduler import BlockMoves, ScheduledChunk, SchedulerOutput
 from .step_buffers import StepBuffers
 from .streams import Streams, on
@@ -67,6 +72,14 @@ class StageEvents:
 
 
 @dataclass
+class Unsampled:
+    """A launched step's forward, whose sampling waits for its token masks (`sample_masked`)."""
+
+    logits: torch.Tensor  # [S, V] its sampled rows', on the device
+    prompt: PromptLogprobs[torch.Tensor] | None  # its prompt rows' logprobs (no mask applies to them)
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device, whose tokens the host has not seen yet (or, in the synchronous
     loop, has): what it computes, its buffers, and when it was scheduled and launched."""
@@ -74,8 +87,9 @@ class LaunchedStep:
     out: SchedulerOutput  # what the scheduler gave it
     batch: StepInputs
     dev: DeviceBatch  # held until the step is done, so its buffers outlive the device's reads
-    sampled: SampleOutput[torch.Tensor]  # on the device, held until the step is done (its copies read it)
-    host: SampleOutput[torch.Tensor]  # its host copies (pinned on CUDA)
+    # on the device, held until the step is done (its copies read it); None while it is unsampled
+    sampled: SampleOutput[torch.Tensor] | None
+    host: SampleOutput[torch.Tensor] | None  # its host copies (pinned on CUDA)
     rows: dict[int, int]  # id(sequence) -> its row in the slot's sampled tokens
     slot: int
     graph_bucket: int | None
@@ -83,6 +97,8 @@ class LaunchedStep:
     prepare: tuple[float, float]  # host wall clock of its batch build
     launched: float  # host monotonic clock when its launch began
     events: StageEvents | None  # CUDA only
+    unsampled: Unsampled | None = None  # a constrained step's forward, until `sample_masked`
+    mask: torch.Tensor | None = None  # its token masks on the device, held until the step is done
 
     def device_seconds(self) -> float | None:
         """Time the step occupied the compute stream (call once it is done: no extra sync)."""
@@ -173,11 +189,15 @@ class ModelRunner:
         return self.inputs.build(chunks, prev_rows)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None, scheduled: float) -> LaunchedStep:
+    def launch(
+        self, out: SchedulerOutput, prev: LaunchedStep | None, scheduled: float, constrained: bool = False
+    ) -> LaunchedStep:
         """Queue one step and return without waiting for the device.
 
         `prev`: the step still in flight; inputs it samples are carried over on the device from
         its slot's token buffer. `scheduled`: when the step's scheduling began (wall clock).
+        `constrained`: some sampled row has a grammar: only the forward is queued, and the step is
+        sampled by `sample_masked` once the host has its masks.
         """
         launched = time.monotonic()
         chunks = out.chunks
@@ -188,7 +208,6 @@ class ModelRunner:
         self._next_slot = 1 - s
         buf = self.slots[s]
         prev_tokens = self.slots[prev.slot].tokens if prev is not None else None
-        n = len(batch.sample_chunks)
         bucket = None
         if self.graphs is not None and batch.prompt is None:  # prompt logprobs: the eager step
             bucket = self.graphs.bucket_for(len(batch.decode_token_idx), bool(batch.prefills))
@@ -205,36 +224,72 @@ class ModelRunner:
             if ev is not None:
                 st.compute.wait_event(ev.h2d_done)
                 ev.compute_start.record()
-            sampled = self._compute(batch, dev, s, bucket, prev_tokens)
-            if ev is not None:
+            computed = self._compute(batch, dev, s, bucket, prev_tokens, constrained)
+        rows = {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
+        step = LaunchedStep(out, batch, dev, None, None, rows, s, bucket, scheduled, (started, prepared),
+                            launched, ev)
+        if isinstance(computed, Unsampled):
+            step.unsampled = computed
+        else:
+            self._copy_out(step, computed)
+        return step
+
+    @torch.inference_mode()
+    def sample_masked(self, step: LaunchedStep, mask: torch.Tensor) -> None:
+        """Sample a constrained step (launched with `constrained`), its rows' logits masked by `mask`
+        ([S, ceil(V / 32)] int32 on the host, pinned on CUDA: grammar.Grammars.fill); then queue
+        its copies to the host as `launch` does for any other step."""
+        unsampled, step.unsampled = step.unsampled, None
+        assert unsampled is not None, "sample_masked takes a step launched with constrained=True"
+        st = self.streams
+        with on(st and st.h2d):
+            mask_dev = mask.to(self.device, non_blocking=True)
+            uploaded = torch.cuda.Event() if st is not None else None
+            if uploaded is not None:
+                uploaded.record()
+        with on(st and st.compute):
+            if uploaded is not None:
+                st.compute.wait_event(uploaded)
+            sampled = sample(mask_logits(unsampled.logits, mask_dev), step.dev.sampling)
+            self.slots[step.slot].tokens[: len(sampled.tokens)].copy_(sampled.tokens)
+            sampled.prompt = unsampled.prompt
+            step.mask = mask_dev  # held until the step is done: the device reads it
+        self._copy_out(step, sampled)
+
+    def _copy_out(self, step: LaunchedStep, sampled: SampleOutput[torch.Tensor]) -> None:
+        """The end of a step's compute stage, and its sampled rows' copies to the host."""
+        st, ev, buf, n = self.streams, step.events, self.slots[step.slot], len(step.batch.sample_chunks)
+        if ev is not None:
+            with on(st.compute):
                 ev.compute_done.record()
         with on(st and st.d2h):
             if ev is not None:
                 st.d2h.wait_event(ev.compute_done)
                 ev.d2h_start.record()
-            host = SampleOutput(
+            step.host = SampleOutput(
                 buf.tokens_host[:n].copy_(buf.tokens[:n], non_blocking=True),
                 _to_host(sampled.logprobs), _to_host(sampled.top_ids), _to_host(sampled.top_logprobs),
                 None if sampled.prompt is None else sampled.prompt.map(_to_host),
             )
             if ev is not None:
                 ev.d2h_done.record()
-        rows = {id(chunks[ci].seq): row for row, ci in enumerate(batch.sample_chunks)}
-        return LaunchedStep(out, batch, dev, sampled, host, rows, s, bucket, scheduled, (started, prepared),
-                            launched, ev)
+        step.sampled = sampled
 
     def _compute(
         self, batch: StepInputs, dev: DeviceBatch, s: int, bucket: int | None,
-        prev_tokens: torch.Tensor | None,
-    ) -> SampleOutput[torch.Tensor]:
-        """Forward + sample on the current stream; the sampled tokens land in slot `s`."""
+        prev_tokens: torch.Tensor | None, constrained: bool = False,
+    ) -> SampleOutput[torch.Tensor] | Unsampled:
+        """Forward + sample on the current stream; the sampled tokens land in slot `s`. A
+        `constrained` step: the forward alone."""
         tokens = self.slots[s].tokens[: len(batch.sample_chunks)]
         st = dev.sampling
         if bucket is not None:  # the graph carries over, samples and writes the slot's tokens itself
-            in_graph = not st.needs_filter and st.num_logprobs < 0
+            in_graph = not st.needs_filter and st.num_logprobs < 0 and not constrained
             logits = self.graphs.replay(s, bucket, len(tokens), sampled=in_graph and not st.all_greedy)
             if in_graph:
                 return SampleOutput(tokens)
+            if constrained:
+                return Unsampled(logits, None)
             out = sample(logits, st)  # top-k / top-p / logprobs: on the greedy graph's logits
             tokens.copy_(out.tokens)
             return out
@@ -261,12 +316,16 @@ class ModelRunner:
             # padded in the slot's own buffer, so the tensor is of the same kind as unpadded ones
             keep = self.slots[s].padded_logits_indices(len(keep), 2)
         forward = self.decode_forward if meta.decode_only else self.prefill_forward
+        if constrained:
+            return Unsampled(*forward_logits(forward, input_ids, dev, meta, keep, len(tokens), prompt))
         return forward_and_sample(forward, input_ids, dev, meta, keep, tokens, prompt)[1]
 
     @staticmethod
     def wait(step: LaunchedStep) -> SampleOutput[list]:
         """Block until the step's tokens are on the host (the one wait per step); its sampled rows,
         in the order of `step.batch.sample_chunks`."""
+        if step.host is None:
+            raise RuntimeError("the step was never sampled (its masks were not filled)")
         if step.events is not None:
             step.events.d2h_done.synchronize()
         return step.host.tolist()

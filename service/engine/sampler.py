@@ -1,5 +1,7 @@
 """Sampling on the device: greedy, temperature, top-k, top-p, per-request seeds, logprobs; and the
-logprobs of prompt tokens, for the requests that ask.
+logprobs of prompt tokens, for the requests that ask. Structured output's token masks are applied
+to the logits before any of it (`mask_logits`): greedy, sampling and the logprobs all see the masked
+distribution, as vLLM's do.
 
 Randomness is a counter-based hash of (request seed, output index, vocabulary id), turned into
 Gumbel noise: argmax(logits / T + Gumbel) samples from softmax(logits / T). A seeded request
@@ -17,6 +19,7 @@ import torch
 from .batch import PromptRows, SamplingTensors
 
 _M64 = (1 << 64) - 1
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def _signed(c: int) -> int:
@@ -45,7 +48,9 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     row = _mix64(_mix64(seeds * _GOLDEN + 1) + steps)  # [S]
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN
     bits = _shr(_mix64(row[:, None] + cols), 40)  # top 24 bits
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # the top value, (2^24 - 0.5) / 2^24, rounds to 1.0 in float32, whose Gumbel noise is +inf: it
+    # would win the argmax whatever its logit (a -inf one, masked or filtered, included)
+    return ((bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=_BELOW_ONE)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -119,6 +124,15 @@ def prompt_logprobs(
             part += [ids, values]
         parts.append(part)
     return PromptLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [S, V] with -inf for every token that a row's bitmask ([S, ceil(V / 32)] int32, bit
+    i of word j = token 32 j + i; structured output's grammar.Grammars.fill) clears; set bits keep
+    their logits as they are."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SampleOutput[torch.Tensor]:

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..contract import FinishReason, Request, SamplingParams, TokenLogprob
+
+
+class Grammar(Protocol):
+    """A constrained sequence's grammar state (grammar.GrammarState)."""
+
+    def accept(self, token: int) -> bool: ...  # True: the grammar has ended
 
 
 @dataclass(eq=False, slots=True)
@@ -38,6 +45,8 @@ class Sequence:
     num_preemptions: int = 0
     num_failed_steps: int = 0  # steps that failed with it in the batch (failure containment)
     scheduled_at: float | None = None  # wall clock of the first step that computed any of it (telemetry)
+    # structured output: its grammar's matcher, fed every token it appends (None: unconstrained)
+    grammar: Grammar | None = None
 
     @property
     def request_id(self) -> str:
@@ -86,10 +95,13 @@ class Sequence:
         return self.finish_reason is not None
 
     def append(self, token: int) -> None:
-        """Add a sampled token and decide whether the sequence is done (stop strings are the front's)."""
+        """Add a sampled token and decide whether the sequence is done (stop strings are the front's;
+        the end of its grammar, for a constrained one, is a stop)."""
         tokens = self.token_ids
         tokens.append(token)
-        if token in self.stop_ids:
+        if self.grammar is not None and self.grammar.accept(token) and token not in self.stop_ids:
+            self.finish_reason = FinishReason.STOP
+        elif token in self.stop_ids:
             self.finish_reason = FinishReason.STOP
             if token in self.params.stop_token_ids:  # an end of sequence has no stop reason, as vLLM's
                 self.stop_token = token

@@ -114,7 +114,11 @@ class EngineService:
         if isinstance(msg, c.Request):
             if msg.deadline is not None:
                 heapq.heappush(self.deadlines, (msg.deadline, msg.request_id))
-            core.add(msg)
+            try:
+                core.add(msg)
+            except c.RequestError as exc:  # a constraint the front passed but the tokenizer refuses
+                failed = c.StepOutputs(failed=[(msg.request_id, exc.kind, exc.message)])
+                self._send(self.fronts[msg.front], failed)
         elif isinstance(msg, c.Abort):
             for request_id in msg.request_ids:
                 core.abort(request_id)

@@ -1,7 +1,9 @@
 """KServe v2 / Open Inference Protocol (`inference.GRPCInferenceService`) with Triton's LLM tensors.
 
 Inputs: text_input (BYTES, a raw prompt, no chat template), max_tokens (INT32), stream (BOOL),
-sampling_parameters (BYTES, JSON: temperature, top_p, top_k, seed, stop, max_tokens),
+sampling_parameters (BYTES, JSON: temperature, top_p, top_k, seed, stop, max_tokens, and structured
+output as the OpenAI front reads it: response_format, structured_outputs, guided_json, guided_regex,
+guided_choice, guided_grammar),
 exclude_input_in_output (BOOL). Request parameters: timeout (Triton's, microseconds) and
 cache_salt (a string: shares cached prompt prefixes only with requests of the same salt).
 Output: text_output (BYTES). ModelStreamInfer is decoupled: one response per chunk, the last one
@@ -28,6 +30,7 @@ from tandem.kserve import model_config_pb2 as mc
 from .. import contract as c
 from ..contract import ErrorKind, RequestError, invalid
 from ..telemetry.requests import RequestTelemetry
+from . import structured_fields
 from .context import ContextHolder, Delivery, ModelContext, whole_answer
 from .errors import abort, abort_if_too_large
 from .kserve_tensors import bytes_output, read_inputs
@@ -44,7 +47,8 @@ INPUTS = (  # name, KServe datatype, model-config type, optional
 # what each input may be sent as: its own datatype, and for max_tokens any integer
 ACCEPTED = {name: {dt} for name, dt, _, _ in INPUTS} | {"max_tokens": {"INT32", "INT64", "UINT32", "UINT64"}}
 OUTPUT = "text_output"
-_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "seed", "stop", "max_tokens"}
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "response_format",
+                  "structured_outputs", *structured_fields.GUIDED_FIELDS}
 
 
 def _scalar(values: dict[str, list], name: str, default: object) -> object:
@@ -180,7 +184,16 @@ class LlmRequest:
 
     def sampling(self) -> dict[str, Any]:
         sp = self._sampling
-        return {
+        try:
+            response_format = sp.get("response_format")
+            if response_format is not None and not isinstance(response_format, dict):
+                raise invalid("must be an object", "response_format")
+            asked = structured_fields.requested(response_format, sp)
+        except RequestError as exc:  # KServe's errors are a message: it names the field
+            raise invalid(f"sampling_parameters.{exc.param}: {exc.message}") from exc
+        structured = {} if asked is None else {
+            "structured_output": asked[0], "structured_output_param": f"sampling_parameters.{asked[1]}"}
+        return structured | {
             "temperature": _number(sp, "temperature", float),
             "top_p": _number(sp, "top_p", float),
             "top_k": _number(sp, "top_k", int),

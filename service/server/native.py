@@ -13,7 +13,8 @@ import grpc
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-from ..contract import FinishReason, RequestError, TokenLogprob, invalid
+from ..contract import FinishReason, RequestError, StructuredOutput, TokenLogprob, invalid
+from . import structured_fields
 from .context import Chat, Delivery, Prompt, whole_answer
 from .errors import abort, abort_if_too_large
 from .request_stream import GenerationChunk
@@ -80,7 +81,28 @@ class _Generation:
             "logprobs": lp.enabled,
             "top_logprobs": lp.top_logprobs,
             "prompt_logprobs": pl.top_logprobs if pl.enabled else None,
-        }
+        } | self._structured_output()
+
+    def _structured_output(self) -> dict[str, Any]:
+        """The request's `structured_output`, as resolve_params's keyword arguments (none: {})."""
+        if not self.request.HasField("structured_output"):
+            return {}
+        so = self.request.structured_output
+        kind = so.WhichOneof("kind")
+        param = f"structured_output.{kind}"
+        if kind is None:
+            raise invalid("structured_output sets none of its fields", "structured_output")
+        if kind == "json_schema":
+            constraint = StructuredOutput(json_schema=structured_fields.schema_text(so.json_schema, param))
+        elif kind == "json_object":
+            constraint = StructuredOutput(json_object=True) if so.json_object else None
+        elif kind == "choice":
+            constraint = StructuredOutput(choice=tuple(so.choice.options))
+        else:
+            constraint = StructuredOutput(**{kind: getattr(so, kind)})
+        if constraint is None:
+            return {}
+        return {"structured_output": constraint, "structured_output_param": param}
 
     def delivery(self) -> Delivery:
         return Delivery(self.stream)

@@ -3,7 +3,9 @@
 
 Unknown fields are ignored, as OpenAI ignores them. Known fields whose values Tandem cannot honour
 (n > 1, penalties, logit_bias, tools, suffix, best_of > 1, non-text content) are refused with
-a message naming the field rather than dropped in silence. `top_k`, `ignore_eos`, `stop_token_ids`,
+a message naming the field rather than dropped in silence. Structured output
+(`response_format`, and vLLM's `structured_outputs` / `guided_*`) is read by structured_fields.py
+on both endpoints. `top_k`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids`, `cache_salt` and (completions only) `prompt_logprobs` are extensions, spelled
 as vLLM spells them. A completion's `echo` with `logprobs` asks the engine for the prompt's logprobs
 too; `max_tokens: 0` is allowed with `echo` (the prompt alone: the engine samples one token, which
@@ -19,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..contract import invalid
+from . import structured_fields
 from .context import Chat, Delivery
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's when a request names none (the native API's default is greedy)
@@ -85,6 +88,13 @@ class _Request(_Body):
     return_token_ids: bool = False  # extension: each choice carries its token ids
     cache_salt: str | None = None  # extension: shares cached prompt prefixes only within this salt
     prompt_logprobs: int | None = None  # extension (completions): the prompt's logprobs, top N each
+    # structured output (docs/structured_output.md): OpenAI's, and vLLM's extensions
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def streams(self) -> bool:
@@ -117,10 +127,19 @@ class _Request(_Body):
     def _prompt_logprobs(self) -> int | None:
         return None
 
+    def structured_output(self) -> dict[str, Any]:
+        """The constraint asked for, as resolve_params's keyword arguments (none: {})."""
+        names = ("structured_outputs", *structured_fields.GUIDED_FIELDS)
+        fields = {name: getattr(self, name) for name in names}
+        asked = structured_fields.requested(self.response_format, fields)
+        if asked is None:
+            return {}
+        return {"structured_output": asked[0], "structured_output_param": asked[1]}
+
     def sampling(self) -> dict[str, Any]:
         """The request's sampling fields as resolve_params's keyword arguments."""
         logprobs, top = self._logprobs()
-        return {
+        return self.structured_output() | {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": self.top_p,
             "top_k": None if self.top_k == -1 else self.top_k,
@@ -141,14 +160,11 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_common()
         if self.tools:
             raise invalid("tools (function calling) are not supported", "tools")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise invalid("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.prompt_logprobs is not None:

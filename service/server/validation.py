@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ..contract import Limits, SamplingParams, invalid
+from .. import structured_output as grammars
+from ..contract import Limits, SamplingParams, StructuredOutput, invalid
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -55,9 +56,12 @@ def resolve_params(
     logprobs: bool = False,
     top_logprobs: int = 0,
     prompt_logprobs: int | None = None,
+    structured_output: StructuredOutput | None = None,
+    structured_output_param: str = "structured_output",
 ) -> SamplingParams:
     """Validate raw request fields (None = not given) and fill defaults, for a prompt of `prompt_len`
-    tokens that fits the context (validate_prompt). `top_p` 0 keeps only the likeliest token: greedy."""
+    tokens that fits the context (validate_prompt). `top_p` 0 keeps only the likeliest token: greedy.
+    `structured_output`: the constraint asked for, by the request field `structured_output_param`."""
     room = limits.max_model_len - prompt_len
     if temperature is not None:
         _finite("temperature", temperature)
@@ -100,6 +104,8 @@ def resolve_params(
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
         most = MAX_TOP_LOGPROBS
         raise invalid(f"prompt_logprobs must be in [0, {most}], got {prompt_logprobs}", "prompt_logprobs")
+    if structured_output is not None:  # never reaches the engine unless it is a grammar
+        grammars.check(structured_output, structured_output_param)
     return SamplingParams(
         temperature=float(temperature or 0.0),
         top_p=float(top_p if top_p is not None else 1.0),
@@ -112,4 +118,5 @@ def resolve_params(
         logprobs=logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output,
     )

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"t\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x03\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"8\n\x0fLogprobsOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\x05\"\x87\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x07 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12,\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1a.tandem.v1.LogprobsOptions\x12\x17\n\ncache_salt\x18\t \x01(\tH\x01\x88\x01\x01\x12\x33\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1a.tandem.v1.LogprobsOptionsB\x07\n\x05inputB\r\n\x0b_cache_salt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x89\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\x12\x11\n\x04rank\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x99\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"~\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xda\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x17\n\x0ftokenizer_files\x18\n \x03(\t\"\r\n\x0bLoadRequest\"\x9e\x01\n\x04Load\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x19\n\x11gpu_idle_fraction\x18\x06 \x01(\x02*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xd6\x02\n\x06Tandem\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"t\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x03\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\r\n\x0b_max_tokens\"8\n\x0fLogprobsOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\x05\"\xbd\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x34\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\".tandem.v1.StructuredOutput.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\tB\x06\n\x04kind\"\xbf\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x08stopping\x18\x07 \x01(\x0b\x32\x1b.tandem.v1.StoppingCriteria\x12,\n\x08logprobs\x18\x08 \x01(\x0b\x32\x1a.tandem.v1.LogprobsOptions\x12\x17\n\ncache_salt\x18\t \x01(\tH\x01\x88\x01\x01\x12\x33\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x1a.tandem.v1.LogprobsOptions\x12\x36\n\x11structured_output\x18\x0b \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x07\n\x05inputB\r\n\x0b_cache_salt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x89\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\x12\x11\n\x04rank\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_rank\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x99\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"~\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xda\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_length\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x17\n\x0ftokenizer_files\x18\n \x03(\t\"\r\n\x0bLoadRequest\"\x9e\x01\n\x04Load\x12\x18\n\x10requests_running\x18\x01 \x01(\r\x12\x18\n\x10requests_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x19\n\x11gpu_idle_fraction\x18\x06 \x01(\x02*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xd6\x02\n\x06Tandem\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12K\n\x0eGenerateStream\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x16.tandem.v1.LoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2062
-  _globals['_FINISHREASON']._serialized_end=2186
+  _globals['_FINISHREASON']._serialized_start=2310
+  _globals['_FINISHREASON']._serialized_end=2434
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_CHATMESSAGES']._serialized_start=83
@@ -45,28 +45,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_end=431
   _globals['_LOGPROBSOPTIONS']._serialized_start=433
   _globals['_LOGPROBSOPTIONS']._serialized_end=489
-  _globals['_GENERATEREQUEST']._serialized_start=492
-  _globals['_GENERATEREQUEST']._serialized_end=883
-  _globals['_TOPLOGPROB']._serialized_start=885
-  _globals['_TOPLOGPROB']._serialized_end=947
-  _globals['_TOKENLOGPROB']._serialized_start=950
-  _globals['_TOKENLOGPROB']._serialized_end=1087
-  _globals['_USAGE']._serialized_start=1089
-  _globals['_USAGE']._serialized_end=1176
-  _globals['_GENERATERESPONSE']._serialized_start=1179
-  _globals['_GENERATERESPONSE']._serialized_end=1460
-  _globals['_TOKENIZEREQUEST']._serialized_start=1462
-  _globals['_TOKENIZEREQUEST']._serialized_end=1588
-  _globals['_TOKENIZERESPONSE']._serialized_start=1590
-  _globals['_TOKENIZERESPONSE']._serialized_end=1643
-  _globals['_MODELINFOREQUEST']._serialized_start=1645
-  _globals['_MODELINFOREQUEST']._serialized_end=1663
-  _globals['_MODELINFO']._serialized_start=1666
-  _globals['_MODELINFO']._serialized_end=1884
-  _globals['_LOADREQUEST']._serialized_start=1886
-  _globals['_LOADREQUEST']._serialized_end=1899
-  _globals['_LOAD']._serialized_start=1902
-  _globals['_LOAD']._serialized_end=2060
-  _globals['_TANDEM']._serialized_start=2189
-  _globals['_TANDEM']._serialized_end=2531
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=492
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=681
+  _globals['_STRUCTUREDOUTPUT_CHOICE']._serialized_start=648
+  _globals['_STRUCTUREDOUTPUT_CHOICE']._serialized_end=673
+  _globals['_GENERATEREQUEST']._serialized_start=684
+  _globals['_GENERATEREQUEST']._serialized_end=1131
+  _globals['_TOPLOGPROB']._serialized_start=1133
+  _globals['_TOPLOGPROB']._serialized_end=1195
+  _globals['_TOKENLOGPROB']._serialized_start=1198
+  _globals['_TOKENLOGPROB']._serialized_end=1335
+  _globals['_USAGE']._serialized_start=1337
+  _globals['_USAGE']._serialized_end=1424
+  _globals['_GENERATERESPONSE']._serialized_start=1427
+  _globals['_GENERATERESPONSE']._serialized_end=1708
+  _globals['_TOKENIZEREQUEST']._serialized_start=1710
+  _globals['_TOKENIZEREQUEST']._serialized_end=1836
+  _globals['_TOKENIZERESPONSE']._serialized_start=1838
+  _globals['_TOKENIZERESPONSE']._serialized_end=1891
+  _globals['_MODELINFOREQUEST']._serialized_start=1893
+  _globals['_MODELINFOREQUEST']._serialized_end=1911
+  _globals['_MODELINFO']._serialized_start=1914
+  _globals['_MODELINFO']._serialized_end=2132
+  _globals['_LOADREQUEST']._serialized_start=2134
+  _globals['_LOADREQUEST']._serialized_end=2147
+  _globals['_LOAD']._serialized_start=2150
+  _globals['_LOAD']._serialized_end=2308
+  _globals['_TANDEM']._serialized_start=2437
+  _globals['_TANDEM']._serialized_end=2779
 # @@protoc_insertion_point(module_scope)

@@ -70,8 +70,27 @@ class LogprobsOptions(_message.Message):
     top_logprobs: int
     def __init__(self, enabled: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    class Choice(_message.Message):
+        __slots__ = ("options",)
+        OPTIONS_FIELD_NUMBER: _ClassVar[int]
+        options: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: StructuredOutput.Choice
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: bool = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[StructuredOutput.Choice, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "logprobs", "cache_salt", "prompt_logprobs")
+    __slots__ = ("model", "request_id", "text", "chat", "token_ids", "sampling", "stopping", "logprobs", "cache_salt", "prompt_logprobs", "structured_output")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +101,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     text: str
@@ -92,7 +112,8 @@ class GenerateRequest(_message.Message):
     logprobs: LogprobsOptions
     cache_salt: str
     prompt_logprobs: LogprobsOptions
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[LogprobsOptions, _Mapping]] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[_Union[LogprobsOptions, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")

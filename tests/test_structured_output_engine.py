@@ -1,0 +1,163 @@
+"""Structured output in the engine: a constrained sequence's tokens always parse, on both step loops,
+through preemption (recompute and KV offload) and prefix caching, beside unconstrained sequences
+whose tokens it leaves as they were; the matcher follows its sequence token for token."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from engine_harness import Arrival, make_core, run
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.service.contract import Request, SamplingParams, StructuredOutput
+from tandem.service.engine.grammar import Grammars
+from tandem.service.engine.sampler import mask_logits
+from tandem.service.engine.sequence import Sequence
+from tandem.service.structured_output import canonical_schema
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "kind", "age", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[A-Z]{2}-[0-9]{3}"
+CHOICES = ("red", "green", "blue")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _core(model, tokenizer, **kwargs):
+    eos = frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    core = make_core(model, eos=eos, **kwargs)
+    core.grammars = Grammars(tokenizer, model.config.vocab_size, eos)
+    return core, eos
+
+
+def _arrivals(tokenizer, constrained: bool) -> list[Arrival]:
+    prompt = tokenizer.encode("Describe a pet as JSON:")
+    arrivals = []
+    for i in range(4):  # unconstrained, seeded: their tokens must not depend on their companions
+        arrivals.append(Arrival(f"free{i}", prompt + [100 + i], SamplingParams(
+            temperature=1.0, seed=i, max_tokens=16, ignore_eos=True), at_step=i))
+    if constrained:
+        kinds = [StructuredOutput(json_schema=canonical_schema(SCHEMA)), StructuredOutput(regex=REGEX),
+                 StructuredOutput(choice=CHOICES), StructuredOutput(json_object=True)]
+        for i in range(8):  # any JSON object (kind 3) runs to max_tokens on a random model: few of them
+            arrivals.append(Arrival(f"c{i}", prompt + [200 + i], SamplingParams(
+                temperature=1.0, seed=50 + i, max_tokens=24 if i % 4 == 3 else 100,
+                structured_output=kinds[i % 4]), at_step=i // 2))
+    return arrivals
+
+
+_ALONE: dict = {}
+
+
+def _alone(model, tokenizer, loop: str):
+    """The unconstrained arrivals' tokens by themselves (once per loop)."""
+    if loop not in _ALONE:
+        core = _core(model, tokenizer, step_loop=loop)[0]
+        _ALONE[loop] = run(core, _arrivals(tokenizer, constrained=False))
+    return _ALONE[loop]
+
+
+def _check(rid: str, text: str, finish: str) -> None:
+    kind = int(rid[1:]) % 4
+    if kind == 3:  # any JSON object: a random model's strings have no bound, so it may run out of tokens
+        assert text.startswith("{")
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+        return
+    assert finish == "stop", f"{rid}: finished by {finish}: {text!r}"
+    if kind == 0:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == 1:
+        assert re.fullmatch(REGEX, text), text
+    elif kind == 2:
+        assert text in CHOICES
+
+
+@pytest.mark.parametrize("loop,num_blocks,offload,prefix_caching", [
+    ("async", 256, 0, True),
+    ("async", 36, 0, True),  # preemption: recompute
+    ("sync", 36, 64, False),  # preemption: KV offload
+])
+def test_constrained_outputs_parse_and_leave_their_companions_alone(
+    model_and_tokenizer, loop, num_blocks, offload, prefix_caching
+):
+    model, tokenizer = model_and_tokenizer
+    core, _ = _core(model, tokenizer, step_loop=loop, num_blocks=num_blocks, kv_offload_blocks=offload,
+                    prefix_caching=prefix_caching)
+    mixed = run(core, _arrivals(tokenizer, constrained=True))
+    assert not mixed.errors
+    if num_blocks < 256:
+        assert mixed.preemptions > 0, "the small cache was meant to preempt"
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for rid, tokens in mixed.tokens.items():
+        if rid.startswith("c"):
+            stopped = mixed.finish[rid] == "stop"
+            assert not stopped or tokens[-1] == eos, f"{rid}: a grammar's end is the model's EOS"
+            _check(rid, tokenizer.decode(tokens[:-1] if stopped else tokens), mixed.finish[rid])
+    alone = _alone(model, tokenizer, loop)
+    for rid, tokens in alone.tokens.items():
+        assert mixed.tokens[rid] == tokens, f"{rid} changed beside constrained requests"
+
+
+def test_the_matcher_follows_the_sequence_and_grammars_are_compiled_once(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    core, _ = _core(model, tokenizer, step_loop="async")
+    constraint = StructuredOutput(json_schema=canonical_schema(SCHEMA))
+    arrivals = [Arrival(f"c{i}", tokenizer.encode("x") + [i], SamplingParams(
+        temperature=1.0, seed=i, max_tokens=100, structured_output=constraint)) for i in range(3)]
+    seqs = []
+    for a in arrivals:
+        core.add(Request(a.request_id, a.prompt_ids, a.params))
+        seqs.append(core.scheduler.waiting[-1])
+    while core.has_work:
+        core.run_once()
+        for seq in seqs:  # accepted exactly the tokens it appended, at every step
+            assert seq.grammar.accepted == seq.num_output
+    assert core.grammars.compiled == 1 and core.grammars.hits == 2
+
+
+def test_masked_logits_keep_allowed_tokens_and_drop_the_rest():
+    logits = torch.arange(70, dtype=torch.float32).repeat(2, 1)
+    mask = torch.zeros((2, 3), dtype=torch.int32)
+    mask[0, 0] = 1 << 5  # token 5
+    mask[0, 2] = 1 << 3  # token 67
+    mask[1] = -1  # every token (bit 31 included: the sign bit)
+    out = mask_logits(logits, mask)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [5, 67]
+    assert out[0, 67] == 67 and torch.equal(out[1], logits[1])
+
+
+def test_a_length_bounded_json_string_refuses_raw_control_characters(model_and_tokenizer):
+    # JSON strings carry control characters escaped only; xgrammar's class for bounded strings lets
+    # them through raw (structured_output._json swaps it)
+    _, tokenizer = model_and_tokenizer
+    core, _ = _core(*model_and_tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
+    bounded = StructuredOutput(json_schema=canonical_schema(schema))
+    for constraint in (bounded, StructuredOutput(json_object=True)):
+        seq = Sequence(Request("r", [1], SamplingParams(structured_output=constraint)), [1], 1, 0, 100,
+                       frozenset({2}))
+        seq.grammar = core.grammars.state_for(seq)
+        for token in tokenizer.encode('{"a": "x', add_special_tokens=False):
+            assert not seq.grammar.accept(token)
+        mask = core.grammars.fill([seq], 0)[0]
+        allowed = {t for t in range(len(tokenizer)) if (mask[t // 32] >> (t % 32)) & 1}
+        assert tokenizer.convert_tokens_to_ids("Ğ") not in allowed  # byte 0x1e
+        assert all(not any(ord(c) < 0x20 for c in tokenizer.decode([t])) for t in allowed)
