@@ -2,8 +2,10 @@
 `/v1/completions`, and what each field means for the engine.
 
 Unknown fields are ignored, as OpenAI ignores them. Known fields whose values Tandem cannot honour
-(n > 1, penalties, logit_bias, tools, suffix, best_of > 1, non-text content) are refused with
-a message naming the field rather than dropped in silence. `top_k`, `ignore_eos`, `stop_token_ids`,
+(n > 1, penalties, logit_bias, suffix, best_of > 1, non-text content) are refused with
+a message naming the field rather than dropped in silence. `tools`, `tool_choice` and
+`parallel_tool_calls` are read as tool_calls/request.py reads them; the history's assistant calls and
+`tool` results go to the chat template as its `messages`. `top_k`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids`, `cache_salt` and (completions only) `prompt_logprobs` are extensions, spelled
 as vLLM spells them. A completion's `echo` with `logprobs` asks the engine for the prompt's logprobs
 too; `max_tokens: 0` is allowed with `echo` (the prompt alone: the engine samples one token, which
@@ -16,10 +18,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from ..contract import invalid
 from .context import Chat, Delivery
+from .tool_calls.choice import ToolSupport
+from .tool_calls.rendering import tools_in_messages
+from .tool_calls.reply import ToolReading
+from .tool_calls.request import (
+    ForcedCalls,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    check_tools,
+    forced_calls,
+)
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's when a request names none (the native API's default is greedy)
 
@@ -41,6 +55,9 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a `tool` message's: the call it answers
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -56,12 +73,36 @@ class ChatMessage(_Body):
         return "\n".join(texts)  # as vLLM joins text parts
 
 
-def chat(messages: list[ChatMessage]) -> Chat:
-    """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
-    return Chat([
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-        for i, m in enumerate(messages)
-    ])
+    def for_template(self, index: int) -> dict[str, Any]:
+        """As chat templates take it: OpenAI's `developer` role is a system message; calls' arguments
+        are objects."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text(index)}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template(f"messages.{index}.tool_calls.{j}")
+                                 for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise invalid("a message of role 'tool' needs the tool_call_id of the call it answers",
+                              f"messages.{index}.tool_call_id")
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def chat(
+    messages: list[ChatMessage], tools: list[Tool] | None = None, support: ToolSupport | None = None
+) -> Chat:
+    """The messages (and tools) as the chat template takes them; where the template does not render
+    tools (`support`), the tools are written into the messages."""
+    rendered = [m.for_template(i) for i, m in enumerate(messages)]
+    if not tools:
+        return Chat(rendered)
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
+    if support is not None and not support.template_renders_tools:
+        return Chat(tools_in_messages(rendered, tool_dicts))
+    return Chat(rendered, tool_dicts)
 
 
 class _Request(_Body):
@@ -140,13 +181,19 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; it wins
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    _tool_support: ToolSupport | None = PrivateAttr(None)
+
+    def use_tools(self, support: ToolSupport) -> None:
+        """How the served model takes tools: set by the front before admission."""
+        self._tool_support = support
 
     def check(self) -> None:
         self._check_common()
-        if self.tools:
-            raise invalid("tools (function calling) are not supported", "tools")
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise invalid("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
@@ -155,7 +202,32 @@ class ChatCompletionRequest(_Request):
             raise invalid("prompt_logprobs is supported on /v1/completions only", "prompt_logprobs")
 
     def prompt_input(self) -> Chat:
-        return chat(self.messages)
+        return chat(self.messages, self.tools, self._tool_support)
+
+    def forced_calls(self) -> ForcedCalls | None:
+        """What a forcing tool_choice (`required`, a named function) asks of the output; None otherwise.
+
+        TOOL-CALL CONSTRAINT: this is the place to attach `forced_calls().schema` (a JSON schema) to
+        the engine request as its grammar constraint, beside response_format's. Once it is attached
+        the output is that schema's JSON array, which the response reads as the calls
+        (tool_calls/forced.py); until then a forced choice is read from the model's own format, and
+        fails with a clear error (HTTP 500, code tool_call_not_parsed) when it holds no valid call.
+        """
+        if not self.tools:
+            return None
+        return forced_calls(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def tool_reading(self) -> ToolReading | None:
+        """How the response reads calls out of the output: None without tools or with tool_choice none
+        (the tools are still shown to the model, as vLLM shows them)."""
+        if not self.tools or self.tool_choice == "none" or self._tool_support is None:
+            return None
+        one = self.parallel_tool_calls is False or isinstance(self.tool_choice, NamedToolChoice)
+        return ToolReading(self._tool_support.format, self.forced_calls(), 1 if one else None)
+
+    def delivery(self) -> Delivery:
+        reading = self.tool_reading()
+        return Delivery(self.streams, special_tokens=reading is not None and reading.format.special_tokens)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -224,12 +296,14 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # a chat's, rendered as for a chat completion
     add_special_tokens: bool = True  # a prompt's (a chat's template adds its own)
     add_generation_prompt: bool = True  # a chat's: end with the assistant's turn, as for a completion
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise invalid("give either prompt or messages", "prompt")
+        check_tools(self.tools, None, None)
 
 
 class DetokenizeRequest(_Body):
