@@ -8,8 +8,8 @@ so a streamed answer and a whole one always agree.
 Text that may still become a marker is held back until it is clear; text after a marker that does
 not turn out to be a call is given back as content. Once a call's name is out, it stays a call: its
 arguments are the text the model wrote (as OpenAI's are, they may not parse; a call cut short by
-max_tokens keeps what it has). Whitespace is held until text follows it, and dropped after the
-last call, so the content of an answer with calls carries no trailing newlines of the wrappers.
+max_tokens keeps what it has). Trailing whitespace is held until text follows it, and dropped in an
+answer with calls, so its content carries no newlines of the wrappers around them.
 """
 
 from __future__ import annotations
@@ -142,11 +142,10 @@ class CallReader:
         if not text:
             return
         text = self._held_ws + text
-        if text.strip():
-            self._out.append(Content(text))
-            self._held_ws = ""
-        else:
-            self._held_ws = text
+        body = text.rstrip()
+        if body:
+            self._out.append(Content(body))
+        self._held_ws = text[len(body) :]
 
     def _eat(self, n: int) -> None:
         """Move the next `n` characters from the buffer to what a failed call gives back."""
