@@ -350,6 +350,12 @@ def test_streamed_calls_are_deltas_the_sdk_accumulates(client: openai.OpenAI) ->
     expected = whole.choices[0].message.tool_calls[0].function
     assert (call.function.name, call.function.arguments) == (expected.name, expected.arguments)
     assert final.choices[0].finish_reason == "tool_calls"
+    # a forced choice the output does not answer: the stream ends with the error
+    with pytest.raises(openai.APIError) as exc:
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                            tools=[WEATHER], tool_choice="required", temperature=0,
+                                            max_tokens=8, stream=True))
+    assert exc.value.body["code"] == "tool_call_not_parsed", exc.value.body
 
 
 @pytest.mark.parametrize(
@@ -382,8 +388,9 @@ def test_bad_tools_are_400_naming_the_field(client: openai.OpenAI, fields: dict,
 @pytest.fixture(scope="module")
 def llama_template_server(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory, cache_dir: str):
     """The embedded model's weights served under Llama 3.1's chat template, which renders tools."""
-    model = tmp_path_factory.mktemp("llama-template") / "model"
-    shutil.copytree(smol_dir, model)
+    model = tmp_path_factory.mktemp("llama-template")
+    for file in smol_dir.iterdir():  # the weights linked, the small files copied
+        (model / file.name).symlink_to(file) if file.suffix == ".safetensors" else shutil.copy(file, model)
     (model / "chat_template.jinja").write_text((TEMPLATES / "llama-3.1-instruct.jinja").read_text())
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
