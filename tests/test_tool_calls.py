@@ -21,6 +21,8 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from serverproc import free_port, running_server
 from transformers import AutoTokenizer
 
@@ -137,6 +139,25 @@ def test_each_family_s_calls_read_whole_and_streamed(
     fmt: CallFormat, text: str, content: str, calls: list[tuple[str, str]]
 ) -> None:
     assert read_every_way(fmt, text) == (content, calls)
+
+
+ALL_CASES = ([(hermes.FORMAT, c) for c in HERMES_CASES] + [(llama3_json.FORMAT, c) for c in LLAMA_CASES]
+             + [(mistral.FORMAT, c) for c in MISTRAL_CASES])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(case=st.sampled_from(ALL_CASES), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_any_split_of_the_text_reads_as_the_whole(case: tuple, cuts: list[int]) -> None:
+    fmt, (text, content, calls) = case
+    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    reader = CallReader(fmt)
+    events = [e for a, b in zip(points, points[1:], strict=False) for e in reader.feed(text[a:b])]
+    events += reader.finish()
+    got_content = "".join(e.text for e in events if isinstance(e, Content))
+    names = [e.name for e in events if isinstance(e, CallStart)]
+    arguments = ["".join(e.text for e in events if isinstance(e, CallArguments) and e.index == i)
+                 for i in range(len(names))]
+    assert (got_content, list(zip(names, arguments, strict=True))) == (content, calls)
 
 
 def test_a_stream_tells_the_name_first_then_the_arguments_in_pieces() -> None:
