@@ -182,6 +182,14 @@ class ServerSettings(BaseSettings):
         "and its KV blocks are freed; a request whose deadline passes while it waits never starts. "
         "Unset = only the client's deadline.",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How the OpenAI chat API reads tool calls out of the model's text: hermes "
+        "(`<tool_call>` tags: Qwen2.5/3, Hermes), llama3_json (Llama 3.x JSON objects), "
+        "mistral (`[TOOL_CALLS]` and a JSON array). auto: from the chat template's markers, else "
+        "the architecture; hermes where the template does not render tools (Tandem then writes them "
+        "into the prompt in the Hermes format; docs/api.md).",
+    )
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Longest stop string accepted.")
     grammar_cache_size: int = Field(

@@ -426,7 +426,7 @@ BAD = [  # (path, body, status, param)
     (CHAT_PATH, {**M, "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
     (CHAT_PATH, {**M, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CHAT_PATH, {**M, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (CHAT_PATH, {**M, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT_PATH, {**M, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     (CHAT_PATH, {**M, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, "messages.0.content"),
     (CHAT_PATH, {**M, "model": "gpt-4o"}, 404, "model"),
@@ -563,9 +563,9 @@ _ANY = st.recursive(
 )
 _FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
            "stream_options", "logprobs", "top_logprobs", "max_completion_tokens", "ignore_eos",
-           "stop_token_ids", "return_token_ids", "echo", "logit_bias", "tools",
-           "response_format", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex",
-           "guided_choice", "guided_grammar"]  # fmt: skip
+           "stop_token_ids", "return_token_ids", "echo", "logit_bias", "tools", "tool_choice",
+           "parallel_tool_calls", "response_format", "prompt_logprobs", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar"]  # fmt: skip
 _GOOD = {"messages": [{"role": "user", "content": "hi"}], "prompt": "Once upon a time"}
 
 

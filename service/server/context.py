@@ -24,6 +24,7 @@ from ..telemetry.requests import RequestTrace
 from .cache_scope import cache_scope, check_salt
 from .engine_client import EngineClient
 from .request_stream import GenerationChunk, whole
+from .tool_calls.choice import ToolSupport, tool_support
 from .validation import CONTEXT_LENGTH_EXCEEDED, resolve_params, validate_prompt
 
 INLINE_CHARS = 8192  # shorter text is tokenized on the event loop: a thread costs more than it saves
@@ -37,9 +38,11 @@ def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
 
 @dataclass(frozen=True)
 class Chat:
-    """A prompt given as messages, for the model's chat template."""
+    """A prompt given as messages, for the model's chat template; with the tools the template
+    renders (OpenAI's tool definitions), if any."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
 
 
 Prompt = str | list[int] | Chat  # text (the tokenizer adds its BOS, if any), token ids, or a chat
@@ -51,6 +54,7 @@ class Delivery:
 
     stream: bool
     timeout_s: float | None = None  # the request's own bound (KServe's `timeout`); None: none
+    special_tokens: bool = False  # its text keeps special tokens (the markers of some tool-call formats)
 
 
 class WireRequest(Protocol):
@@ -85,6 +89,8 @@ class ModelContext:
     isolate_tokens: bool = False  # a bearer token names its own prefix-cache scope (cache_scope.py)
     # the tokenizer's files clients may fetch, by name (tokenizer_files.py)
     tokenizer_files: dict[str, Path] = field(default_factory=dict)
+    # how the model takes tools and writes calls (tool_calls/choice.py)
+    tool_support: ToolSupport = field(default_factory=lambda: tool_support("auto", None, ""))
 
     @property
     def name(self) -> str:
@@ -131,17 +137,20 @@ class ModelContext:
         return await self.tokenize(text)
 
     async def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if not self.has_chat_template:
             raise invalid(f"model {self.name!r} has no chat template", "messages")
         if not messages:
             raise invalid("chat has no messages", "messages")
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"] or "") for m in messages) + len(repr(tools or ""))
         self._check_fits(chars, "the chat", "messages")
         try:
             render = self.tokenizer.apply_chat_template
-            kwargs = {"add_generation_prompt": add_generation_prompt, "tokenize": True}
+            kwargs = {"add_generation_prompt": add_generation_prompt, "tokenize": True, "tools": tools}
             if chars <= INLINE_CHARS:
                 out = render(messages, **kwargs)
             else:
@@ -164,7 +173,7 @@ class ModelContext:
         scope = self.cache_scope(token, request.cache_salt)
         prompt = request.prompt_input()
         if isinstance(prompt, Chat):
-            prompt_ids = await self.encode_chat(prompt.messages)
+            prompt_ids = await self.encode_chat(prompt.messages, tools=prompt.tools)
         elif isinstance(prompt, str):
             prompt_ids = await self.encode_text(prompt)
         else:
@@ -201,7 +210,7 @@ class ModelContext:
             delivery = request.delivery()
             trace.admitted(response_id, len(admitted.prompt_ids), admitted.params, delivery.stream)
             admitted.deadline = self._deadline(time_left, delivery.timeout_s)
-            chunks = self.engine.generate(admitted, self.tokenizer)
+            chunks = self.engine.generate(admitted, self.tokenizer, delivery.special_tokens)
             if delivery.stream:
                 async for chunk in chunks:
                     trace.chunk(chunk)

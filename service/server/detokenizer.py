@@ -9,12 +9,14 @@ from transformers import PreTrainedTokenizerBase
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the output so leading spaces come out right
 
 
-def _decode_stream(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> DecodeStream | None:
+def _decode_stream(
+    tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool
+) -> DecodeStream | None:
     """The tokenizers library's own incremental decoder, where the tokenizer has that backend."""
     if not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer):
         return None
     try:
-        return DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=True)
+        return DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
     except TypeError:  # a tokenizers release whose DecodeStream takes no prompt context
         return None
 
@@ -23,18 +25,24 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; never emits half a UTF-8 character.
 
     With a fast (Rust) tokenizer this is its `DecodeStream`, one call per delta whatever its length;
-    otherwise two decodes of the last few tokens per delta, in Python.
+    otherwise two decodes of the last few tokens per delta, in Python. Special tokens are left out
+    unless `skip_special_tokens` is false.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
-        self._stream = _decode_stream(tokenizer, prompt_ids)
+        self.skip_special_tokens = skip_special_tokens
+        self._stream = _decode_stream(tokenizer, prompt_ids, skip_special_tokens)
         self.tokens = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add(self, ids: list[int]) -> str:
         if self._stream is not None:

@@ -125,12 +125,13 @@ class EngineClient:
         return Request(next(self._ids), prompt_ids, params, cache_scope, self.front)
 
     def generate(
-        self, request: Request, tokenizer: PreTrainedTokenizerBase
+        self, request: Request, tokenizer: PreTrainedTokenizerBase, special_tokens: bool = False
     ) -> AsyncIterator[GenerationChunk]:
-        """Send an admitted request to the engine; its chunks as they come."""
+        """Send an admitted request to the engine; its chunks as they come (`special_tokens`: their
+        text keeps special tokens)."""
         if self.gone.done():
             raise RequestError(ErrorKind.UNAVAILABLE, "the engine process has stopped; retry")
-        stream = RequestStream(request, tokenizer, self.interval, self.release)
+        stream = RequestStream(request, tokenizer, self.interval, self.release, special_tokens)
         self.streams[stream.request_id] = stream
         self._send(request)
         return stream.chunks()

@@ -46,6 +46,7 @@ from .pod_statistics import PodStatistics
 from .request_stream import StreamInterval
 from .tls import CertificateFiles
 from .tokenizer_files import tokenizer_files
+from .tool_calls.choice import tool_support
 
 log = logging.getLogger("tandem.front")
 
@@ -205,6 +206,8 @@ class FrontServer:
             self.client, tokenizer, ready.limits, info, self._ready, longest, s.request_timeout_s,
             isolate_tokens=s.prefix_cache_isolation == "token" and s.auth_token_file is not None,
             tokenizer_files=files,
+            tool_support=tool_support(s.tool_call_parser, getattr(tokenizer, "chat_template", None),
+                                      info.architecture),
         )
         self._tell_supervisor(c.FrontReady(self.index))
         await self.client.pod_ready  # SERVING on one front only once every front would answer as well

@@ -50,6 +50,7 @@ from .openai_schema import (
     chat,
 )
 from .request_stream import GenerationChunk
+from .tool_calls.reply import CallReply
 from .validation import check_token_ids
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,10 @@ class OpenAIApi:
                 self._texts = TokenTexts(ctx.tokenizer)
             texts = self._texts
         if isinstance(body, ChatCompletionRequest):
-            return ChatResponse(f"chatcmpl-{rid}", ctx.name, texts, body.return_token_ids)
+            body.use_tools(ctx.tool_support)
+            reading = body.tool_reading()
+            calls = CallReply(reading) if reading is not None else None
+            return ChatResponse(f"chatcmpl-{rid}", ctx.name, texts, body.return_token_ids, calls=calls)
         echo = None
         if body.echo or body.prompt_logprobs is not None:
             echo = Echo(
@@ -313,8 +317,10 @@ class OpenAIApi:
             async with contextlib.aclosing(chunks):  # the client gone: its generation ends now
                 async for chunk in chunks:
                     last = chunk
-                    yield sse.event(out.stream_chunk(chunk, usage))
-                    sent = True
+                    event = out.stream_chunk(chunk, usage)
+                    if event is not None:
+                        yield sse.event(event)
+                        sent = True
         except RequestError as err:
             if not sent:
                 raise
@@ -386,7 +392,8 @@ class OpenAIApi:
         ctx.check_model(body.model or "")
         body.check()
         if body.messages is not None:
-            ids = await ctx.encode_chat(chat(body.messages).messages, body.add_generation_prompt)
+            prompt = chat(body.messages, body.tools, ctx.tool_support)
+            ids = await ctx.encode_chat(prompt.messages, body.add_generation_prompt, prompt.tools)
         else:
             ids = await ctx.tokenize(body.prompt, body.add_special_tokens)
         return _json({"tokens": ids, "count": len(ids), "max_model_len": ctx.limits.max_model_len})

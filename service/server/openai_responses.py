@@ -1,6 +1,10 @@
 """OpenAI response bodies made from the engine's chunks: chat completions and completions, whole
 and as stream chunks, with usage and logprobs; and OpenAI's error body.
 
+A chat response whose request offers tools reads the model's calls out of its text
+(tool_calls/reply.py): `message.tool_calls` or `delta.tool_calls`, the text outside the calls as
+content, and finish_reason `tool_calls` where the model stopped after calling.
+
 A token in logprobs is named by its own text (the token decoded alone), as OpenAI names it, not by
 its vocabulary entry as the native API does. `stop_reason` (the stop string or stop token id that
 ended a request) and `token_ids` (when the request sets `return_token_ids`) are vLLM's extensions.
@@ -19,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..contract import ErrorKind, FinishReason, RequestError, TokenLogprob
 from .request_stream import GenerationChunk
+from .tool_calls.reply import CallReply
 
 FINISH = {
     None: None,
@@ -132,17 +137,45 @@ class _Response:
         return list(zip(chunk.token_ids, chunk.logprobs or [], strict=False))
 
 
+@dataclass
 class ChatResponse(_Response):
+    calls: CallReply | None = None  # where the request offers tools: its calls, read from the text
+
     whole_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def _choice(self, chunk: GenerationChunk, body: dict) -> dict:
+        choice = super()._choice(chunk, body)
+        if self.calls is not None and self.calls.called and chunk.finish_reason is FinishReason.STOP:
+            choice["finish_reason"] = "tool_calls"
+        return choice
+
     def _whole_body(self, done: GenerationChunk) -> dict:
+        if self.calls is not None:
+            return {"message": self.calls.whole(done.text)}
         return {"message": {"role": "assistant", "content": done.text}}
 
     def _chunk_body(self, chunk: GenerationChunk) -> dict:
-        delta = {"role": "assistant", "content": chunk.text} if self._first else {"content": chunk.text}
+        delta: dict = {"role": "assistant"} if self._first else {}
         self._first = False
+        if self.calls is None:
+            delta["content"] = chunk.text
+            return {"delta": delta}
+        content, tool_calls = self.calls.read(chunk.text, final=chunk.finish_reason is not None)
+        if content or not tool_calls:
+            delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {"delta": delta}
+
+    def stream_chunk(self, chunk: GenerationChunk, with_usage: bool = False) -> dict | None:
+        """None where a chunk's text all went into a call not yet told (nothing to send)."""
+        out = super().stream_chunk(chunk, with_usage)
+        choice = out["choices"][0]
+        if (self.calls is not None and choice["delta"] == {"content": ""} and choice["finish_reason"] is None
+                and choice["logprobs"] is None):
+            return None
+        return out
 
     def _logprobs(self, chunk: GenerationChunk) -> dict | None:
         if self.texts is None or chunk.logprobs is None:

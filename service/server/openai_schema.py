@@ -2,10 +2,13 @@
 `/v1/completions`, and what each field means for the engine.
 
 Unknown fields are ignored, as OpenAI ignores them. Known fields whose values Tandem cannot honour
-(n > 1, penalties, logit_bias, tools, suffix, best_of > 1, non-text content) are refused with
+(n > 1, penalties, logit_bias, suffix, best_of > 1, non-text content) are refused with
 a message naming the field rather than dropped in silence. Structured output
 (`response_format`, and vLLM's `structured_outputs` / `guided_*`) is read by structured_fields.py
-on both endpoints. `top_k`, `ignore_eos`, `stop_token_ids`,
+on both endpoints. `tools`, `tool_choice` and `parallel_tool_calls` are read as
+tool_calls/request.py reads them (a forcing `tool_choice` constrains the output to its calls'
+schema); the history's assistant calls and `tool` results go to the chat template as its
+`messages`. `top_k`, `ignore_eos`, `stop_token_ids`,
 `return_token_ids`, `cache_salt` and (completions only) `prompt_logprobs` are extensions, spelled
 as vLLM spells them. A completion's `echo` with `logprobs` asks the engine for the prompt's logprobs
 too; `max_tokens: 0` is allowed with `echo` (the prompt alone: the engine samples one token, which
@@ -18,11 +21,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
-from ..contract import invalid
+from ..contract import StructuredOutput, invalid
+from ..structured_output import canonical_schema
 from . import structured_fields
 from .context import Chat, Delivery
+from .tool_calls.choice import ToolSupport
+from .tool_calls.rendering import tools_in_messages
+from .tool_calls.reply import ToolReading
+from .tool_calls.request import (
+    ForcedCalls,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    check_tools,
+    forced_calls,
+)
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's when a request names none (the native API's default is greedy)
 
@@ -44,6 +60,9 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a `tool` message's: the call it answers
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -59,12 +78,36 @@ class ChatMessage(_Body):
         return "\n".join(texts)  # as vLLM joins text parts
 
 
-def chat(messages: list[ChatMessage]) -> Chat:
-    """The messages as the chat template takes them; OpenAI's `developer` role is a system message."""
-    return Chat([
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-        for i, m in enumerate(messages)
-    ])
+    def for_template(self, index: int) -> dict[str, Any]:
+        """As chat templates take it: OpenAI's `developer` role is a system message; calls' arguments
+        are objects."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text(index)}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template(f"messages.{index}.tool_calls.{j}")
+                                 for j, c in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise invalid("a message of role 'tool' needs the tool_call_id of the call it answers",
+                              f"messages.{index}.tool_call_id")
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def chat(
+    messages: list[ChatMessage], tools: list[Tool] | None = None, support: ToolSupport | None = None
+) -> Chat:
+    """The messages (and tools) as the chat template takes them; where the template does not render
+    tools (`support`), the tools are written into the messages."""
+    rendered = [m.for_template(i) for i, m in enumerate(messages)]
+    if not tools:
+        return Chat(rendered)
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
+    if support is not None and not support.template_renders_tools:
+        return Chat(tools_in_messages(rendered, tool_dicts))
+    return Chat(rendered, tool_dicts)
 
 
 class _Request(_Body):
@@ -159,19 +202,58 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; it wins
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_support: ToolSupport | None = PrivateAttr(None)
+
+    def use_tools(self, support: ToolSupport) -> None:
+        """How the served model takes tools: set by the front before admission."""
+        self._tool_support = support
 
     def check(self) -> None:
         self._check_common()
-        if self.tools:
-            raise invalid("tools (function calling) are not supported", "tools")
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.prompt_logprobs is not None:
             raise invalid("prompt_logprobs is supported on /v1/completions only", "prompt_logprobs")
 
     def prompt_input(self) -> Chat:
-        return chat(self.messages)
+        return chat(self.messages, self.tools, self._tool_support)
+
+    def forced_calls(self) -> ForcedCalls | None:
+        """What a forcing tool_choice (`required`, a named function) asks of the output; None otherwise.
+        The output is then constrained to that schema's JSON array of calls (structured_output),
+        which the response reads as the calls (tool_calls/forced.py)."""
+        if not self.tools:
+            return None
+        return forced_calls(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> dict[str, Any]:
+        """response_format's (or vLLM's fields') constraint, or a forcing tool_choice's: one output
+        cannot follow two, so asking for both is refused."""
+        asked = super().structured_output()
+        forced = self.forced_calls()
+        if forced is None:
+            return asked
+        if asked:
+            raise invalid(f"a forcing tool_choice constrains the output to its calls: it cannot be combined "
+                          f"with {asked['structured_output_param']}", "tool_choice")
+        return {"structured_output": StructuredOutput(json_schema=canonical_schema(forced.schema)),
+                "structured_output_param": "tool_choice"}
+
+    def tool_reading(self) -> ToolReading | None:
+        """How the response reads calls out of the output: None without tools or with tool_choice none
+        (the tools are still shown to the model, as vLLM shows them)."""
+        if not self.tools or self.tool_choice == "none" or self._tool_support is None:
+            return None
+        one = self.parallel_tool_calls is False or isinstance(self.tool_choice, NamedToolChoice)
+        return ToolReading(self._tool_support.format, self.forced_calls(), 1 if one else None)
+
+    def delivery(self) -> Delivery:
+        reading = self.tool_reading()
+        return Delivery(self.streams, special_tokens=reading is not None and reading.format.special_tokens)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -240,12 +322,14 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # a chat's, rendered as for a chat completion
     add_special_tokens: bool = True  # a prompt's (a chat's template adds its own)
     add_generation_prompt: bool = True  # a chat's: end with the assistant's turn, as for a completion
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise invalid("give either prompt or messages", "prompt")
+        check_tools(self.tools, None, None)
 
 
 class DetokenizeRequest(_Body):

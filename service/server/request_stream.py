@@ -68,6 +68,7 @@ class RequestStream:
         tokenizer: PreTrainedTokenizerBase,
         interval: StreamInterval,
         release: Callable[[RequestStream], None],
+        special_tokens: bool = False,
     ) -> None:
         self.request_id = request.request_id
         self.interval = interval
@@ -77,7 +78,7 @@ class RequestStream:
         # as the engine sent them, with the first token (where the request asked)
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.params = params = request.params
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_ids, not special_tokens)
         self.stops = StopStringMatcher(params.stop)
         self.times = RequestTimes(arrival=time.time())
         self.cached_tokens = 0  # set with the first token (engine_client.py)
