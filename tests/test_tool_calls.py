@@ -23,6 +23,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, Field
 from serverproc import free_port, running_server
 from transformers import AutoTokenizer
 
@@ -428,6 +429,30 @@ def test_streamed_calls_are_deltas_the_sdk_accumulates(client: openai.OpenAI) ->
                                             tools=[WEATHER], tool_choice="required", temperature=0,
                                             max_tokens=3, stream=True))
     assert exc.value.body["code"] == "tool_call_not_parsed", exc.value.body
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=30)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_langchain_with_structured_output(client: openai.OpenAI, method: str) -> None:
+    """LangChain's ChatOpenAI, unmodified, on the embedded model: json_schema sends response_format's
+    schema, function_calling a tool with a named tool_choice (a forced call: its arguments constrained
+    to the schema), json_mode response_format json_object (LangChain parses the object, validating
+    nothing: the model is asked for the keys)."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="unused", temperature=0,
+                     max_tokens=60, max_retries=0, timeout=TIMEOUT)
+    question = "Invent a pet. Reply with JSON with the keys name and age."
+    if method == "json_mode":
+        out = llm.with_structured_output({"title": "Pet", "type": "object"}, method=method).invoke(question)
+        assert isinstance(out, dict) and out, out
+    else:
+        out = llm.with_structured_output(Pet, method=method).invoke(question)
+        assert isinstance(out, Pet), out
 
 
 @pytest.mark.parametrize(
