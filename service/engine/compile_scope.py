@@ -25,8 +25,9 @@ from torch import nn
 
 COMPILE_SCOPES = ("model", "layer")
 LAYER_ARG = "tandem_layer"  # the keyword the attention function reads the layer's index from
-# where Dynamo finds that index in the compiled function's frame: an int it keeps symbolic
-LAYER_SOURCE = rf"L\['{LAYER_ARG}'\]"
+# where Dynamo finds that index in the compiled function's frame: an int it keeps symbolic (an exact
+# source name: what every PyTorch with the setting matches; newer ones also read it as a regex)
+LAYER_SOURCE = f"L['{LAYER_ARG}']"
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
