@@ -106,6 +106,23 @@ def test_every_front_serves_on_the_one_port_and_is_counted_once(pod: Pod):
     assert after[duration] - before.get(duration, 0) == 48
 
 
+def test_the_fronts_serve_without_loading_torch(pod: Pod):
+    """The fronts tokenize and detokenize with transformers' tokenizers, which need no torch: having
+    served (a chat request, templated and detokenized by a front), none of them has torch's library
+    mapped, which the engine has."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    conn = http.client.HTTPConnection("127.0.0.1", pod.http_port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200 and json.loads(reply.read())["choices"][0]["message"]["content"]
+
+    def maps_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    assert maps_torch(pod.engine)
+    assert not [front for front in pod.fronts if maps_torch(front)]
+
+
 def test_every_front_serves_http_on_the_one_port(pod: Pod):
     """Each front binds the HTTP port too (SO_REUSEPORT): connections reach all of them, each answers."""
     conns = [http.client.HTTPConnection("127.0.0.1", pod.http_port, timeout=TIMEOUT) for _ in range(24)]

@@ -3,6 +3,9 @@ runs there, so the supervisor itself never loads torch, transformers or the gRPC
 
 from __future__ import annotations
 
+import logging
+import sys
+
 from ..cache_dirs import use_compile_cache
 from ..ipc.sockets import Endpoints
 from ..settings import ServerSettings
@@ -19,6 +22,18 @@ def engine(
 
 
 def front(settings: ServerSettings, index: int, endpoints: Endpoints, log_level: str) -> None:
+    without_torch()
     from ..server.front import front_main
 
     front_main(settings, index, endpoints, log_level)
+
+
+def without_torch() -> None:
+    """Mark torch missing in this process, before transformers is imported. A front tokenizes and
+    detokenizes with transformers' tokenizers, which need no torch, but transformers imports torch
+    wherever it finds it: seconds of CPU and hundreds of MB in every front, spent beside the engine's
+    own start. Told it is missing, transformers says so once, an advice a front has no use for."""
+    sys.modules.setdefault("torch", None)  # None: `import torch` fails, find_spec finds nothing
+    logging.getLogger("transformers").addFilter(
+        lambda record: "PyTorch was not found" not in record.getMessage()
+    )
