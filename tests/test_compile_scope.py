@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tandem.service.contract import SamplingParams
-from tandem.service.engine.compile_scope import CompiledLayer, compile_forward
+from tandem.service.engine.compile_scope import CompiledLayer, compile_forward, scope_for
 from tandem.service.engine.ops.fp8_linear import quantize_linears
 from tandem.service.engine.ops.fused_projections import fuse_projections
 
@@ -101,3 +101,9 @@ def test_a_layered_forward_shares_the_models_modules_and_leaves_the_model_whole(
 def test_an_unknown_compile_scope_is_refused_by_name():
     with pytest.raises(ValueError, match="scope 'block'.*model, layer"):
         make_core(_model(layers=2), compile_backend="aot_eager", compile_scope="block")
+
+
+def test_a_model_without_decoder_layers_compiles_whole():
+    assert scope_for("layer", _model(layers=2)) == "layer"
+    assert scope_for("layer", torch.nn.Linear(4, 4)) == "model"
+    assert scope_for("model", _model(layers=2)) == "model"
