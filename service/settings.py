@@ -122,6 +122,13 @@ class ServerSettings(BaseSettings):
         "(one graph for every token count, around one attention op), compiled during warm-up "
         "(a longer start-up: docs/benchmarks.md).",
     )
+    compile_scope: Literal["model", "layer"] = Field(
+        "model",
+        description="CUDA, with --compile: what the compiled forwards cover. model: the whole model, "
+        "traced layer by layer in every new process; layer: one decoder layer, compiled once and run by "
+        "every layer (PyTorch's regional compilation: a shorter compile at start-up, the embedding and "
+        "the LM head eager, a compiled call per layer: docs/benchmarks.md).",
+    )
     fuse_projections: bool = Field(
         True,
         description="CUDA: Q/K/V and gate/up projections run as one GEMM each (the weights are "

@@ -57,6 +57,7 @@ def make_core(
     fold_rotary: bool = True,  # the deferred model's path (the server's on CUDA) unless a test says not
     compile_prefill: bool = False,  # with compile_backend: prefill and mixed steps compiled too
     compile_decode: bool | None = None,  # default: whenever compile_backend is given
+    compile_scope: str = "model",  # the whole model, or one decoder layer for every layer
     prefix_caching: bool = False,
     kv_offload_blocks: int = 0,
     quantization: str | None = None,
@@ -69,7 +70,7 @@ def make_core(
         fuse_projections=fuse_projections, kv_cache_layout=kv_cache_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
         prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks, quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, compile_scope=compile_scope,
     )
     return build_core(model, config, eos)
 

@@ -64,8 +64,10 @@ def replays(monkeypatch) -> Counter:
     return replayed
 
 
-def _core_with_graphs(model: torch.nn.Module, compile_backend: str | None = None):
-    core = make_core(model, **ENGINE, compile_backend=compile_backend)
+def _core_with_graphs(
+    model: torch.nn.Module, compile_backend: str | None = None, compile_scope: str = "model"
+):
+    core = make_core(model, **ENGINE, compile_backend=compile_backend, compile_scope=compile_scope)
     runner = core.runner
     assert runner.graphs is None  # the CPU resolves graphs off; the stand-in puts them back
     runner.graphs = DecodeGraphs(runner.decode_forward, runner.cache, runner.slots, runner.rotary)
@@ -73,14 +75,17 @@ def _core_with_graphs(model: torch.nn.Module, compile_backend: str | None = None
     return core
 
 
-@pytest.mark.parametrize("compile_backend", [None, "aot_eager"], ids=["eager-forward", "compiled-forward"])
-def test_graph_steps_give_the_eager_engines_tokens(replays, compile_backend):
+@pytest.mark.parametrize(("compile_backend", "compile_scope"),
+                         [(None, "model"), ("aot_eager", "model"), ("aot_eager", "layer")],
+                         ids=["eager-forward", "compiled-forward", "compiled-layers"])
+def test_graph_steps_give_the_eager_engines_tokens(replays, compile_backend, compile_scope):
     """Five requests arriving over the first steps and ending at different lengths: decode steps of
     5, 4, 3, 2 and 1 rows replay the graphs of buckets 8, 4, 2 and 1 with padding rows, while steps
     with prompts run eagerly; greedy, seeded-sampled (sampled inside the graph), top-k (sampled on
     the greedy graph's logits) and log-probability requests side by side. Every token equals the
     engine's without graphs, the greedy ones transformers' generate(); with the decode forward
-    compiled, every shape was compiled as the graphs were captured and no step compiles after."""
+    compiled (the whole model, or the layer every layer runs), every shape was compiled as the
+    graphs were captured and no step compiles after."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_tiny_config("llama", 1000)).eval()
     rng = random.Random(5)
@@ -90,7 +95,7 @@ def test_graph_steps_give_the_eager_engines_tokens(replays, compile_backend):
     arrivals = [Arrival(f"r{i}", [rng.randrange(1000) for _ in range(rng.randrange(20, 40))], params, i)
                 for i, params in enumerate(kinds)]
     eager = run(make_core(model, **ENGINE), arrivals)
-    core = _core_with_graphs(model, compile_backend)
+    core = _core_with_graphs(model, compile_backend, compile_scope)
     compiled = counters["frames"]["ok"]
     result = run(core, arrivals)
     assert not result.errors and not eager.errors

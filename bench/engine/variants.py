@@ -30,6 +30,8 @@ VARIANTS = {
     "compiled_rotary_unfolded": {**SERVER_CUDA, "step_loop": "async", "fold_rotary": False},
     # with prefill and mixed steps run by the model eagerly (the decode steps compiled as above)
     "compiled_eager_prefill": {**SERVER_CUDA, "step_loop": "async", "compile_prefill": False},
+    # with one decoder layer compiled and run by every layer instead of the whole model (compile_scope.py)
+    "compiled_layer": {**SERVER_CUDA, "step_loop": "async", "compile_scope": "layer"},
 }
 
 

@@ -7,9 +7,9 @@ The fields whose names differ hold something the factory resolves from settings:
 
 What a config leaves to the device and the model, `core_builder.resolve` settles once, before the
 core is built, for every caller (the server's factory, the benchmarks, the tests): `step_loop`
-("auto"), `max_model_len`, and the device paths `in_place_decode`, `varlen_prefill` and
-`cuda_graphs`, each kept on only where the device and the model can run it. The runner and the
-core read the resolved values.
+("auto"), `max_model_len`, `compile_scope` (a model without decoder layers compiles whole), and the
+device paths `in_place_decode`, `varlen_prefill` and `cuda_graphs`, each kept on only where the
+device and the model can run it. The runner and the core read the resolved values.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward
     compile_backend: str = "inductor"  # tests use "aot_eager": same tracing, no code generation
+    # what the compiled forwards cover (compile_scope.py): "model", the whole model, or "layer", one
+    # decoder layer compiled once and run by every layer (resolve keeps "model" for a model without
+    # decoder layers)
+    compile_scope: str = "model"
     # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");
     # a process-wide choice (torch.backends.cuda.preferred_blas_library), made when the core is built
     blas_library: str = "default"

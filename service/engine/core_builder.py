@@ -15,6 +15,7 @@ import torch
 
 from ..contract import Request, SamplingParams, StepTiming
 from .block_manager import BlockManager
+from .compile_scope import scope_for
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .host_blocks import HostBlocks
@@ -87,7 +88,8 @@ def build_core(
 def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
     """`config` with what it leaves to the device and the model settled, once: the step loop
     ("auto": asynchronous on CUDA), the context length (the model's unless set, capped by what
-    the cache holds), and the device paths, each on only where asked and where it can run.
+    the cache holds), the compile scope (the layer only where the model has decoder layers), and the
+    device paths, each on only where asked and where it can run.
 
     An FP8 KV cache ("fp8") runs on any device: on CUDA through the Triton kernels (e4m3 needs
     compute capability 8.9, Ada or Hopper), on the CPU emulated by casts (kv_quant.py), which exists
@@ -126,6 +128,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
     return dataclasses.replace(
         config,
         step_loop=step_loop,
+        compile_scope=scope_for(config.compile_scope, model),
         max_model_len=max_model_len,
         in_place_decode=in_place_decode,
         varlen_prefill=varlen_prefill,

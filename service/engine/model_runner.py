@@ -25,6 +25,7 @@ import torch
 
 from .batch import DeviceBatch, StepInputs, build_attention_metadata, carry_over
 from .batch_builder import StepInputsBuilder
+from .compile_scope import compile_forward
 from .config import EngineConfig
 from .forward import forward_and_sample, forward_logits
 from .kv_offload import KVOffload
@@ -134,7 +135,7 @@ class ModelRunner:
         if config.compile_decode or config.compile_prefill:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if config.compile_decode:
-            self.decode_forward = torch.compile(stepped, backend=config.compile_backend)
+            self.decode_forward = compile_forward(stepped, config.compile_scope, config.compile_backend)
         # prefill and mixed steps, compiled where asked: one graph around the mixed attention op
         # (mixed_op.py), with a symbolic token count
         self.prefill_forward = stepped
@@ -142,7 +143,8 @@ class ModelRunner:
         if config.compile_prefill:
             for store in (cache.k_store, cache.v_store):  # fixed: no guard ties them to the step's sizes
                 torch._dynamo.mark_static(store)
-            self.prefill_forward = torch.compile(stepped, backend=config.compile_backend, dynamic=True)
+            self.prefill_forward = compile_forward(stepped, config.compile_scope, config.compile_backend,
+                                                   dynamic=True)
         max_blocks = -(-config.max_model_len // bs)
         self.slots = [
             StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, device,

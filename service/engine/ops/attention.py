@@ -26,11 +26,13 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     tandem_meta: AttentionMetadata | None = None,
+    tandem_layer: int | None = None,  # the layer's index where a compiled layer passes it (compile_scope.py)
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     if tandem_meta is None:
         raise RuntimeError("tandem_paged attention needs the engine's metadata (tandem_meta=...)")
-    meta, cache, layer = tandem_meta, tandem_meta.kv_cache, module.layer_idx
+    meta, cache = tandem_meta, tandem_meta.kv_cache
+    layer = module.layer_idx if tandem_layer is None else tandem_layer
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling  # the CUDA kernels want it resolved
     # each op gets the storage itself (contiguous), and transposes inside if head-major; an FP8
     # cache its scales, as tensors (graphs and compiled steps read their values as set)
