@@ -22,4 +22,3 @@ def front(settings: ServerSettings, index: int, endpoints: Endpoints, log_level:
     from ..server.front import front_main
 
     front_main(settings, index, endpoints, log_level)
-
