@@ -43,15 +43,15 @@ def _inject(
     runner, failed_sizes, doomed = core.runner, [], set()
     launch, wait = runner.launch, runner.wait
 
-    def launching(out: SchedulerOutput, prev: object, scheduled: float) -> object:
+    def launching(out: SchedulerOutput, prev: object, scheduled: float, constrained: bool = False) -> object:
         if fails(out.chunks):
             failed_sizes.append(len(out.chunks))
             if where == "launch":
                 raise RuntimeError(error)
-            step = launch(out, prev, scheduled)
+            step = launch(out, prev, scheduled, constrained)
             doomed.add(id(step))
             return step
-        return launch(out, prev, scheduled)
+        return launch(out, prev, scheduled, constrained)
 
     def waiting(step: object) -> object:
         result = wait(step)

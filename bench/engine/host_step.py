@@ -108,7 +108,7 @@ def no_forward(core: EngineCore, metadata: Callable[[float], None] | None = None
     slot), and hand this callable the seconds it took."""
     runner = core.runner
 
-    def fill(batch, dev, s, bucket, prev_tokens) -> SampleOutput:  # noqa: ANN001 (ModelRunner._compute's)
+    def fill(batch, dev, s, bucket, prev_tokens, constrained=False) -> SampleOutput:  # noqa: ANN001 (_compute's)
         if metadata is not None and batch.prefills:
             t = time.perf_counter()
             build_attention_metadata(batch, dev, runner.cache, decode_kernel=_in_place,
