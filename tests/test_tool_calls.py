@@ -16,6 +16,7 @@ import os
 import shutil
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -384,14 +385,18 @@ def test_forced_calls_are_valid_calls_every_time(client: openai.OpenAI, choice) 
     each (parallel_tool_calls false): a parallel array's length is the model's to choose, so a random
     walk may run it to max_tokens."""
     tools = {t["function"]["name"]: t["function"]["parameters"] for t in (BOUNDED, ZONE)}
-    for seed in range(10):
-        reply = client.chat.completions.create(
+
+    def ask(seed: int):  # noqa: ANN202
+        return client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Wake me up early on weekends."}],
             tools=[BOUNDED, ZONE], tool_choice=choice, parallel_tool_calls=False, temperature=1.0, seed=seed,
             max_tokens=80)
+
+    with ThreadPoolExecutor(10) as pool:  # in flight together: the engine batches them
+        replies = list(pool.map(ask, range(10)))
+    for seed, reply in enumerate(replies):
         assert reply.choices[0].finish_reason == "tool_calls", (seed, reply.choices[0])
-        calls = reply.choices[0].message.tool_calls
-        (call,) = calls
+        (call,) = reply.choices[0].message.tool_calls
         assert choice == "required" or call.function.name == "set_alarm"
         jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name])
 
