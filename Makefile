@@ -28,7 +28,8 @@ test: setup
 	$(VENV)/bin/python scripts/gen_config_docs.py --check
 	$(VENV)/bin/python scripts/gen_values_docs.py --check
 	$(VENV)/bin/python scripts/gen_image_constraints.py --check
-	$(VENV)/bin/pytest -m "not gpu"
+	# two workers, a test file each at a time (its module fixtures, servers included, stay in one worker)
+	$(VENV)/bin/pytest -m "not gpu" -n 2 --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .
