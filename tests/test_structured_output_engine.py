@@ -122,15 +122,63 @@ def test_the_matcher_follows_the_sequence_and_grammars_are_compiled_once(model_a
     constraint = StructuredOutput(json_schema=canonical_schema(SCHEMA))
     arrivals = [Arrival(f"c{i}", tokenizer.encode("x") + [i], SamplingParams(
         temperature=1.0, seed=i, max_tokens=100, structured_output=constraint)) for i in range(3)]
-    seqs = []
     for a in arrivals:
         core.add(Request(a.request_id, a.prompt_ids, a.params))
-        seqs.append(core.scheduler.waiting[-1])
+    assert not core.scheduler.waiting and core.stats().waiting == 3  # waiting for their one compile
+    seqs: list[Sequence] = []
     while core.has_work:
         core.run_once()
+        seqs += [s for s in core.scheduler.running if s not in seqs]
         for seq in seqs:  # accepted exactly the tokens it appended, at every step
             assert seq.grammar.accepted == seq.num_output
+    assert len(seqs) == 3
     assert core.grammars.compiled == 1 and core.grammars.hits == 2
+
+
+def test_a_grammar_compiling_holds_up_only_its_own_request(model_and_tokenizer, monkeypatch):
+    """A first-time constraint compiles on the compile thread: its request waits outside the queue
+    while another request steps on; then it runs to a parsing answer. One the tokenizer refuses
+    fails alone with INVALID_ARGUMENT; one aborted while it waits is gone."""
+    import threading
+
+    from tandem.service.contract import ErrorKind
+
+    model, tokenizer = model_and_tokenizer
+    core, eos = _core(model, tokenizer, step_loop="async")
+    release = threading.Event()
+    build = core.grammars._build
+
+    def slow_build(constraint):  # noqa: ANN001, ANN202
+        assert release.wait(30), "the compile thread was never released"
+        if constraint.regex == "(":
+            raise ValueError("unbalanced parenthesis")
+        return build(constraint)
+
+    monkeypatch.setattr(core.grammars, "_build", slow_build)
+    prompt = tokenizer.encode("Describe a pet as JSON:")
+    core.add(Request("free", prompt, SamplingParams(max_tokens=6, ignore_eos=True)))
+    core.add(Request("json", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=100,
+                                                    structured_output=StructuredOutput(regex=REGEX))))
+    core.add(Request("bad", prompt, SamplingParams(structured_output=StructuredOutput(regex="("))))
+    core.add(Request("gone", prompt, SamplingParams(structured_output=StructuredOutput(choice=CHOICES))))
+    assert core.abort("gone")
+    tokens: dict[str, list[int]] = {}
+    failed = {}
+    while "free" not in tokens or len(tokens["free"]) < 6:  # the free request runs to its end
+        for out in core.run_once().values():
+            for rid, token in zip(out.request_ids, out.tokens, strict=True):
+                tokens.setdefault(rid, []).append(token)
+    assert set(tokens) == {"free"}, "a compiling request stepped"
+    release.set()
+    while core.has_work:
+        for out in core.run_once().values():
+            for rid, token in zip(out.request_ids, out.tokens, strict=True):
+                tokens.setdefault(rid, []).append(token)
+            failed |= {rid: (kind, why) for rid, kind, why in out.failed}
+    assert set(tokens) == {"free", "json"} and set(failed) == {"bad"}
+    assert failed["bad"][0] == ErrorKind.INVALID_ARGUMENT and "cannot be compiled" in failed["bad"][1]
+    text = tokenizer.decode(tokens["json"][:-1] if tokens["json"][-1] in eos else tokens["json"])
+    assert re.fullmatch(REGEX, text), text
 
 
 def test_masked_logits_keep_allowed_tokens_and_drop_the_rest():

@@ -5,6 +5,8 @@ Driven by one thread (the engine process's loop, a benchmark, a test) that calls
 made it (`contract.Request`) and fills each step's `contract.StepOutputs`, one per front, as it hands
 the step's tokens to their sequences.
 
+A constrained request whose grammar is not compiled yet waits outside the scheduler while the
+compile thread builds it (grammar.py), and joins the queue on the first turn after.
 A step with constrained rows (structured output: grammar.py) is launched as its forward alone; its
 rows' token masks are filled on the host while the device runs that forward, after the step before
 has been handed out (its tokens are the ones the masks follow), and only then is it sampled.
@@ -22,6 +24,7 @@ from ..contract import (
     ErrorKind,
     Outputs,
     Request,
+    RequestError,
     StepOutputs,
     StepTiming,
     TokenLogprob,
@@ -37,6 +40,7 @@ from .timing import IdleTracker
 
 log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # a sequence in this many failed steps is failed, even if its lone steps pass
+COMPILE_WAIT_S = 0.005  # an idle loop's wait for a grammar compile, between looks at its inbox
 
 
 class EngineFailure(RuntimeError):
@@ -77,19 +81,53 @@ class EngineCore:
         self.start_up_seconds: dict[str, float] = {}
         # structured output's compiler and masks (the factory sets it: it needs the tokenizer)
         self.grammars: Grammars | None = None
+        self._compiling: list[Sequence] = []  # in arrival order: their grammars are being compiled
 
     def add(self, request: Request) -> None:
-        """Queue a request; RequestError (INVALID_ARGUMENT) if its constraint cannot be compiled."""
+        """Queue a request (a constrained one whose grammar is not compiled yet waits for it)."""
         seq = self._new_sequence(request)
-        if request.params.structured_output is not None:
+        constraint = request.params.structured_output
+        if constraint is not None:
             if self.grammars is None:
                 raise invalid("structured output needs the model's tokenizer, which this engine lacks")
+            if not self.grammars.ready(constraint):
+                self.grammars.compile_soon(constraint)
+                self._compiling.append(seq)
+                return
             seq.grammar = self.grammars.state_for(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False if it is not here (any more)."""
+        for seq in self._compiling:
+            if seq.request_id == request_id:
+                self._compiling.remove(seq)
+                return True
         return self.scheduler.abort(request_id) is not None
+
+    def _admit_compiled(self) -> Outputs:
+        """Requests whose grammars are compiled join the queue; one whose constraint the model's
+        tokenizer refuses fails (INVALID_ARGUMENT), in the returned outputs. With nothing else to
+        run, wait a little for a compile rather than spin."""
+        if not self._compiling or self.grammars is None:
+            return {}
+        if not (self.scheduler.has_work or self.step_in_flight):
+            self.grammars.wait_for_any(COMPILE_WAIT_S)
+        outputs: Outputs = {}
+        waiting = []
+        for seq in self._compiling:
+            if not self.grammars.done(seq.params.structured_output):
+                waiting.append(seq)
+                continue
+            try:
+                seq.grammar = self.grammars.state_for(seq)
+            except RequestError as exc:
+                failed = outputs.setdefault(seq.request.front, StepOutputs()).failed
+                failed.append((seq.request_id, exc.kind, exc.message))
+                continue
+            self.scheduler.add(seq)
+        self._compiling = waiting
+        return outputs
 
     @property
     def step_in_flight(self) -> bool:
@@ -98,20 +136,25 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.step_in_flight
+        return self.scheduler.has_work or self.step_in_flight or bool(self._compiling)
 
     def run_once(self) -> Outputs:
-        """One turn of the configured step loop; the outputs of the step that finished in it, by front."""
+        """One turn of the configured step loop; the outputs of the step that finished in it, by front
+        (and the requests whose constraints failed to compile)."""
+        refused = self._admit_compiled()
         if self.async_loop:
             outputs, self._launched = self.step_ahead(self._launched)
-            return outputs
-        return self.step() if self.scheduler.has_work else {}
+        else:
+            outputs = self.step() if self.scheduler.has_work else {}
+        for front, out in refused.items():
+            outputs.setdefault(front, StepOutputs()).failed.extend(out.failed)
+        return outputs
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + len(self.scheduler.suspects),
+            waiting=len(self.scheduler.waiting) + len(self.scheduler.suspects) + len(self._compiling),
             kv_usage=blocks.usage,
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=blocks.num_free,

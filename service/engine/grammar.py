@@ -8,6 +8,11 @@ sequence appends, so it follows the sequence through preemption (recompute keeps
 the K/V is dropped), KV offload, prefix caching and failed steps (whose tokens are never appended)
 with no rollback; an extra token of the asynchronous loop that is dropped is never accepted either.
 
+A constraint not yet in the cache is compiled on a thread of its own (`compile_soon`): its request
+waits outside the scheduler (engine_core) until the compile is done, while the loop goes on
+stepping every other request; a first-time schema costs its own request the compile, not everyone
+a stalled step. xgrammar releases the GIL while it compiles.
+
 A step with constrained rows samples only once their masks are filled (`fill`): one bitmask row per
 sampled row, 32 tokens per int32, every bit set for a row without a grammar (its logits are left as
 they are). The engine core fills them on the host while the device runs the step's forward, and the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import xgrammar as xgr
@@ -77,15 +83,41 @@ class Grammars:
         self.pin_memory = pin_memory
         self._masks: dict[int, torch.Tensor] = {}  # the host bitmask of each step slot
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._pending: dict[StructuredOutput, Future[xgr.CompiledGrammar]] = {}
+
+    def ready(self, constraint: StructuredOutput) -> bool:
+        """Compiled and cached: a matcher for it is made at once."""
+        return constraint in self.cache
+
+    def compile_soon(self, constraint: StructuredOutput) -> None:
+        """Start compiling `constraint` on the compile thread (once, however many requests ask)."""
+        if constraint not in self._pending:
+            self._pending[constraint] = self._pool.submit(self._build, constraint)
+
+    def done(self, constraint: StructuredOutput) -> bool:
+        """Its compile has ended (or none is under way): `state_for` will not wait."""
+        future = self._pending.get(constraint)
+        return future is None or future.done()
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Block until some compile under way ends, or `timeout` seconds."""
+        if self._pending:
+            wait(list(self._pending.values()), timeout, return_when=FIRST_COMPLETED)
+
+    def _build(self, constraint: StructuredOutput) -> xgr.CompiledGrammar:
+        return self.compiler.compile_grammar(structured_output.build(constraint))
 
     def compile(self, constraint: StructuredOutput) -> xgr.CompiledGrammar:
+        """The compiled grammar: from the cache, from the compile thread, or compiled now."""
         grammar = self.cache.get(constraint)
         if grammar is not None:
             self.cache.move_to_end(constraint)
             self.hits += 1
             return grammar
+        future = self._pending.pop(constraint, None)
         try:
-            grammar = self.compiler.compile_grammar(structured_output.build(constraint))
+            grammar = future.result() if future is not None else self._build(constraint)
         except (ValueError, RuntimeError) as exc:  # its front checked it: only the tokenizer could refuse
             raise invalid(f"the {constraint.kind} cannot be compiled for this model: {exc}") from exc
         self.compiled += 1
