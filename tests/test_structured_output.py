@@ -1,4 +1,4 @@
-"""Structured output through a real `tandem serve` (the session's tiny server: a random llama with the
+"""Structured output through a real `tandem serve` (the shared tiny test server: a random llama with the
 embedded model's tokenizer, whose unconstrained output is noise, so every parse below is the
 grammar's doing), asked by the published `openai` client: `chat.completions.parse` with a pydantic
 model, OpenAI's response_format, vLLM's structured_outputs and guided_* fields, bad constraints
