@@ -7,6 +7,7 @@ request; an unconstrained request generates as many tokens as the constrained on
 
     tandem bench structured                         # the embedded SmolLM2-135M, 64 streams
     tandem bench structured --model DIR --streams 256 --requests 1024 --device cuda
+    tandem bench structured --shape 8b --tokenizer DIR --streams 256 --requests 1024   # random weights
     tandem bench structured --smoke                 # a few requests, to check it runs
 """
 
@@ -19,7 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tandem.bench.common import SHAPES
 from tandem.bench.engine.harness import blocks_for, environment, raise_failures
 from tandem.service.contract import Request, SamplingParams, StructuredOutput
 from tandem.service.engine.config import EngineConfig
@@ -81,7 +84,11 @@ def closed_loop(core: EngineCore, prompt: list[int], streams: int, requests: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench structured", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="a transformers model directory (default: the embedded SmolLM2-135M)")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--model", help="a transformers model directory (default: the embedded SmolLM2-135M)")
+    where.add_argument("--shape", choices=sorted(SHAPES),
+                       help="a random-initialised Llama of this shape (bf16 on CUDA) and a real tokenizer")
+    ap.add_argument("--tokenizer", help="with --shape: its tokenizer (default: the embedded model's)")
     ap.add_argument("--device", choices=["cpu", "cuda"],
                     default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")
@@ -97,17 +104,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    loaded = load_model(args.model, None, device, args.dtype)
-    tokenizer = loaded.tokenizer
+    if args.shape:
+        model, tokenizer, eos, name = _shaped(args.shape, args.tokenizer, device)
+    else:
+        loaded = load_model(args.model, None, device, args.dtype)
+        model, tokenizer, eos, name = loaded.model, loaded.tokenizer, loaded.eos_token_ids, loaded.name
     config = EngineConfig(
         num_blocks=blocks_for(args.streams, 256 + args.max_tokens, 16), block_size=16,
         max_num_seqs=max(args.streams, 8), max_num_batched_tokens=2048, step_loop="auto",
         compile_decode=device.type == "cuda", compile_prefill=device.type == "cuda",
         fuse_projections=device.type == "cuda", fold_rotary=device.type == "cuda",
     )
-    core = build_core(loaded.model, config, loaded.eos_token_ids)
-    vocab = loaded.model.config.get_text_config().vocab_size
-    core.grammars = Grammars(tokenizer, vocab, loaded.eos_token_ids, pin_memory=device.type == "cuda",
+    core = build_core(model, config, eos)
+    vocab = model.config.get_text_config().vocab_size
+    core.grammars = Grammars(tokenizer, vocab, eos, pin_memory=device.type == "cuda",
                              threads=4 if device.type == "cuda" else 1)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                          tokenize=True, return_dict=True)
@@ -122,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     closed_loop(core, prompt, warm, warm, constrained)  # compiles the grammar, warms the step shapes
     seconds_c, outs = closed_loop(core, prompt, args.streams, args.requests, constrained)
     lengths = [len(o) for o in outs]
-    parsed = sum(_parses(tokenizer, o, loaded.eos_token_ids) for o in outs)
+    parsed = sum(_parses(tokenizer, o, eos) for o in outs)
 
     def free(i: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, seed=i, max_tokens=lengths[i], ignore_eos=True)
@@ -132,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = sum(lengths)
     assert tokens == sum(len(o) for o in outs_f)
     result = {
-        "benchmark": "structured", "model": loaded.name, "streams": args.streams, "requests": args.requests,
+        "benchmark": "structured", "model": name, "streams": args.streams, "requests": args.requests,
         "tokens": tokens, "mean_length": round(tokens / args.requests, 1),
         "constrained_tok_s": round(tokens / seconds_c, 1),
         "unconstrained_tok_s": round(tokens / seconds_f, 1),
@@ -147,6 +157,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def _shaped(shape: str, tokenizer_dir: str | None, device: torch.device
+            ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, frozenset[int], str]:
+    """A random-initialised Llama of `shape` (bf16 on CUDA) and a real tokenizer. The model keeps its
+    shape's vocabulary where that holds the tokenizer's (the masks are that wide; the grammars allow
+    only the tokenizer's tokens), and takes the tokenizer's where it is smaller (the tiny shape)."""
+    from tandem.bench.engine.variants import build_model
+    from tandem.bench.serve.server import default_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or default_tokenizer())
+    vocab = max(SHAPES[shape]["vocab_size"], len(tokenizer))
+    model = build_model(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32, vocab)
+    return model, tokenizer, frozenset({tokenizer.eos_token_id}), f"random-{shape}"
 
 
 def _parses(tokenizer: object, tokens: list[int], eos: frozenset[int]) -> bool:

@@ -35,9 +35,12 @@ VARIANTS = {
 }
 
 
-def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """A random-initialised Llama of `shape` (seed 0: the same weights every time)."""
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=32768)
+def build_model(shape: str, device: torch.device, dtype: torch.dtype, vocab: int | None = None
+                ) -> LlamaForCausalLM:
+    """A random-initialised Llama of `shape` (seed 0: the same weights every time); `vocab`: its
+    vocabulary size instead of the shape's."""
+    config = LlamaConfig(**{**SHAPES[shape], **({"vocab_size": vocab} if vocab else {})},
+                         max_position_embeddings=32768)
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
     try:
