@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from serverproc import TINY_SERVER_FLAGS, ServerFactory
@@ -113,3 +114,10 @@ def tiny_server(shared_servers: ServerFactory) -> str:
 def tiny_server_http(shared_servers: ServerFactory) -> str:
     """The shared tiny server's OpenAI HTTP API: its base URL (http://127.0.0.1:PORT)."""
     return shared_servers(*TINY_SERVER_FLAGS, http=True, shared=True).http_url
+
+
+@pytest.fixture(scope="session")
+def tiny_openai(tiny_server_http: str) -> Iterator[openai.OpenAI]:
+    """The published `openai` client on the shared tiny server (no retries: a failure shows)."""
+    with openai.OpenAI(base_url=f"{tiny_server_http}/v1", api_key="unused", max_retries=0, timeout=60.0) as c:
+        yield c

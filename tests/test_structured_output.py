@@ -83,14 +83,8 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_server_http: str) -> str:
-    return tiny_server_http
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
+def client(tiny_openai: openai.OpenAI) -> openai.OpenAI:
+    return tiny_openai
 
 
 def _chat(client: openai.OpenAI, **kwargs):
