@@ -193,7 +193,8 @@ class ServerSettings(BaseSettings):
         "auto",
         description="How the OpenAI chat API reads tool calls out of the model's text: hermes "
         "(`<tool_call>` tags: Qwen2.5/3, Hermes), llama3_json (Llama 3.x JSON objects), "
-        "mistral (`[TOOL_CALLS]` and a JSON array). auto: from the chat template's markers, else "
+        "mistral (`[TOOL_CALLS]` and a JSON array, or `[TOOL_CALLS]name[ARGS]{...}`). auto: from the "
+        "chat template's markers, else "
         "the architecture; hermes where the template does not render tools (Tandem then writes them "
         "into the prompt in the Hermes format; docs/api.md).",
     )

@@ -126,6 +126,19 @@ MISTRAL_CASES = [
      "", [("get_weather", '{"city": "Paris"}')]),
     ("[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
     ("[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    # v11+ tokenizers: each call after its own marker, named outside its arguments
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}',
+     "", [("get_weather", '{"city": "Paris", "days": [1, 2]}')]),
+    ('Looking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     "Looking.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}',  # v13: the call's id first
+     "", [("get_weather", '{"city": "Oslo"}')]),
+    ('[TOOL_CALLS]get_time{"tz": "CET"}', "", [("get_time", '{"tz": "CET"}')]),  # [ARGS] not special
+    # no call: a name with nothing after it, words after the marker
+    ("[TOOL_CALLS]get_weather[ARGS]", "[TOOL_CALLS]get_weather[ARGS]", []),
+    ("[TOOL_CALLS]get the weather", "[TOOL_CALLS]get the weather", []),
+    # cut short by max_tokens in the arguments: a call with what it has
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', "", [("get_weather", '{"city": "Par')]),
 ]
 
 

@@ -5,6 +5,7 @@ a call's JSON object. Every family writes a call as a JSON object `{"name": ...,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -34,7 +35,9 @@ class CallFormat:
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
     special_tokens: bool = False  # its markers are special tokens: the text must keep them
     id_chars: int | None = None  # the model's templates want call ids of exactly this many letters/digits
+    # after a marker, a call may also be written `name[ARGS]{arguments}` (Mistral's v11+ tokenizers;
+    # `[CALL_ID]id` may come between them): the name outside the JSON, the object all arguments
+    named_calls: bool = False
 
     def with_openers(self, *more: Opener) -> CallFormat:
-        return CallFormat(self.name, (*self.openers, *more), self.argument_keys, self.special_tokens,
-                          self.id_chars)
+        return dataclasses.replace(self, openers=(*self.openers, *more))

@@ -43,6 +43,9 @@ Event = Content | CallStart | CallArguments
 
 # a call object that names its function first, up to where its arguments' value begins
 _HEADER = regex.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(\w+)"\s*:\s*')
+# a call named outside its arguments (format.CallFormat.named_calls), up to the arguments' brace
+_NAMED = regex.compile(r"\s*([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*\{")
+_NAME_START = regex.compile(r"\s*[A-Za-z0-9_]")
 
 
 class _ObjectScan:
@@ -107,11 +110,13 @@ class CallReader:
         self._state = self._content
         self._starting = True  # nothing but whitespace read so far
         self._layout = Layout()
+        self._marked = False  # the calls being read followed a marker
         self._pending = ""  # read since the last call (a marker, separators): content if no call follows
         self._held_ws = ""
         self._obj: _ObjectScan | None = None
         self._args_at: int | None = None  # where the arguments' value begins in the call's text
         self._unordered = False  # the call does not name its function first: read it whole
+        self._named = False  # the call's name came before it: its object is all arguments
         self._sent = 0  # how far into the call's text its arguments are out
         self._out: list[Event] = []
         self.calls = 0  # calls begun so far
@@ -161,7 +166,7 @@ class CallReader:
         return True
 
     def _reset_call(self) -> None:
-        self._obj, self._args_at, self._unordered, self._sent = None, None, False, 0
+        self._obj, self._args_at, self._unordered, self._named, self._sent = None, None, False, False, 0
 
     # -- the states: each reads what it can; False when it needs more text ------------------------
     def _content(self, final: bool) -> bool:
@@ -174,7 +179,7 @@ class CallReader:
             self._text(self._buf[:i])
             self._buf = self._buf[i:]
             self._eat(len(opener.marker))
-            self._layout, self._state = opener.layout, self._open
+            self._layout, self._marked, self._state = opener.layout, True, self._open
             return True
         keep = 0 if final else _held_suffix(self._buf, [o.marker for o in self._anywhere])
         self._text(self._buf[: len(self._buf) - keep])
@@ -202,7 +207,7 @@ class CallReader:
             if rest.startswith(lead):
                 self._starting = False
                 self._eat(len(self._buf) - len(rest) + len(opener.marker))
-                self._layout, self._state = opener.layout, self._open
+                self._layout, self._marked, self._state = opener.layout, bool(opener.marker), self._open
                 return True
             if lead.startswith(rest) and not final:
                 return False
@@ -210,6 +215,9 @@ class CallReader:
         return True
 
     def _open(self, final: bool) -> bool:
+        if self.fmt.named_calls and self._marked and _NAME_START.match(self._buf):
+            self._state = self._named_call
+            return True
         opening = self._layout.open
         if not opening:
             self._state = self._call
@@ -223,6 +231,18 @@ class CallReader:
             return False
         return self._give_back()
 
+    def _named_call(self, final: bool) -> bool:
+        """`name[ARGS]{...}` after a marker: the name, then the object as the call's arguments."""
+        match = _NAMED.match(self._buf, partial=True)
+        if match is None or (match.partial and final):
+            return self._give_back()
+        if match.partial:
+            return False
+        self._eat(match.end() - 1)  # up to the arguments' brace
+        self._begin(match.group(1))
+        self._named, self._state = True, self._call
+        return True
+
     def _call(self, final: bool) -> bool:
         if self._obj is None:
             rest = self._buf.lstrip()
@@ -232,6 +252,8 @@ class CallReader:
                 return self._give_back()
             self._eat(len(self._buf) - len(rest))
             self._obj = _ObjectScan()
+            if self._named:
+                self._args_at = 0
         taken = self._obj.feed(self._buf)
         self._buf = self._buf[taken:]
         if self._args_at is None and not self._unordered:
@@ -263,7 +285,9 @@ class CallReader:
     def _send_arguments(self) -> None:
         assert self._obj is not None and self._args_at is not None
         text = self._obj.text
-        end = next((e for e in self._obj.ends if e >= self._args_at), len(text))
+        # the arguments' value ends where the call object's next value begins; a named call's
+        # object is its arguments, its own commas and brace included
+        end = len(text) if self._named else next((e for e in self._obj.ends if e >= self._args_at), len(text))
         upto = len(text[:end].rstrip())
         if upto > self._sent:
             self._out.append(CallArguments(self.calls, text[self._sent : upto]))
