@@ -57,6 +57,7 @@ from tandem.service.engine.ops.decode_grid import (
 )
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.deferred_rotary import defer_rotary, model_family
+from tandem.service.engine.ops.e4m3 import quantize
 from tandem.service.engine.ops.kv_cache import CacheShape
 
 
@@ -173,10 +174,16 @@ class DecodeInputs:
     lens: torch.Tensor  # [B] int32 contexts, the new token included
     q: torch.Tensor  # [B, H, D]
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the step's K, V and their slots
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an FP8 cache's (0-d float32)
+
+
+# an FP8 sweep's cache scales: random values of about 1 quantized to e4m3 near its range's middle
+SWEEP_KV_SCALES = (0.02, 0.03)
 
 
 def decode_inputs(model: torch.nn.Module, lens_host: list[int], width: int,
-                  layouts: tuple[str, ...] = ("NHD",)) -> DecodeInputs:
+                  layouts: tuple[str, ...] = ("NHD",), kv_fp8: bool = False) -> DecodeInputs:
+    """`kv_fp8`: the caches in e4m3 (the values quantized with SWEEP_KV_SCALES), with their scales."""
     shape = CacheShape.of(model.config)
     heads, block = model.config.num_attention_heads, DECODE_BLOCK
     dev, dt = next(model.parameters()).device, next(model.parameters()).dtype
@@ -187,13 +194,18 @@ def decode_inputs(model: torch.nn.Module, lens_host: list[int], width: int,
         "HND": lambda: torch.randn(heads_kv, slots_all, dim, dtype=dt, device=dev).transpose(0, 1),
     }
     caches = {layout: [storage[layout]() for _ in "kv"] for layout in layouts}
+    scales = None
+    if kv_fp8:
+        scales = tuple(torch.tensor(x, device=dev) for x in SWEEP_KV_SCALES)
+        caches = {layout: [quantize(t, x) for t, x in zip(kv, scales, strict=True)]
+                  for layout, kv in caches.items()}
     table = torch.randperm(batch * width, device=dev, dtype=torch.int32).view(batch, width)
     lens = torch.tensor(lens_host, dtype=torch.int32, device=dev)
     q = torch.randn(batch, heads, dim, dtype=dt, device=dev)
     new_k = torch.randn(batch, heads_kv, dim, dtype=dt, device=dev)
     last = lens.long() - 1  # each sequence's new token goes to its last position
     slots = table.gather(1, (last // block)[:, None])[:, 0].long() * block + last % block
-    return DecodeInputs(caches, table, lens, q, (new_k, torch.randn_like(new_k), slots))
+    return DecodeInputs(caches, table, lens, q, (new_k, torch.randn_like(new_k), slots), scales)
 
 
 KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
@@ -212,35 +224,52 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
+def fp8_variants(configs: list[KernelConfig]) -> list[KernelConfig]:
+    """Each configuration with an FP8 cache's tiles dequantized in the loop, and used unscaled."""
+    return [dataclasses.replace(c, fp8_unscaled=u) for c in configs for u in (False, True)]
+
+
+# an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too
+FP8_KERNEL_CONFIGS = fp8_variants(KERNEL_CONFIGS + [
+    KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)
+])
+
+
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
-                        layouts: tuple[str, ...] = ("NHD",)) -> list[dict]:
+                        layouts: tuple[str, ...] = ("NHD",), kv_fp8: bool = False) -> list[dict]:
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode
     step) at the grid a captured step of `batch` rows uses (its table as wide as a 4,096-token
     context), contexts `mixed` or fixed: each configuration (tile, pipeline stages, warps, the
     step's own token after the loop or not) per cache layout,
     its time, share of the copy bandwidth and largest difference from the engine's
     configuration's output (marked `chosen`). Then (NHD) the kernel as a mixed step's decode rows
-    launch it, reading the cache only, in 1-3 stages (`launch`: "cache only")."""
+    launch it, reading the cache only, in 1-3 stages (`launch`: "cache only"). `kv_fp8`: over e4m3
+    caches, each configuration with its tiles dequantized and unscaled (`fp8_unscaled`), the bytes
+    read an e4m3 cache's."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
-    block, dt = DECODE_BLOCK, next(model.parameters()).dtype
+    block = DECODE_BLOCK
     lens_host = grid_contexts(kind, batch)
     width = -(-max(4096, max(lens_host)) // block)
-    d = decode_inputs(model, lens_host, width, layouts)
-    table, lens, q, new_kv = d.table, d.lens, d.q, d.new_kv
+    d = decode_inputs(model, lens_host, width, layouts, kv_fp8)
+    table, lens, q, new_kv, scales = d.table, d.lens, d.q, d.new_kv, d.kv_scales
     sms = num_sms(q.device.index or 0)
     splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
     chosen = kernel_config(batch)
-    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
+    configs, cache_only_configs = KERNEL_CONFIGS, CACHE_ONLY_CONFIGS
+    if kv_fp8:
+        configs, cache_only_configs = FP8_KERNEL_CONFIGS, fp8_variants(CACHE_ONLY_CONFIGS)
     rows = []
     for layout, (k, v) in d.caches.items():
         def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
-            return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config)
+            return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config,
+                                          kv_scales=scales)
         reference = run(chosen).float()
-        for config in with_engines(KERNEL_CONFIGS, chosen):
+        for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop,
+                   "new_after_loop": config.new_after_loop, "fp8_unscaled": config.fp8_unscaled,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -248,12 +277,14 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     step_splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=max(lens_host))
 
     def cache_only(config: KernelConfig) -> torch.Tensor:
-        return paged_decode_attention(q, k, v, table, lens, block, 0.1, step_splits, config=config)
+        return paged_decode_attention(q, k, v, table, lens, block, 0.1, step_splits, config=config,
+                                      kv_scales=scales)
 
     reference = cache_only(chosen).float()
-    for config in with_engines(CACHE_ONLY_CONFIGS, chosen):
+    for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
+               "fp8_unscaled": config.fp8_unscaled,
                "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
@@ -603,8 +634,9 @@ def linears(a: argparse.Namespace, model: torch.nn.Module, bandwidth: float) -> 
 
 
 def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: float, sweeps: Sweeps) -> None:
+    kv_fp8 = NAMED[a.precision].kv_cache_dtype == "fp8"  # the sweep reads the precision's cache
     for batch, kind in points(a.attention):
-        rows = decode_kernel_sweep(model, batch, kind, bandwidth, tuple(a.layouts.split(",")))
+        rows = decode_kernel_sweep(model, batch, kind, bandwidth, tuple(a.layouts.split(",")), kv_fp8)
         sweeps.attention[f"{batch}:{kind}"] = rows
         sweeps.save()
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
@@ -614,11 +646,11 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
         shown += [r for r in step if r["chosen"] and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "FP8 unscaled", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r["chosen"],
+                               r["warps"], r["new_after_loop"], r["fp8_unscaled"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:
