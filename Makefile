@@ -30,6 +30,8 @@ test: setup
 	$(VENV)/bin/python scripts/gen_image_constraints.py --check
 	# two workers, a test file each at a time (its module fixtures, servers included, stay in one worker)
 	$(VENV)/bin/pytest -m "not gpu" -n 2 --dist loadfile
+	# the decode kernel's FP8 reads on Triton's CPU interpreter (read when Triton is first imported)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/test_fp8_kv_cache.py -k decode_kernel
 
 lint: setup
 	$(VENV)/bin/ruff check .
