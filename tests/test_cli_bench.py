@@ -717,14 +717,18 @@ def test_bench_fp8_sizes_its_cache_by_the_workload_that_holds_the_most_tokens():
 def test_tandem_bench_start_times_each_start_by_phase_and_its_first_requests(tmp_path):
     """Two fresh servers on one cache directory: each reaches SERVING, reports every phase (the
     first converts the embedded GGUF into the empty cache, the second finds it there: fewer seconds
-    of weights), and answers its first requests, timed against the later ones."""
+    of weights), and answers its first requests, timed against the later ones; each server's log is
+    kept (--logs), with the parts of its kv_cache phase."""
     from tandem.service.telemetry.startup import PHASES
 
-    out = tmp_path / "start.json"
+    out, logs = tmp_path / "start.json", tmp_path / "logs"
     tandem = Path(sys.executable).with_name("tandem")
     subprocess.run([str(tandem), "bench", "start", "--smoke", "--runs", "cold,warm", "--requests", "6",
-                    "--out", str(out)], check=True, timeout=600, cwd=tmp_path,
+                    "--out", str(out), "--logs", str(logs)], check=True, timeout=600, cwd=tmp_path,
                    env={**os.environ, "PYTHONSAFEPATH": "1"})
+    for run in ("cold", "warm"):
+        said = (logs / f"server-{run}.log").read_text()
+        assert "KV cache allocated in" in said and "view of the vocabulary built in" in said
     result = json.loads(out.read_text())
     assert result["benchmark"] == "start" and list(result["runs"]) == ["cold", "warm"]
     cold, warm = result["runs"]["cold"], result["runs"]["warm"]

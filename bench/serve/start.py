@@ -62,6 +62,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="longest wait for SERVING")
     ap.add_argument("--smoke", action="store_true", help="the embedded model on the CPU, 16 requests")
     ap.add_argument("--out", help="JSON path (default: bench/results/ under the standard name)")
+    ap.add_argument("--logs", default=None, metavar="DIR",
+                    help="keep each start's server log in DIR (server-<run>.log: the start-up's parts)")
     a = ap.parse_args(argv)
     a.run_list = a.runs.split(",")
     unknown = set(a.run_list) - set(RUNS)
@@ -116,6 +118,9 @@ def one_start(a: argparse.Namespace, run: str, env: dict[str, str], folder: Path
         raise
     finally:
         stop_server(proc)
+        if a.logs:
+            Path(a.logs).mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, Path(a.logs) / log.name)
     half = len(ttfts) // 2
     first, later = statistics.median(ttfts[:half]), statistics.median(ttfts[half:])
     record = {

@@ -71,10 +71,15 @@ def build_core(
             config.kv_offload_blocks,
             config.kv_offload_blocks * config.block_size * shape.bytes_per_token(kv_dtype) / 2**30,
         )
+    start = time.perf_counter()
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout,
                     config.kv_cache_dtype)
+    allocated = time.perf_counter()
     scheduler = build_scheduler(config, model)
     runner = ModelRunner(model, cache, config)
+    # the start-up's kv_cache phase, part by part (a pinned host pool of some GiB takes seconds)
+    log.info("KV cache allocated in %.2f s; scheduler and runner (step buffers, host pool) in %.2f s",
+             allocated - start, time.perf_counter() - allocated)
     seconds = runner.capture_graphs()  # at start-up, before the server reports SERVING
     core = EngineCore(runner, scheduler, config, eos_token_ids, step_observer)
     if config.compile_prefill:
