@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,3 +28,20 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     matching = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
     assert len(matching) == 1, f"{name}{labels}: {samples.get(name)}"
     return matching[0]
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples with `labels` (0 where there are none yet)."""
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def scrape_when(url: str, done: Callable[[Samples], bool], timeout_s: float = 30.0) -> Samples:
+    """The first scrape of `url` that is `done` (the last one after `timeout_s`): a server's
+    supervisor records what its engine and fronts report on a thread of its own, a moment after the
+    clients have their answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url)
+        if done(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)

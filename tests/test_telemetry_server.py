@@ -26,7 +26,7 @@ import yaml
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
-from prometheus_samples import Samples, scrape, value
+from prometheus_samples import Samples, scrape, scrape_when, total, value
 from serverproc import ServerFactory
 
 # KServe requests are built from tritonclient's stubs: other modules of the suite import tritonclient,
@@ -156,6 +156,21 @@ class Served:
     http_url: str  # the OpenAI HTTP API
 
 
+TOKENS = "tandem_generation_tokens_total"
+
+
+def grown(samples: Samples, before: Samples, name: str, **labels: str) -> float:
+    return total(samples, name, **labels) - total(before, name, **labels)
+
+
+def recorded(samples: Samples, quiet: Samples, load: Load) -> bool:
+    """Whether the server's metrics count all of `load`: its tokens (the engine's reports) and its
+    requests (the fronts' records)."""
+    ttft = "gen_ai_server_time_to_first_token_seconds_count"
+    return (grown(samples, quiet, TOKENS) >= load.completion_tokens
+            and grown(samples, quiet, ttft, gen_ai_request_model=MODEL) >= load.requests)
+
+
 @pytest.fixture(scope="module")
 def served(serve: ServerFactory) -> Iterator[Served]:
     traces, otlp_metrics = TraceReceiver(), MetricsReceiver()
@@ -193,7 +208,7 @@ def served(serve: ServerFactory) -> Iterator[Served]:
             during = scrape(url)
             for w in workers:
                 w.join()
-            after = scrape(url)
+            after = scrape_when(url, lambda s: recorded(s, quiet, load))
             elapsed = time.monotonic() - started
             load.seconds = elapsed
             yield Served(address, url, traces, otlp_metrics, quiet, during, after, load, elapsed, http_url)
@@ -322,18 +337,6 @@ def test_prefix_cache_counters_count_the_prompts_and_what_was_found_cached(serve
         assert attrs(served.traces.wait_for(root)[0])["gen_ai.usage.cache_read.input_tokens"] == found
 
 
-def settled(url: str, before: Samples, counter: str, grown_by: float, timeout_s: float = 30.0) -> Samples:
-    """/metrics once `counter` has grown by `grown_by` since `before`: the supervisor has recorded the
-    engine's reports up to the one that counted those tokens (reports reach it on another path than
-    the tokens reach the client)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = scrape(url)
-        if value(now, counter) - value(before, counter) >= grown_by or time.monotonic() > deadline:
-            return now
-        time.sleep(0.05)
-
-
 def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Served):
     """More live context than the KV cache holds (256 blocks x 16 tokens; twelve requests of 400 +
     150, the first 64 prompt tokens the same): some are preempted, their K/V copied to the host pool
@@ -362,9 +365,8 @@ def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Se
         for rounds in range(1, 4):
             with futures.ThreadPoolExecutor(len(prompts)) as pool:
                 assert list(pool.map(generate, prompts)) == alone
-            # the supervisor takes the engine's reports on a thread of its own: wait for the last
             generated = (1 + rounds) * len(prompts) * new_tokens
-            after = settled(served.metrics_url, before, "tandem_generation_tokens_total", generated)
+            after = scrape_when(served.metrics_url, lambda s, n=generated: grown(s, before, TOKENS) >= n)
             if value(after, "tandem_preemptions_total", mode="offload") > value(
                 before, "tandem_preemptions_total", mode="offload"
             ):

@@ -40,11 +40,14 @@ from ..telemetry.http import MetricsServer
 from ..telemetry.pod import PodTelemetry
 from ..telemetry.startup import process_started_at
 from . import entry
+from .drained import Drained
 
 log = logging.getLogger("tandem.serve")
 STOP_WAIT_S = 10.0  # how long a process that was told to stop may take before it is killed
 ENGINE_GONE_WAIT_S = 5.0  # fronts ending their streams after the engine died
 RECEIVE_POLL_MS = 200
+# the longest a scrape waits for the receiving thread to record what was delivered before it
+SCRAPE_CATCH_UP_S = 1.0
 
 
 def _reserve_port(host: str) -> tuple[socket.socket, int]:
@@ -119,6 +122,7 @@ class Supervisor:
         self._ready_fronts: set[int] = set()
         self._engine_restarted = False  # the engine gets one more start without compiled artefacts
         self._receiver = threading.Thread(target=self._receive, name="tandem-telemetry", daemon=True)
+        self.drained = Drained()  # a scrape waits for the receiving thread to catch up
         self.engine: BaseProcess | None = None
         self.fronts: list[BaseProcess] = []
         self.metrics_server: MetricsServer | None = None
@@ -128,10 +132,13 @@ class Supervisor:
     def _receive(self) -> None:
         decoder = c.decoder(c.ToSupervisor)
         replies: dict[int, zmq.Socket] = {}  # to each front that asked something, this thread's own
+        self.drained.receiving(True)
         try:
             while not self._closing.is_set():
-                if not self.inbox.poll(RECEIVE_POLL_MS):
-                    continue
+                if not self.inbox.poll(0):
+                    self.drained.mark()
+                    if not self.inbox.poll(RECEIVE_POLL_MS):
+                        continue
                 frame = self.inbox.recv(copy=False)
                 try:
                     msg = decoder.decode(frame)
@@ -150,6 +157,7 @@ class Supervisor:
                 except Exception:  # telemetry must never take the pod down, nor stop with one bad message
                     log.exception("a report could not be recorded")
         finally:
+            self.drained.receiving(False)
             for sock in replies.values():
                 sock.close()
             self.inbox.close()
@@ -222,7 +230,10 @@ class Supervisor:
         if s.metrics_port:
             host = s.metrics_host or s.host
             try:
-                self.metrics_server = MetricsServer(host, s.metrics_port, self._engine_alive)
+                self.metrics_server = MetricsServer(
+                    host, s.metrics_port, self._engine_alive,
+                    before_scrape=lambda: self.drained.wait(SCRAPE_CATCH_UP_S),
+                )
             except OSError as exc:
                 why = f"the metrics port {s.metrics_port} on {host} is in use ({exc.strerror})"
                 raise PortInUse(why) from exc

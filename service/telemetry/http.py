@@ -30,7 +30,9 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 class MetricsServer:
-    """`/metrics` from `registry`; `/healthz` answers 200 while `is_alive()` holds, else 503."""
+    """`/metrics` from `registry`; `/healthz` answers 200 while `is_alive()` holds, else 503.
+    `before_scrape`: called before each `/metrics` is rendered (the supervisor's: wait until what
+    was reported to it is recorded)."""
 
     def __init__(
         self,
@@ -38,8 +40,10 @@ class MetricsServer:
         port: int,
         is_alive: Callable[[], bool] = lambda: True,
         registry: CollectorRegistry = REGISTRY,
+        before_scrape: Callable[[], object] = lambda: None,
     ) -> None:
         self.is_alive = is_alive
+        self.before_scrape = before_scrape
         self._metrics = make_wsgi_app(registry)
         server_cls = type("_Server", (ThreadingWSGIServer,), {"address_family": _family(host)})
         self._server = make_server(
@@ -51,6 +55,7 @@ class MetricsServer:
     def _app(self, environ: dict, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            self.before_scrape()
             return self._metrics(environ, start_response)
         if path == "/healthz":
             alive = self.is_alive()
