@@ -30,8 +30,9 @@ test: setup
 	$(VENV)/bin/python scripts/gen_image_constraints.py --check
 	# two workers, a test file each at a time (its module fixtures, servers included, stay in one worker)
 	$(VENV)/bin/pytest -m "not gpu" -n 2 --dist loadfile
-	# the decode kernel's FP8 reads on Triton's CPU interpreter (read when Triton is first imported)
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/test_fp8_kv_cache.py -k decode_kernel
+	# the FP8 kernels on Triton's CPU interpreter (read when Triton is first imported)
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/test_fp8_gemm_interpreted.py \
+		tests/test_fp8_kv_cache.py::test_the_decode_kernel_reads_an_fp8_cache
 
 lint: setup
 	$(VENV)/bin/ruff check .
