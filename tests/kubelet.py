@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Protocol
@@ -96,11 +97,15 @@ class MetricsPod:
         self.idle.set(1.0)
         self.body: bytes | None = None  # set: answered instead of the registry's text
         self.requests = 0  # GETs answered: whether the operator scraped this pod at all
+        self._rate = 0.0  # tokens/s generated steadily (serve_rate), counted as each scrape reads them
+        self._since = time.monotonic()
+        self._counting = threading.Lock()
         pod = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 pod.requests += 1
+                pod._accrue()
                 body = pod.body if pod.body is not None else generate_latest(pod.registry)
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE_LATEST)
@@ -133,6 +138,20 @@ class MetricsPod:
         self.idle.set(idle)
         self.tokens.inc(tokens)
         self.ttft.observe(ttft)
+
+    def serve_rate(self, tokens_per_s: float) -> None:
+        """From now on the pod generates `tokens_per_s` steadily: its counter reads exactly that rate
+        at every scrape, however late the test's own loop runs on a loaded host."""
+        self._accrue()
+        with self._counting:
+            self._rate = tokens_per_s
+
+    def _accrue(self) -> None:
+        with self._counting:
+            now = time.monotonic()
+            if self._rate:
+                self.tokens.inc(self._rate * (now - self._since))
+            self._since = now
 
     async def ready(self) -> bool:
         return True

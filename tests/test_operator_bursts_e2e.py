@@ -46,17 +46,15 @@ async def test_a_learned_burst_scales_up_ahead_with_the_reason_in_event_and_metr
         await served(port)
 
         async def feed() -> None:
-            """Every pod serves its share of the load, with admissions and no queue."""
-            last = time.monotonic()
+            """Every pod serves its share of the load, with admissions and no queue; its tokens are
+            counted at that rate whenever it is scraped (a late tick of this loop adds no lump)."""
             while True:
                 await asyncio.sleep(FEED_S)
-                now = time.monotonic()
                 pods = kubelet.pods_of("ahead")
                 for pod in pods:
-                    share = total["tokens_per_s"] * (now - last) / len(pods)
-                    pod.load(running=2, waiting=0, kv=0.05, idle=0.001, tokens=share, ttft=0.05,
+                    pod.serve_rate(total["tokens_per_s"] / len(pods))
+                    pod.load(running=2, waiting=0, kv=0.05, idle=0.001, tokens=0.0, ttft=0.05,
                              capacity=CAPACITY)  # fmt: skip
-                last = now
 
         feeder = asyncio.create_task(feed())
         try:
