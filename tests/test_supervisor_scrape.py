@@ -21,7 +21,8 @@ from tandem.service.telemetry.http import MetricsServer
 
 def test_the_receiving_thread_is_caught_up_once_it_recorded_what_was_delivered():
     """Forty reports reach a supervisor whose recording is slow (20 ms each): a wait that begins
-    once they are sent ends only after all forty are recorded."""
+    once they are delivered (a client's answer comes after its report) ends only after all forty
+    are recorded."""
     supervisor = Supervisor(ServerSettings(metrics_port=0, telemetry=False), "INFO")
     recorded: list[object] = []
 
@@ -34,12 +35,21 @@ def test_the_receiving_thread_is_caught_up_once_it_recorded_what_was_delivered()
     sender = sockets.push(ctx, supervisor.endpoints.supervisor)
     try:
         supervisor._receiver.start()
+        sender.send(c.encode(c.RequestRecord("text_completion", "m", 0.0)))
+        deadline = time.monotonic() + 10
+        while not recorded and time.monotonic() < deadline:  # connected, and the thread running
+            time.sleep(0.01)
         for i in range(40):
             sender.send(c.encode(c.RequestRecord("text_completion", "m", 0.1 * i)))
+        time.sleep(0.2)  # delivered: the thread has recorded a few of them, and is busy
+        assert 1 < len(recorded) < 41
         assert supervisor.drained.wait(10.0)
-        assert len(recorded) == 40
+        assert len(recorded) == 41
+        # idle: a wait wakes the thread, which finds its inbox empty at once (not after its 200 ms
+        # poll timeout: ten waits would then take one to two seconds)
         started = time.monotonic()
-        assert supervisor.drained.wait(10.0)  # idle: caught up within a poll
+        for _ in range(10):
+            assert supervisor.drained.wait(10.0)
         assert time.monotonic() - started < 1.0
     finally:
         supervisor._closing.set()
@@ -54,7 +64,10 @@ def test_the_receiving_thread_is_caught_up_once_it_recorded_what_was_delivered()
 def test_a_wait_without_a_receiving_thread_returns_at_once():
     drained = Drained()
     started = time.monotonic()
-    assert not drained.wait(5.0)
+    try:
+        assert not drained.wait(5.0)
+    finally:
+        drained.close()
     assert time.monotonic() - started < 1.0
 
 

@@ -132,12 +132,18 @@ class Supervisor:
     def _receive(self) -> None:
         decoder = c.decoder(c.ToSupervisor)
         replies: dict[int, zmq.Socket] = {}  # to each front that asked something, this thread's own
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.drained.wake, zmq.POLLIN)  # a scrape waiting for this thread
         self.drained.receiving(True)
         try:
             while not self._closing.is_set():
                 if not self.inbox.poll(0):
                     self.drained.mark()
-                    if not self.inbox.poll(RECEIVE_POLL_MS):
+                    ready = dict(poller.poll(RECEIVE_POLL_MS))
+                    if self.drained.wake in ready:
+                        self.drained.woken()
+                    if self.inbox not in ready:
                         continue
                 frame = self.inbox.recv(copy=False)
                 try:
@@ -158,6 +164,7 @@ class Supervisor:
                     log.exception("a report could not be recorded")
         finally:
             self.drained.receiving(False)
+            self.drained.close()
             for sock in replies.values():
                 sock.close()
             self.inbox.close()
