@@ -217,7 +217,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     a = ap.parse_args(argv)
     if a.smoke:
-        a.shape, a.requests, a.seeds = "tiny", 24, "1"
+        a.shape, a.requests, a.seeds = "tiny", 12, "1"
         a.prefixes, a.per_prefix, a.prefix_len = 3, 4, 64
         a.oversub = "12x48+24@2,6x16+64@3"
         a.long_requests, a.long_prompt, a.long_new = 2, 16, 64
