@@ -51,6 +51,10 @@ def test_the_receiving_thread_is_caught_up_once_it_recorded_what_was_delivered()
         for _ in range(10):
             assert supervisor.drained.wait(10.0)
         assert time.monotonic() - started < 1.0
+        # and, woken, it takes the wake and sleeps again: half a second idle costs no CPU to speak of
+        cpu = time.process_time()
+        time.sleep(0.5)
+        assert time.process_time() - cpu < 0.1
     finally:
         supervisor._closing.set()
         supervisor._receiver.join(timeout=10)

@@ -141,7 +141,7 @@ class Supervisor:
                 if not self.inbox.poll(0):
                     self.drained.mark()
                     ready = dict(poller.poll(RECEIVE_POLL_MS))
-                    if self.drained.wake in ready:
+                    if self.drained.wake.fileno() in ready:  # a plain socket is told by its descriptor
                         self.drained.woken()
                     if self.inbox not in ready:
                         continue
