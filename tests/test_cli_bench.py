@@ -743,14 +743,20 @@ def test_tandem_bench_start_times_each_start_by_phase_and_its_first_requests(tmp
 def test_tandem_bench_structured_runs_both_sides_on_the_same_tokens(tmp_path):
     """`tandem bench structured` on a random tiny shape with the embedded tokenizer: the constrained
     and the unconstrained runs make the same tokens (each free request as long as its constrained
-    twin), the one schema compiled once, and the ratio is theirs."""
+    twin), the one schema compiled once, and the ratio is theirs; then each new schema of the
+    first-time TTFT is compiled once and its repeat found cached."""
     out = tmp_path / "structured.json"
     tandem = Path(sys.executable).with_name("tandem")
     subprocess.run([str(tandem), "bench", "structured", "--shape", "tiny", "--streams", "4",
-                    "--requests", "8", "--max-tokens", "24", "--out", str(out)], check=True, timeout=600,
-                   cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True)
+                    "--requests", "8", "--max-tokens", "24", "--first-time", "3", "--out", str(out)],
+                   check=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"},
+                   capture_output=True)
     result = json.loads(out.read_text())
     assert result["model"] == "random-tiny" and result["grammar_compiles"] == 1
+    ttft = result["first_time_schema_ttft"]
+    assert ttft["requests"] == 3 and ttft["grammar_compiles"] == 3
+    assert 0 < ttft["cached_ms"] and 0 < ttft["first_time_ms"]
+    assert ttft["ratio"] == pytest.approx(ttft["first_time_ms"] / ttft["cached_ms"], rel=0.01)
     assert result["tokens"] > 0 and result["requests"] == 8
     speeds = result["constrained_tok_s"] / result["unconstrained_tok_s"]
     assert result["ratio"] == pytest.approx(speeds, rel=0.01)

@@ -3,7 +3,9 @@
 `--requests` have finished) runs constrained by a JSON schema and unconstrained, in the same process
 on the same model; tokens/s of each and their ratio. Sampling at temperature 1 with a seed per
 request; an unconstrained request generates as many tokens as the constrained one of its index did
-(ignore_eos), so both runs make the same number of tokens, in batches of the same sizes.
+(ignore_eos), so both runs make the same number of tokens, in batches of the same sizes. Then, on
+the idle engine, the time to the first token of a request whose schema is new (its grammar compiled
+first) against the same schema again (cached), `--first-time` times each, alternating.
 
     tandem bench structured                         # the embedded SmolLM2-135M, 64 streams
     tandem bench structured --model DIR --streams 256 --requests 1024 --device cuda
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -82,6 +85,43 @@ def closed_loop(core: EngineCore, prompt: list[int], streams: int, requests: int
     return time.perf_counter() - start, outputs
 
 
+def first_token_seconds(core: EngineCore, request_id: str, prompt: list[int],
+                        params: SamplingParams) -> float:
+    """From submitting one request to an idle engine to its first token (max_tokens 1: it ends there)."""
+    start = time.perf_counter()
+    core.add(Request(request_id, list(prompt), params))
+    while core.has_work:
+        for out in raise_failures(core.run_once()).values():
+            if request_id in out.request_ids:
+                seconds = time.perf_counter() - start
+                while core.has_work:  # what the step loop still holds of it
+                    raise_failures(core.run_once())
+                return seconds
+    raise RuntimeError(f"request {request_id} gave no token")
+
+
+def schema_variant(i: int) -> dict:
+    """SCHEMA with its summary's bound moved by `i`: a schema the engine has not compiled yet."""
+    summary = {"type": "string", "maxLength": 121 + i}
+    return {**SCHEMA, "properties": {**SCHEMA["properties"], "summary": summary}}
+
+
+def first_time_ttft(core: EngineCore, prompt: list[int], n: int) -> dict:
+    """Median time to first token of `n` requests with a new schema each, and of the same schemas
+    again (their grammars cached), alternating; milliseconds and their ratio."""
+    fresh, cached = [], []
+    compiled = core.grammars.compiled
+    for i in range(n):
+        constraint = StructuredOutput(json_schema=canonical_schema(schema_variant(i)))
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=1, structured_output=constraint)
+        fresh.append(first_token_seconds(core, f"first-{i}", prompt, params))
+        cached.append(first_token_seconds(core, f"again-{i}", prompt, params))
+    median_fresh, median_cached = statistics.median(fresh), statistics.median(cached)
+    return {"requests": n, "first_time_ms": round(1e3 * median_fresh, 2),
+            "cached_ms": round(1e3 * median_cached, 2), "ratio": round(median_fresh / median_cached, 3),
+            "grammar_compiles": core.grammars.compiled - compiled}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench structured", description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group()
@@ -96,11 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=256, help="requests per run")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: torch's)")
+    ap.add_argument("--first-time", type=int, default=8,
+                    help="requests with a new schema (and as many with the same again) for the TTFT ratio")
     ap.add_argument("--smoke", action="store_true", help="8 streams, 16 requests: checks that it runs")
     ap.add_argument("--out", help="write the result as JSON here too")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.streams, args.requests, args.max_tokens = 8, 16, 48
+        args.streams, args.requests, args.max_tokens, args.first_time = 8, 16, 48, 2
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -141,18 +183,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds_f, outs_f = closed_loop(core, prompt, args.streams, args.requests, free)
     tokens = sum(lengths)
     assert tokens == sum(len(o) for o in outs_f)
+    compiles = core.grammars.compiled  # the throughput runs': their one schema
+    ttft = first_time_ttft(core, prompt, args.first_time)
     result = {
         "benchmark": "structured", "model": name, "streams": args.streams, "requests": args.requests,
         "tokens": tokens, "mean_length": round(tokens / args.requests, 1),
         "constrained_tok_s": round(tokens / seconds_c, 1),
         "unconstrained_tok_s": round(tokens / seconds_f, 1),
         "ratio": round(seconds_f / seconds_c, 3), "parsed": f"{parsed}/{args.requests}",
-        "grammar_compiles": core.grammars.compiled, "environment": environment(device),
+        "grammar_compiles": compiles, "first_time_schema_ttft": ttft,
+        "environment": environment(device),
     }
     print(json.dumps(result, indent=1))
     print(f"\n{args.streams} streams, {tokens} tokens: constrained {result['constrained_tok_s']} tok/s, "
           f"unconstrained {result['unconstrained_tok_s']} tok/s, ratio {result['ratio']:.3f}; "
-          f"{result['parsed']} constrained outputs parse")
+          f"{result['parsed']} constrained outputs parse; TTFT on the idle engine with a new schema "
+          f"{ttft['first_time_ms']} ms, with a cached one {ttft['cached_ms']} ms ({ttft['ratio']:.2f}x)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
