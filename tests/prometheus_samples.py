@@ -30,9 +30,17 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return matching[0]
 
 
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples with `labels` (0 where there are none yet)."""
-    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+def value_or_zero(samples: Samples, name: str, **labels: str) -> float:
+    """The one sample of `name` with `labels`, or 0 where the series is not there yet."""
+    matching = [v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    assert len(matching) <= 1, f"{name}{labels}: {samples.get(name)}"
+    return matching[0] if matching else 0.0
+
+
+def grown(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    """How much a counter grew from one scrape to a later one, which must have it (a series the
+    earlier scrape did not have yet grew from 0)."""
+    return value(after, name, **labels) - value_or_zero(before, name, **labels)
 
 
 def scrape_when(url: str, done: Callable[[Samples], bool], timeout_s: float = 30.0) -> Samples:

@@ -24,7 +24,7 @@ import openai
 import pytest
 import torch
 from engine_harness import hf_greedy
-from prometheus_samples import scrape, value
+from prometheus_samples import grown, scrape, value
 from serverproc import ServerFactory, wait_idle
 from transformers import AutoModelForCausalLM
 
@@ -76,11 +76,6 @@ def llama(tiny_model_dir) -> torch.nn.Module:
 def stub(server: Server) -> Iterator[pb_grpc.TandemStub]:
     with grpc.insecure_channel(server.address) as channel:
         yield pb_grpc.TandemStub(channel)
-
-
-def grown(before: dict, after: dict, name: str, **labels: str) -> float:
-    """How much a counter grew from one scrape to a later one."""
-    return value(after, name, **labels) - value(before, name, **labels)
 
 
 def preemptions(before: dict, after: dict) -> float:

@@ -26,7 +26,7 @@ import yaml
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
-from prometheus_samples import Samples, scrape, scrape_when, total, value
+from prometheus_samples import Samples, grown, scrape, scrape_when, value, value_or_zero
 from serverproc import ServerFactory
 
 # KServe requests are built from tritonclient's stubs: other modules of the suite import tritonclient,
@@ -159,16 +159,13 @@ class Served:
 TOKENS = "tandem_generation_tokens_total"
 
 
-def grown(samples: Samples, before: Samples, name: str, **labels: str) -> float:
-    return total(samples, name, **labels) - total(before, name, **labels)
-
-
 def recorded(samples: Samples, quiet: Samples, load: Load) -> bool:
     """Whether the server's metrics count all of `load`: its tokens (the engine's reports) and its
     requests (the fronts' records)."""
     ttft = "gen_ai_server_time_to_first_token_seconds_count"
-    return (grown(samples, quiet, TOKENS) >= load.completion_tokens
-            and grown(samples, quiet, ttft, gen_ai_request_model=MODEL) >= load.requests)
+    labels = {"gen_ai_request_model": MODEL, "gen_ai_operation_name": "text_completion"}
+    return (grown(quiet, samples, TOKENS) >= load.completion_tokens
+            and value_or_zero(samples, ttft, **labels) >= load.requests)  # none before the load
 
 
 @pytest.fixture(scope="module")
@@ -366,14 +363,12 @@ def test_preempted_requests_go_to_the_host_pool_and_keep_their_tokens(served: Se
             with futures.ThreadPoolExecutor(len(prompts)) as pool:
                 assert list(pool.map(generate, prompts)) == alone
             generated = (1 + rounds) * len(prompts) * new_tokens
-            after = scrape_when(served.metrics_url, lambda s, n=generated: grown(s, before, TOKENS) >= n)
-            if value(after, "tandem_preemptions_total", mode="offload") > value(
-                before, "tandem_preemptions_total", mode="offload"
-            ):
+            after = scrape_when(served.metrics_url, lambda s, n=generated: grown(before, s, TOKENS) >= n)
+            if grown(before, after, "tandem_preemptions_total", mode="offload") > 0:
                 break
 
     def delta(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+        return grown(before, after, name, **labels)
 
     assert delta("tandem_preemptions_total", mode="offload") > 0
     assert delta("tandem_preemptions_total", mode="recompute") == 0  # the pool had room for all
