@@ -106,6 +106,12 @@ async def events(api: KubeApi, reason: str) -> list[dict]:
     return [e for e in await api.list(api_path("v1", "events", NS)) if e.get("reason") == reason]
 
 
+async def posted(api: KubeApi, reason: str, timeout: float = 30.0) -> list[dict]:
+    """The Events of `reason` once there is one: the operator posts an Event after the change it
+    reports (the Deployment scaled, the status written), so a test that saw the change waits for it."""
+    return await eventually(lambda: events(api, reason), timeout=timeout, what=f"a {reason} Event")
+
+
 async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: int) -> None:
     declare_resources(kmock)
     api = KubeApi(kopf.ConnectionInfo(server=str(kmock.url).rstrip("/"), insecure=True))
@@ -182,7 +188,7 @@ async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: in
             pods[0].load(running=4, waiting=6, kv=0.9, idle=0.0, tokens=400, ttft=2.0)
             await asyncio.sleep(0.3)
         dep = await eventually(lambda: _replicas_at_least(api, 2), what="scale up to 2+ replicas")
-        (up, *_) = await events(api, "ScaledUp")
+        (up, *_) = await posted(api, "ScaledUp")
         assert (
             up["involvedObject"]["name"] == "llama"
             and "1 -> " in up["message"]
@@ -201,7 +207,7 @@ async def test_modelserver_lifecycle_scales_with_load(kmock, unused_tcp_port: in
             return dep["spec"]["replicas"] == 1
 
         await eventually(quiet_and_scaled_down, timeout=60, what="scale down to 1")
-        downs = await events(api, "ScaledDown")
+        downs = await posted(api, "ScaledDown")
         assert downs and all(e["type"] == "Normal" for e in downs)
         assert any("(Underused)" in e["message"] for e in downs)
         ms = await eventually(lambda: _status_has(api, "replicas", 1), what="status replicas 1")
@@ -421,7 +427,7 @@ async def test_objects_it_does_not_own_are_never_adopted_or_deleted(kmock) -> No
         ready = condition(ms, "Ready")
         assert ready["status"] == "False" and "Deployment ml/taken" in ready["message"]
         assert condition(ms, "ScalingActive")["reason"] == "NotOwned"
-        (warning,) = await events(api, "NotOwned")
+        (warning,) = await posted(api, "NotOwned")
         assert warning["type"] == "Warning" and warning["involvedObject"]["name"] == "taken"
         # nothing of theirs changed, nothing of ours made beside it
         await asyncio.sleep(1.5)  # several scaling ticks
@@ -501,6 +507,6 @@ async def test_a_metrics_window_shorter_than_two_scrapes_is_raised_and_said(kmoc
         ms = await eventually(adjusted, what="SpecAdjusted condition")
         assert condition(ms, "SpecAdjusted")["status"] == "True"
         assert "using 3 s" in condition(ms, "SpecAdjusted")["message"]
-        (warning,) = await events(api, "MetricsWindowClamped")
+        (warning,) = await posted(api, "MetricsWindowClamped")
         assert warning["type"] == "Warning" and "metricsWindowSeconds 1" in warning["message"]
     await api.close()

@@ -22,6 +22,7 @@ from test_operator_e2e import (
     kubelet_running,
     model_server,
     operator_running,
+    posted,
 )
 
 from tandem.operator.kube import KubeApi, api_path
@@ -98,7 +99,7 @@ async def test_real_servers_scale_up_under_load_and_down_when_quiet(
                     return dep["spec"]["replicas"] == 2
 
                 await eventually(scaled_up, timeout=120, what="scale up under load")
-                (up, *_) = await events(api, "ScaledUp")
+                (up, *_) = await posted(api, "ScaledUp")
                 assert "Saturated" in up["message"]
                 await eventually(lambda: _ready_is(api, 2), timeout=180, what="2 ready")
 
@@ -117,7 +118,7 @@ async def test_real_servers_scale_up_under_load_and_down_when_quiet(
                 return dep["spec"]["replicas"] == 1
 
             await eventually(scaled_down, timeout=120, what="scale down when quiet")
-            (down, *_) = await events(api, "ScaledDown")
+            (down, *_) = await posted(api, "ScaledDown")
             # the real servers' capacity gauge is what sizes them: spare capacity, not idle time
             assert "2 -> 1 pods (SpareCapacity)" in down["message"], down["message"]
             assert "capacity use" in down["message"]

@@ -23,6 +23,7 @@ from test_operator_e2e import (
     metrics_pods,
     model_server,
     operator_running,
+    posted,
 )
 
 from tandem.operator import modes
@@ -113,7 +114,7 @@ async def test_external_mode_follows_spec_replicas_and_never_decides(kmock) -> N
         await scale(api, "ext", 3)
         ms = await eventually(lambda: following(3), what="scaled to spec.replicas 3")
         assert service_patches(kmock) == updates
-        (up,) = await events(api, "ScaledUp")
+        (up,) = await posted(api, "ScaledUp")
         assert "1 -> 3 pods (ExternalScaler): spec.replicas 3" in up["message"]
         assert ms["status"]["lastDecision"]["action"] in ("ScaleUp", "Hold")
         assert condition(ms, "ScalingLimited")["reason"] == "WithinBounds"
