@@ -166,21 +166,20 @@ def gemm_times(a: argparse.Namespace) -> dict:
             row["fp8_op_with_row_quantization"] = us(
                 lambda w, x=x, q=q: scaled_mm(*quantize_rows(x), w, q[2], torch.bfloat16), fp8_weights)
             if m <= SMALL_ROWS:  # the small-row kernel's configurations, split-K among them
-                swept = {str(c): us(lambda w, c=c, q=q: fp8_gemm(q[0], q[1], w, q[2], torch.bfloat16, c),
-                                    fp8_weights) for c in sweep}
+                swept = {c: us(lambda w, c=c, q=q: fp8_gemm(q[0], q[1], w, q[2], torch.bfloat16, c),
+                               fp8_weights) for c in sweep}
                 best = min(swept, key=swept.get)
                 row["fp8_best_configuration"] = swept[best]
                 # W8A16: the rows unquantized, the weights converted in the loop (no quantization)
                 row["w8a16_default_configuration"] = us(
                     lambda w, x=x, q=q: fp8_gemm(x, None, w, q[2], torch.bfloat16), fp8_weights)
-                best_config = next(c for c in sweep if str(c) == best)
                 row["w8a16_best_w8a8_configuration"] = us(
-                    lambda w, x=x, q=q, c=best_config: fp8_gemm(x, None, w, q[2], torch.bfloat16, c),
+                    lambda w, x=x, q=q, c=best: fp8_gemm(x, None, w, q[2], torch.bfloat16, c),
                     fp8_weights)
                 print(f"  GEMM {name} {n}x{k}, {m:3d} rows: best small-row configuration {best}: "
                       f"{swept[best]:.1f} us; the default {default_config(n, k, sms)}", flush=True)
                 times[f"{name} {n}x{k}, {m} rows, small-row configurations"] = {
-                    key: round(v, 1) for key, v in swept.items()}
+                    str(c): round(v, 1) for c, v in swept.items()}
             times[f"{name} {n}x{k}, {m} rows"] = {key: round(v, 1) for key, v in row.items()}
             print(f"  GEMM {name} {n}x{k}, {m:3d} rows: "
                   + ", ".join(f"{key} {v:.1f} us" for key, v in row.items())
