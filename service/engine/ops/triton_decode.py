@@ -29,7 +29,7 @@ import triton.language as tl
 from .decode_grid import ENGINE_CONFIGS, MAX_SPLITS, KernelConfig, Splits, kernel_config, num_splits_for
 from .deferred_rotary import DeferredRotary
 from .kv_quant import is_fp8
-from .triton_fp8 import dequantize, quantize
+from .triton_fp8 import quantize, read
 from .triton_rotary import rotary_cos_sin
 
 
@@ -205,12 +205,9 @@ def _decode_split_kernel(
         new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
         tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
         tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
-        if KV_FP8 and FP8_UNSCALED:  # from here on, as the cached tiles are read
-            new_k = new_k.to(q_ptr.dtype.element_ty)
-            new_v = new_v.to(q_ptr.dtype.element_ty)
-        elif KV_FP8:
-            new_k = dequantize(new_k, k_scale, q_ptr.dtype.element_ty)
-            new_v = dequantize(new_v, v_scale, q_ptr.dtype.element_ty)
+        if KV_FP8:  # from here on, as the cached tiles are read
+            new_k = read(new_k, k_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
+            new_v = read(new_v, v_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
         if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
@@ -220,12 +217,9 @@ def _decode_split_kernel(
     for tile in tl.range(first_tile, last_tile):
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
-        if KV_FP8 and FP8_UNSCALED:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
-        elif KV_FP8:
-            k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
-            v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
+        if KV_FP8:
+            k = read(k, k_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
+            v = read(v, v_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
