@@ -232,7 +232,6 @@ async def scale_once(shared: Shared, body: dict, spec: ModelServerSpec, deployme
                 p["metadata"]["name"],
                 metrics_url(p["status"]["podIP"], settings.metrics_port),
                 settings.scrape_timeout_s,
-                now,
             )
             for p in ready
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -154,12 +155,15 @@ async def scrape_pod(
     pod: str,
     url: str,
     timeout_s: float,
-    now: float,
 ) -> PodSample | Unreadable:
-    """The pod's sample, or what made it unreadable this round."""
+    """The pod's sample, or what made it unreadable this round. The sample is timed when the pod's
+    answer began to arrive (it renders its counters before it sends the head), not when the round
+    began: a rate over two scrapes then spans the interval its counters did, however long each
+    answer waited on a busy pod or host."""
     async with limit:
         try:
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                answered = time.time()
                 if response.status != 200:
                     return Unreadable(pod, f"/metrics answered HTTP {response.status}", HTTP_STATUS)
                 body = await _body(response)
@@ -171,7 +175,7 @@ async def scrape_pod(
         return Unreadable(
             pod, f"/metrics body is larger than {MAX_BODY_BYTES // 1024 // 1024} MiB", TOO_LARGE
         )
-    return read_body(pod, now, body)
+    return read_body(pod, answered, body)
 
 
 def read_body(pod: str, now: float, body: bytes) -> PodSample | Unreadable:

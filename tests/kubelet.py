@@ -97,6 +97,7 @@ class MetricsPod:
         self.idle.set(1.0)
         self.body: bytes | None = None  # set: answered instead of the registry's text
         self.requests = 0  # GETs answered: whether the operator scraped this pod at all
+        self.busy_s = 0.0  # how long a scrape waits before the pod reads its counters (a busy pod)
         self._rate = 0.0  # tokens/s generated steadily (serve_rate), counted as each scrape reads them
         self._since = time.monotonic()
         self._counting = threading.Lock()
@@ -105,6 +106,7 @@ class MetricsPod:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 pod.requests += 1
+                time.sleep(pod.busy_s)
                 pod._accrue()
                 body = pod.body if pod.body is not None else generate_latest(pod.registry)
                 self.send_response(200)

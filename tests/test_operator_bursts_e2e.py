@@ -39,8 +39,10 @@ async def test_a_learned_burst_scales_up_ahead_with_the_reason_in_event_and_metr
     def factory(container: dict) -> MetricsPod:
         return MetricsPod(addresses.take(), 9400)
 
+    # a 1 s scrape interval: a loaded host's stall of the test's event loop is a small share of it
+    # (the policy reads the newest interval's rate as saturation within one scrape)
     async with (
-        running(kmock, liveness_port=0, prometheus_port=port),
+        running(kmock, liveness_port=0, prometheus_port=port, scrape_interval_s=1.0),
         kubelet_running(api, factory) as kubelet,
     ):
         await served(port)

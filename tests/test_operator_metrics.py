@@ -3,16 +3,20 @@ parsed with prometheus_client's parser, aggregated over a window, quantiles from
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+import time
 
+import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kubelet import Addresses, MetricsPod
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tandem.operator.histogram import histogram_quantile
-from tandem.operator.scrape import PodSample, Unreadable, metrics_url, parse_metrics, read_body
+from tandem.operator.scrape import PodSample, Unreadable, metrics_url, parse_metrics, read_body, scrape_pod
 from tandem.operator.window import MetricsHistory
 
 BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -190,6 +194,33 @@ def test_a_pod_just_ready_is_not_yet_in_the_rates():
     assert (w.pods, w.counted_pods) == (2, 1)
     history.add(30.0, [parse_metrics("a", 30.0, a.text()), parse_metrics("b", 30.0, b.text())], 60)
     assert history.window(1.0).counted_pods == 2
+
+
+@pytest.mark.asyncio
+async def test_a_pod_that_answers_late_is_timed_when_it_answered():
+    """Over real HTTP: a pod that reads its counters late (busy, or on a loaded host) is timed when
+    its answer came, so the newest interval's rate is the rate it served, not that rate stretched by
+    the delay over the round's interval (which the policy would read as saturation)."""
+    rate = 1000.0
+    pod = MetricsPod(Addresses((9400,)).take(), 9400)
+    try:
+        pod.serve_rate(rate)
+        history = MetricsHistory()
+        async with aiohttp.ClientSession() as session:
+            limit = asyncio.Semaphore(4)
+            for busy_s in (0.0, 0.6):
+                pod.busy_s = busy_s
+                began = time.time()
+                sample = await scrape_pod(session, limit, "a", metrics_url(pod.address, 9400), 5.0)
+                assert isinstance(sample, PodSample)
+                assert sample.time >= began + busy_s
+                history.add(began, [sample], 60)
+                await asyncio.sleep(0.5)
+        window = history.window(1.0)
+        # untimed, the second round's 1.1 s of tokens over its 0.5 s would read 2.2x the rate
+        assert window.recent_tokens_per_s == pytest.approx(rate, rel=0.15)
+    finally:
+        pod.stop()
 
 
 def test_a_window_of_pods_without_a_capacity_has_none():
