@@ -15,6 +15,12 @@ from serverproc import TINY_SERVER_FLAGS, ServerFactory
 from tandem.service.models.default_model import default_gguf_path
 from tandem.service.models.loader import convert_gguf, default_cache_dir
 
+# `make test` runs a worker per core: torch's work in a worker and in the processes it starts (CLI
+# benchmarks) keeps to one thread, since threads that wait on a descheduled sibling (the other
+# worker's) make every step several times slower. Servers size their own threads (cpu_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
