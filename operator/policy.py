@@ -198,34 +198,61 @@ def _recommend(
     `starting`: more pods are on their way, and they will serve the backlog that is there now."""
     fill = batch_fill(window, targets)
     util = utilization(window)
-    running = window.requests_running or 0.0
-    waiting = window.requests_waiting or 0.0
     ratios = {"batch fill": fill / targets.target_batch_fill}
     if util is not None:
         # fast up: the newest interval counts too, slow down: the whole window
         ratios["capacity use"] = (
             max(util, utilization(window, recent=True) or 0.0) / targets.target_utilization
         )
-    queued = waiting >= QUEUE_PER_POD * window.pods
+    queued = (window.requests_waiting or 0.0) >= QUEUE_PER_POD * window.pods
     ttft_over = window.ttft_p95_s is not None and window.ttft_p95_s > targets.target_ttft_s
     over = ratios["batch fill"] > 1.0 or ratios.get("capacity use", 0.0) > 1.0 + UTILIZATION_TOLERANCE
     if over or queued or ttft_over:
-        worst = max(ratios, key=lambda k: ratios[k])
-        size = ratios[worst]
-        what = [f"{worst} {ratios[worst]:.2f}x target"] if over else []
-        if queued:
-            offered = offered_share(window, backlog=not starting)
-            if util is not None and offered is not None:
-                size = max(size, ratios["capacity use"] * offered)
-            else:  # no capacity or no admissions: what is in flight against what runs
-                size = max(size, (running + waiting) / max(running, 1.0))
-            what.append(f"queue of {waiting:.0f} requests")
-        if ttft_over:
-            what.append(f"TTFT p95 {window.ttft_p95_s:.2f}s > {targets.target_ttft_s:.2f}s")
-        # bounded before rounding: a vanishing admission rate makes the offered share overflow
-        wanted = max(current + 1, math.ceil(min(current * size, targets.max_replicas) - 1e-9))
-        return wanted, "Saturated", ", ".join(what)
+        return _saturated(window, targets, current, ratios, over, queued, ttft_over, starting)
+    return _spare(window, targets, current, fill, util, saturated_per_pod)
 
+
+def _saturated(
+    window: MetricsWindow,
+    targets: ScalingTargets,
+    current: int,
+    ratios: dict[str, float],
+    over: bool,
+    queued: bool,
+    ttft_over: bool,
+    starting: bool,
+) -> tuple[int, str, str]:
+    """Scale up at once: by the worst ratio to its target, or by the load offered over the load
+    served under a queue; at least one pod more."""
+    running = window.requests_running or 0.0
+    waiting = window.requests_waiting or 0.0
+    worst = max(ratios, key=lambda k: ratios[k])
+    size = ratios[worst]
+    what = [f"{worst} {ratios[worst]:.2f}x target"] if over else []
+    if queued:
+        offered = offered_share(window, backlog=not starting)
+        if "capacity use" in ratios and offered is not None:
+            size = max(size, ratios["capacity use"] * offered)
+        else:  # no capacity or no admissions: what is in flight against what runs
+            size = max(size, (running + waiting) / max(running, 1.0))
+        what.append(f"queue of {waiting:.0f} requests")
+    if ttft_over:
+        what.append(f"TTFT p95 {window.ttft_p95_s:.2f}s > {targets.target_ttft_s:.2f}s")
+    # bounded before rounding: a vanishing admission rate makes the offered share overflow
+    wanted = max(current + 1, math.ceil(min(current * size, targets.max_replicas) - 1e-9))
+    return wanted, "Saturated", ", ".join(what)
+
+
+def _spare(
+    window: MetricsWindow,
+    targets: ScalingTargets,
+    current: int,
+    fill: float,
+    util: float | None,
+    saturated_per_pod: float | None,
+) -> tuple[int, str, str]:
+    """Within the targets: hold, or the fewest pods that carry the load at the target when there is
+    spare capacity, idle time or a cost above the ceiling."""
     idle = window.idle_fraction
     cost = window.cost_per_mtok_usd
     ceiling = targets.cost_ceiling_usd_per_mtok
@@ -393,34 +420,47 @@ def _decide(
     ready = min(state.ready_replicas, current)
     seen = min(ready, window.pods)
     if seen < current:
-        # Pods are starting, failing or not reporting: no scale-down, and a scale-up only when the
-        # pods that report are saturated beyond what the others will absorb (a long cold start
-        # must not stall a burst; the same saturation must not add pods twice).
-        if seen > 0:
-            raw, reason, message = _recommend(window, targets, seen, starting=True)
-            if reason == "Saturated":
-                state = _remember_saturation(state, window, seen, reason)
-                # the scale-down window must see this load once the pods are ready
-                state = _record(state, now, max(_clamp(raw, targets), current), targets)
-            target = min(_clamp(raw, targets), _most_up(current, targets))
-            # pods on their way already answer this saturation: add more only for load beyond
-            # them by the tolerance (each tick of a cold start must not add a pod)
-            if reason == "Saturated" and target > current * (1 + UTILIZATION_TOLERANCE):
-                note = f"{message} ({current - seen} of {current} pods not ready or not reporting)"
-                return Decision("ScaleUp", target, reason, note, replace(state, current_replicas=target))
-        if ready < current:
-            return _hold(state, "PodsNotReady", f"{ready} of {current} pods ready")
-        return _hold(state, "MetricsMissing", f"{current - seen} of {current} ready pods not reporting")
+        return _while_pods_missing(window, targets, state, now, ready, seen)
 
     raw, reason, message = _recommend(window, targets, current, state.saturated_tokens_per_pod)
     state = _remember_saturation(state, window, current, reason)
     if targets.burst_headroom:
         raw, reason, message = _ahead(raw, reason, message, current, burst_headroom(state, targets, now))
     raw = _clamp(raw, targets)
-    state = _record(state, now, raw, targets)
+    return _stabilized(_record(state, now, raw, targets), targets, now, raw, reason, message)
+
+
+def _while_pods_missing(
+    window: MetricsWindow, targets: ScalingTargets, state: ScalingState, now: float, ready: int, seen: int
+) -> Decision:
+    """Pods are starting, failing or not reporting: no scale-down, and a scale-up only when the
+    pods that report are saturated beyond what the others will absorb (a long cold start must not
+    stall a burst; the same saturation must not add pods twice)."""
+    current = state.current_replicas
+    if seen > 0:
+        raw, reason, message = _recommend(window, targets, seen, starting=True)
+        if reason == "Saturated":
+            state = _remember_saturation(state, window, seen, reason)
+            # the scale-down window must see this load once the pods are ready
+            state = _record(state, now, max(_clamp(raw, targets), current), targets)
+        target = min(_clamp(raw, targets), _most_up(current, targets))
+        # pods on their way already answer this saturation: add more only for load beyond
+        # them by the tolerance (each tick of a cold start must not add a pod)
+        if reason == "Saturated" and target > current * (1 + UTILIZATION_TOLERANCE):
+            note = f"{message} ({current - seen} of {current} pods not ready or not reporting)"
+            return Decision("ScaleUp", target, reason, note, replace(state, current_replicas=target))
+    if ready < current:
+        return _hold(state, "PodsNotReady", f"{ready} of {current} pods ready")
+    return _hold(state, "MetricsMissing", f"{current - seen} of {current} ready pods not reporting")
+
+
+def _stabilized(
+    state: ScalingState, targets: ScalingTargets, now: float, raw: int, reason: str, message: str
+) -> Decision:
+    """The raw recommendation through the stabilisation windows and step limits: fast up, slow down."""
+    current = state.current_replicas
     history, since = state.recommendations, state.history_since
     assert since is not None
-
     if raw > current:
         # Fast up: the lowest recommendation of the (short) up window, so one spike is not enough
         # when that window is set; at most max_scale_up_step pods at once.
