@@ -59,6 +59,13 @@ class ServerMetrics:
         self.startup: Callable[[], tuple[dict[str, float], float | None]] = lambda: ({}, None)
         self._info_gauges(meter)
         self._startup_gauges(meter)
+        self._request_instruments(meter)
+        self._engine_gauges(meter)
+        self._gc_instruments(meter)
+        self._capacity_gauges(meter)
+
+    def _request_instruments(self, meter: Meter) -> None:
+        """What the front records per request and the engine per step: tokens, latencies, step times."""
         self.generation_tokens = meter.create_counter(
             "tandem_generation_tokens",
             unit="{token}",
@@ -95,6 +102,9 @@ class ServerMetrics:
             description="Engine step time by stage (prepare, h2d, compute, d2h; step = the whole step).",
             explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
         )
+
+    def _engine_gauges(self, meter: Meter) -> None:
+        """The engine's latest report: its batch, queue, caches, preemptions and host pool."""
         self._gauge(
             meter, "tandem_requests_running", "{request}", "Requests in the running batch.", "running"
         )
@@ -151,6 +161,9 @@ class ServerMetrics:
             "Share of the host pool of preempted requests' K/V in use (0 without a pool).",
             "kv_offload_usage",
         )
+
+    def _gc_instruments(self, meter: Meter) -> None:
+        """The engine process's garbage collections and what its start-up froze out of them."""
         for name, field, unit, what in (
             ("tandem_engine_gc_collections", "collections", "{collection}",
              "Python garbage collections in the engine process"),
@@ -170,6 +183,9 @@ class ServerMetrics:
             description="Objects of the engine's start-up (model, compiled code, graphs) frozen out of the "
             "garbage collector's walks.",
         )
+
+    def _capacity_gauges(self, meter: Meter) -> None:
+        """What the autoscaler reads: the pod's capacity, the share of it in use, the cost per token."""
         meter.create_observable_gauge(
             "tandem_capacity_tokens_per_second",
             callbacks=[lambda _: self._observe_capacity(0)],
