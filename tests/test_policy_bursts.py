@@ -280,7 +280,10 @@ def test_the_simulator_feeds_the_policy_what_it_learns_from():
         memory = scaler.state.bursts
         assert memory.start_s(120.0) == 45.0 and memory.starts
         assert memory.factor(4 * HOUR) > 1.3
+        # the summary says what was learned: the memory's own hourly highs
+        assert runs[on]["learned_hourly_growth"] == [round(r, 3) for _, r in memory.growth]
     assert runs[True]["decision_reasons"].get("BurstHeadroom", 0) > 0
+    assert max(runs[True]["learned_hourly_growth"]) > 1.3
     assert "BurstHeadroom" not in runs[False]["decision_reasons"]
     assert runs[True]["gpu_hours"] >= runs[False]["gpu_hours"]
 

@@ -95,4 +95,7 @@ def simulate(trace: Trace, scaler: Scaler, setup: Setup, series: bool = False) -
     if isinstance(scaler, TandemScaler):
         reasons = scaler.last_reasons
         summary["decision_reasons"] = {r: reasons.count(r) for r in sorted(set(reasons))}
+        # what its burst headroom learned: each hour's highest growth of the load within a pod start
+        learned = scaler.state.bursts.growth if scaler.state is not None else ()
+        summary["learned_hourly_growth"] = [round(ratio, 3) for _, ratio in learned]
     return Run(summary, pods, (served, p95))
