@@ -23,6 +23,12 @@ class ServerSettings(BaseSettings):
         description="Where converted GGUF models and (compile_cache) compiled artefacts are kept "
         "(default: $XDG_CACHE_HOME/tandem).",
     )
+    prefetch_weights: bool = Field(
+        True,
+        description="While the engine process imports, ask the kernel to read the model's weight files "
+        "into the page cache (posix_fadvise WILLNEED), when they take at most half the memory left to the "
+        "process: a node that never read the model loads it from memory after the imports.",
+    )
     compile_cache: bool = Field(
         True,
         description="Keep torch.compile's and Triton's artefacts under cache_dir/compile/, so that a "

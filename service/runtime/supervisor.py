@@ -33,6 +33,7 @@ from ..api_processes import api_processes, engine_on_cuda
 from ..cache_dirs import COMPILE_CACHE_UNUSABLE_EXIT
 from ..cpus import usable_cores
 from ..ipc import sockets
+from ..models.prefetch import start_prefetch
 from ..server.auth import TokenFile
 from ..server.tls import CertificateFiles
 from ..settings import ServerSettings
@@ -227,6 +228,8 @@ class Supervisor:
             if extra:
                 _check_port_free(s.host, extra)
         _check_security_files(s)
+        if s.prefetch_weights:
+            start_prefetch(s.model, s.cache_dir)  # the disk reads overlap the engine's imports
         fronts = api_processes(s)
         if s.api_processes == "auto":
             where = "CUDA" if engine_on_cuda(s.device) else "the CPU"
