@@ -25,7 +25,7 @@ def _quota_v1(quota: str, period: str) -> float | None:
     return None if q < 0 else q / int(period)
 
 
-def _cgroup_v2_dirs(root: Path, proc_cgroup: str) -> list[Path]:
+def cgroup_v2_dirs(root: Path, proc_cgroup: str) -> list[Path]:
     """The process's cgroup v2 folder and its ancestors (a limit may sit on any of them)."""
     for line in proc_cgroup.splitlines():
         if line.startswith("0::"):
@@ -42,7 +42,7 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/s
         own = proc_cgroup.read_text()
     except OSError:
         own = ""
-    for folder in {*_cgroup_v2_dirs(root, own), root}:
+    for folder in {*cgroup_v2_dirs(root, own), root}:
         try:
             limit = _quota_v2((folder / "cpu.max").read_text())
         except (OSError, ValueError):

@@ -16,7 +16,7 @@ from tandem.service.models.loader import (
     load_model,
     remove_stale_staging,
 )
-from tandem.service.models.paths import tokenizer_path
+from tandem.service.models.paths import model_files_dir
 
 
 def _cache() -> Path:
@@ -35,10 +35,10 @@ def test_the_tokenizer_is_found_where_the_engine_will_load_it_before_it_does(smo
     """A front loads the tokenizer beside the engine's start where its path is known already: a model
     directory, a GGUF model converted before; not one the engine has yet to convert."""
     loaded = load_model(None, None, torch.device("cpu"), cache_dir=_cache())
-    assert tokenizer_path(None, _cache()) == loaded.path == smol_dir
-    assert tokenizer_path(str(smol_dir), None) == smol_dir
-    assert tokenizer_path(None, tmp_path) is None  # an empty cache: the engine converts first
-    assert tokenizer_path(str(tmp_path / "missing"), None) is None
+    assert model_files_dir(None, _cache()) == loaded.path == smol_dir
+    assert model_files_dir(str(smol_dir), None) == smol_dir
+    assert model_files_dir(None, tmp_path) is None  # an empty cache: the engine converts first
+    assert model_files_dir(str(tmp_path / "missing"), None) is None
 
 
 def test_default_model_loads_with_chat_template_and_eos(smol_dir):

@@ -98,3 +98,18 @@ def test_the_files_are_those_the_loader_reads(tmp_path: Path) -> None:
 def test_memory_left_is_known_on_linux() -> None:
     left = prefetch.memory_left()
     assert left is not None and left > 0
+
+
+def test_the_room_is_under_the_tightest_memory_limit_of_the_cgroup_and_its_ancestors(tmp_path: Path) -> None:
+    pod = tmp_path / "kubepods" / "pod1"
+    own = pod / "server"
+    own.mkdir(parents=True)
+    (own / "memory.max").write_text("max\n")
+    (own / "memory.current").write_text(f"{1 << 30}\n")
+    (pod / "memory.max").write_text(f"{8 << 30}\n")  # the pod's limit
+    (pod / "memory.current").write_text(f"{3 << 30}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods/pod1/server\n")
+    assert prefetch._cgroup_room(tmp_path, proc) == 5 << 30
+    (pod / "memory.max").write_text("max\n")
+    assert prefetch._cgroup_room(tmp_path, proc) is None  # no limit anywhere

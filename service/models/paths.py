@@ -20,16 +20,11 @@ def converted_path(gguf: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
 
 
-def tokenizer_path(source: str | None, cache_dir: Path | None) -> Path | None:
-    """Where the loader will find the tokenizer of `source` (None: the embedded default), if it is
-    there already (a GGUF model not yet converted: None), so that a front can load it while the
-    engine loads the weights."""
-    return model_files_dir(source, cache_dir)
-
-
 def model_files_dir(source: str | None, cache_dir: Path | None) -> Path | None:
-    """The directory the loader reads `source` from (None: the embedded default): the given
-    directory, or the one a GGUF file is converted into once that exists (else None)."""
+    """The directory the loader reads `source` (None: the embedded default) from, if it is there
+    already: the given directory, or the one a GGUF model was converted into (not yet: None). A
+    front loads the tokenizer from it while the engine loads the weights; the supervisor reads the
+    weights ahead from it."""
     cache_dir = cache_dir or default_cache_dir()
     given = Path(source) if source else None
     if given is None or (given.is_file() and given.suffix == ".gguf"):

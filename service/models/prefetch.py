@@ -14,6 +14,7 @@ import os
 import threading
 from pathlib import Path
 
+from ..cpus import CGROUP_ROOT, cgroup_v2_dirs
 from .default_model import default_gguf_path
 from .paths import model_files_dir
 
@@ -53,19 +54,22 @@ def _meminfo_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def _cgroup_room(
-    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
-) -> int | None:
-    """Bytes left under the process's cgroup v2 memory limit (None: no limit, or none readable)."""
+def _cgroup_room(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes left under the tightest cgroup v2 memory limit of the process's cgroup and its
+    ancestors (None: no limit, or none readable)."""
     try:
-        line = next(x for x in proc_cgroup.read_text().splitlines() if x.startswith("0::"))
-        folder = root / line[3:].lstrip("/")
-        limit = (folder / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return max(int(limit) - int((folder / "memory.current").read_text()), 0)
-    except (OSError, ValueError, StopIteration):
+        own = proc_cgroup.read_text()
+    except OSError:
         return None
+    rooms = []
+    for folder in cgroup_v2_dirs(root, own):
+        try:
+            limit = (folder / "memory.max").read_text().strip()
+            if limit != "max":
+                rooms.append(max(int(limit) - int((folder / "memory.current").read_text()), 0))
+        except (OSError, ValueError):
+            continue
+    return min(rooms) if rooms else None
 
 
 def memory_left() -> int | None:

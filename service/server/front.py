@@ -29,7 +29,7 @@ from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from .. import contract as c
 from ..ipc import sockets
 from ..models.default_model import served_name
-from ..models.paths import tokenizer_path
+from ..models.paths import model_files_dir
 from ..runtime.child import exit_now, init_child
 from ..settings import ServerSettings
 from ..telemetry.requests import RequestTelemetry
@@ -166,7 +166,7 @@ class FrontServer:
             if self.http is not None:
                 log.info("OpenAI HTTP API (%s%s) on %s:%d", how, auth, s.host, self.http.port)
         # the tokenizer the engine will name, loaded beside the engine's start where it is known now
-        expected = tokenizer_path(s.model, s.cache_dir)
+        expected = model_files_dir(s.model, s.cache_dir)
         self._preloaded = None if expected is None else (str(expected), asyncio.create_task(
             in_daemon_thread(_load_tokenizer, str(expected), name="tokenizer")))
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._become_ready())]
