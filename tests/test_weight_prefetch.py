@@ -91,6 +91,13 @@ def test_the_files_are_those_the_loader_reads(tmp_path: Path) -> None:
     gguf.write_bytes(b"GGUF")
     assert prefetch.weight_files(str(gguf), tmp_path / "cache") == [gguf]  # not converted yet
     assert prefetch.weight_files(str(tmp_path / "missing"), None) == []
+    pytorch = tmp_path / "pytorch"
+    pytorch.mkdir()
+    (pytorch / "config.json").write_text("{}")
+    (pytorch / "pytorch_model.bin").write_bytes(b"0")
+    assert prefetch.weight_files(str(pytorch), None) == [pytorch / "pytorch_model.bin"]
+    (pytorch / "model.safetensors").write_bytes(b"0")  # transformers reads these when there are some
+    assert prefetch.weight_files(str(pytorch), None) == [pytorch / "model.safetensors"]
     default = prefetch.weight_files(None, tmp_path / "empty-cache")
     assert default == [default_gguf_path()]  # the embedded model, before its first conversion
 

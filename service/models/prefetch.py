@@ -27,21 +27,18 @@ MEMORY_SHARE = 0.5
 # The kernel reads at most a device's readahead size per hint (read_ahead_kb, 128 KiB by default):
 # one hint per chunk of that size covers the whole file on any device.
 CHUNK = 128 * 1024
-WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 
 
 def weight_files(source: str | None, cache_dir: Path | None) -> list[Path]:
     """The files the loader will read the weights of `source` from: a directory's (or the converted
-    GGUF's) safetensors, else the GGUF file itself (its first start converts it)."""
+    GGUF's) safetensors, or its PyTorch `.bin` files where it has none (transformers reads those
+    only then); else the GGUF file itself (its first start converts it)."""
     directory = model_files_dir(source, cache_dir)
     if directory is not None:
-        return sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" and p.is_file())
-    given = Path(source) if source else None
-    if given is not None and given.is_file() and given.suffix in WEIGHT_SUFFIXES:
-        return [given]
-    if given is None:
-        return [default_gguf_path()]
-    return []
+        files = sorted(p for p in directory.iterdir() if p.is_file())
+        return [p for p in files if p.suffix == ".safetensors"] or [p for p in files if p.suffix == ".bin"]
+    given = Path(source) if source else default_gguf_path()
+    return [given] if given.is_file() and given.suffix == ".gguf" else []
 
 
 def _meminfo_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
