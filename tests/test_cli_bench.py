@@ -718,19 +718,22 @@ def test_tandem_bench_start_times_each_start_by_phase_and_its_first_requests(tmp
     """Two fresh servers on one cache directory: each reaches SERVING, reports every phase (the
     first converts the embedded GGUF into the empty cache, the second finds it there: fewer seconds
     of weights), and answers its first requests, timed against the later ones; each server's log is
-    kept (--logs), with the parts of its kv_cache phase."""
+    kept (--logs), with the parts of its kv_cache phase; each start found the weights evicted
+    (--evict-weights), and the server read them ahead of its engine's imports."""
     from tandem.service.telemetry.startup import PHASES
 
     out, logs = tmp_path / "start.json", tmp_path / "logs"
     tandem = Path(sys.executable).with_name("tandem")
     subprocess.run([str(tandem), "bench", "start", "--smoke", "--runs", "cold,warm", "--requests", "6",
-                    "--out", str(out), "--logs", str(logs)], check=True, timeout=600, cwd=tmp_path,
-                   env={**os.environ, "PYTHONSAFEPATH": "1"})
+                    "--evict-weights", "--out", str(out), "--logs", str(logs)], check=True, timeout=600,
+                   cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"})
     for run in ("cold", "warm"):
         said = (logs / f"server-{run}.log").read_text()
         assert "KV cache allocated in" in said and "view of the vocabulary built in" in said
+        assert "of weights ahead of the engine's imports" in said  # the GGUF, then its safetensors
     result = json.loads(out.read_text())
     assert result["benchmark"] == "start" and list(result["runs"]) == ["cold", "warm"]
+    assert result["weights_evicted"] is True
     cold, warm = result["runs"]["cold"], result["runs"]["warm"]
     for run in (cold, warm):
         assert set(run["phases_s"]) == set(PHASES)

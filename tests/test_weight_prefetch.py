@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.bench.serve.start import evict
 from tandem.service.models import prefetch
 from tandem.service.models.default_model import default_gguf_path
 
@@ -44,15 +45,6 @@ def resident_share(path: Path) -> float:
     return sum(b & 1 for b in vec.raw) / pages
 
 
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages are not dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture
 def weights(tmp_path: Path) -> Path:
     model = tmp_path / "model"
@@ -65,7 +57,7 @@ def weights(tmp_path: Path) -> Path:
 
 def test_the_hints_bring_an_evicted_file_back_into_the_page_cache(weights: Path) -> None:
     file = weights / "model.safetensors"
-    evict(file)
+    evict([file])
     if resident_share(file) > 0.1:
         pytest.skip("this filesystem keeps its files in memory (nothing to evict)")
     assert prefetch.weight_files(str(weights), None) == [file]
@@ -78,7 +70,7 @@ def test_the_hints_bring_an_evicted_file_back_into_the_page_cache(weights: Path)
 
 def test_a_model_that_would_fill_the_memory_left_is_not_read_ahead(weights: Path) -> None:
     file = weights / "model.safetensors"
-    evict(file)
+    evict([file])
     if resident_share(file) > 0.1:
         pytest.skip("this filesystem keeps its files in memory (nothing to evict)")
     assert prefetch.prefetch([file], room=SIZE) == 0  # more than half of it

@@ -11,19 +11,23 @@ to SERVING (gRPC health) by the benchmark, and phase by phase by the server itse
 
 The first start reads the weights from disk as they are; every start reads them through the OS's
 page cache as it is (the benchmark neither drops nor warms it: the first start's `weights` phase
-is the one closest to a new node). After SERVING, each start sends `--requests` requests one after
-another (a short prompt of its own, a few tokens each) and reports the TTFT of the first half
-against the second: the first requests after SERVING should pay for nothing lazy.
+is the one closest to a new node), unless `--evict-weights` drops the model's weight files from the
+page cache before each start (a node that never read the model). After SERVING, each start sends
+`--requests` requests one after another (a short prompt of its own, a few tokens each) and reports
+the TTFT of the first half against the second: the first requests after SERVING should pay for
+nothing lazy.
 
     tandem bench start --shape 8b                  # CUDA: random-init 8B shape, cold / warm / restart
     tandem bench start --model DIR --runs warm,restart --cache-dir /mnt/shared
     tandem bench start --smoke                     # the embedded model on the CPU, in a minute
+    tandem bench start --smoke --runs warm,restart --evict-weights --set prefetch_weights=false
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import sys
@@ -46,6 +50,7 @@ from tandem.bench.serve.server import (
     stop_server,
 )
 from tandem.health import wait_serving
+from tandem.service.models.prefetch import weight_files
 
 RUNS = ("cold", "warm", "restart")
 
@@ -62,6 +67,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="longest wait for SERVING")
     ap.add_argument("--smoke", action="store_true", help="the embedded model on the CPU, 16 requests")
     ap.add_argument("--out", help="JSON path (default: bench/results/ under the standard name)")
+    ap.add_argument("--evict-weights", action="store_true",
+                    help="drop the model's weight files from the page cache before each start (a new node)")
     ap.add_argument("--logs", default=None, metavar="DIR",
                     help="keep each start's server log in DIR (server-<run>.log: the start-up's parts)")
     a = ap.parse_args(argv)
@@ -98,6 +105,18 @@ def _scrape_startup(metrics_url: str) -> tuple[dict[str, float], float | None]:
     phases = {s.labels["phase"]: s.value for s in samples if s.name == "tandem_startup_seconds"}
     serving = [s.value for s in samples if s.name == "tandem_startup_serving_seconds"]
     return phases, serving[0] if serving else None
+
+
+def evict(files: list[Path]) -> None:
+    """Drop `files` from the page cache (posix_fadvise DONTNEED, after their dirty pages are
+    written): the next read comes from the disk, as on a node that never read them."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def one_start(a: argparse.Namespace, run: str, env: dict[str, str], folder: Path, index: int) -> dict:
@@ -168,11 +187,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         result = ResultFile("start", argv, torch.device(device), label, a.out)
         record: dict = {"benchmark": "start", "model": label, "smoke": a.smoke,
-                        "cache_dir_given": bool(a.cache_dir),
+                        "cache_dir_given": bool(a.cache_dir), "weights_evicted": a.evict_weights,
                         "environment": environment(torch.device(device)), "runs": {}}
         for i, run in enumerate(a.run_list):
             if run == "cold":
                 shutil.rmtree(compile_cache_dir(cache_dir), ignore_errors=True)
+            if a.evict_weights:
+                evict(weight_files(str(model) if model else None, cache_dir))
             record["runs"][run] = one_start(a, run, env, folder, i)
             result.write(record)
     print(f"wrote {result.write(record)}")
