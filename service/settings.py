@@ -84,13 +84,6 @@ class ServerSettings(BaseSettings):
         "embeddings and lm_head stay in the model's dtype. Unset = as the checkpoint is: an FP8 checkpoint "
         "(compressed-tensors or block-wise FP8) runs in FP8, any other in `dtype` (docs/quantization.md).",
     )
-    fp8_decode_activations: Literal["fp8", "model"] = Field(
-        "fp8",
-        description="FP8 linear layers (from `quantization` or the checkpoint), a decode step's rows (up to "
-        "32): fp8 = quantized per token (W8A8); model = in the model's dtype, the e4m3 weights converted "
-        "exactly in the GEMM (W8A16: no kernel quantizes them). More rows are quantized either way "
-        "(docs/quantization.md).",
-    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto",
         description="KV-cache dtype: auto = the model's (`dtype`); fp8 = e4m3 K and V with a scale per "

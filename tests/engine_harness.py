@@ -62,7 +62,6 @@ def make_core(
     kv_offload_blocks: int = 0,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
-    fp8_decode_activations: str = "fp8",
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
@@ -72,7 +71,6 @@ def make_core(
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
         prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks, quantization=quantization,
         kv_cache_dtype=kv_cache_dtype, compile_scope=compile_scope,
-        fp8_decode_activations=fp8_decode_activations,
     )
     return build_core(model, config, eos)
 

@@ -17,12 +17,10 @@ from tandem.service.contract import SamplingParams
 from tandem.service.engine.ops.fp8_linear import (
     FP8,
     FP8_MAX,
-    SMALL_ROWS,
     Fp8Linear,
     compute_dtype,
     quantize_linears,
     quantize_rows,
-    set_decode_activations,
 )
 from tandem.service.engine.ops.fused_projections import FusedLinear, fuse_projections
 from tandem.v1 import tandem_pb2 as pb
@@ -62,24 +60,6 @@ def test_layer_computes_its_dequantized_reference(bias, dtype):
     # ... and within FP8's precision of the layer it replaced
     exact = linear(x).double()
     assert (y.double() - exact).norm() / exact.norm() < 0.08
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_steps_rows_unquantized_meet_the_exact_weights_and_more_rows_are_quantized(dtype):
-    torch.manual_seed(2)
-    linear = torch.nn.Linear(64, 48, bias=True).to(dtype)
-    w8a8 = Fp8Linear.quantize(linear)
-    w8a16 = copy.deepcopy(w8a8)
-    w8a16.decode_activations = "model"
-    weights = w8a8.weight.double() * w8a8.weight_scale.double().t()  # what both layers hold
-    few = torch.randn(SMALL_ROWS, 64, dtype=dtype)
-    expected = few.double() @ weights.t() + linear.bias.double()  # the rows as they are
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(w8a16(few).double(), expected, rtol=tolerance, atol=tolerance)
-    # the rows' own precision kept: nearer the exact product than W8A8's quantized rows
-    assert (w8a16(few).double() - expected).norm() < (w8a8(few).double() - expected).norm() / 4
-    many = torch.randn(SMALL_ROWS + 1, 64, dtype=dtype)
-    assert torch.equal(w8a16(many), w8a8(many))
 
 
 def test_layers_of_a_bad_kind_are_refused():
@@ -136,28 +116,6 @@ def test_engine_in_fp8_gives_generate_tokens_of_the_quantized_model(loop, compil
     result = run(core, arrivals)
     for a in arrivals:
         assert result.tokens[a.request_id] == hf_greedy(reference, a.prompt_ids, 12, None), a.request_id
-
-
-@pytest.mark.parametrize("loop", ["sync", "async"])
-def test_engine_with_unquantized_decode_rows_gives_generate_tokens_of_the_same_layers(loop):
-    model = _tiny()
-    reference = copy.deepcopy(model)
-    quantize_linears(reference)
-    set_decode_activations(reference, "model")
-    # every step of at most SMALL_ROWS rows, as generate()'s are: each row meets the same arithmetic
-    core = make_core(model, quantization="fp8", fp8_decode_activations="model", step_loop=loop,
-                     max_num_batched_tokens=SMALL_ROWS)
-    assert model.model.layers[0].mlp.down_proj.decode_activations == "model"
-    prompts = [[(5 * i + j) % 1000 for j in range(n)] for i, n in enumerate([3, 9, 1, 6])]
-    arrivals = [Arrival(f"r{i}", p, SamplingParams(max_tokens=12), i) for i, p in enumerate(prompts)]
-    result = run(core, arrivals)
-    for a in arrivals:
-        assert result.tokens[a.request_id] == hf_greedy(reference, a.prompt_ids, 12, None), a.request_id
-
-
-def test_unknown_decode_activations_are_refused():
-    with pytest.raises(ValueError, match="fp8 decode activations 'int8'"):
-        make_core(_tiny(), quantization="fp8", fp8_decode_activations="int8")
 
 
 def test_unknown_quantization_is_refused():

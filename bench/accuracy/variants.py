@@ -28,7 +28,6 @@ class Variant:
     dtype: torch.dtype  # the model's (its activations', and the cache's unless kv_cache_dtype says)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    fp8_decode_activations: str = "fp8"
 
 
 BASELINE = "bf16"
@@ -46,8 +45,7 @@ def build(variant: Variant, load: Callable[[torch.dtype], torch.nn.Module], spec
     """A fresh model in the variant's dtype (FP8 quantization changes a model in place) and its core."""
     model = load(variant.dtype)
     config = dataclasses.replace(spec, quantization=variant.quantization,
-                                 kv_cache_dtype=variant.kv_cache_dtype,
-                                 fp8_decode_activations=variant.fp8_decode_activations)
+                                 kv_cache_dtype=variant.kv_cache_dtype)
     try:
         core = build_core(model, config)
     except (ValueError, NotImplementedError, RuntimeError) as exc:  # a refusal, in the engine's words

@@ -25,22 +25,18 @@ QUANTIZATIONS = ("none", "fp8")  # none: EngineConfig.quantization None, the mod
 class Precision:
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
-    # FP8 layers: a decode step's rows quantized ("fp8", W8A8) or not ("model", W8A16): fp8_linear.py
-    decode_activations: str = "fp8"
 
     @property
     def suffix(self) -> str:
         """What a run's label gains beside its engine's name: "" at the defaults, "+fp8+kv-fp8" ..."""
         parts = [self.quantization] if self.quantization != "none" else []
-        parts += ["a16"] if self.quantization != "none" and self.decode_activations != "fp8" else []
         parts += [f"kv-{self.kv_cache_dtype}"] if self.kv_cache_dtype != "auto" else []
         return "".join(f"+{p}" for p in parts)
 
     def engine(self) -> dict:
         """The EngineConfig fields of this precision."""
         quantization = None if self.quantization == "none" else self.quantization
-        return {"quantization": quantization, "kv_cache_dtype": self.kv_cache_dtype,
-                "fp8_decode_activations": self.decode_activations}
+        return {"quantization": quantization, "kv_cache_dtype": self.kv_cache_dtype}
 
     def kv_bytes_per_token(self, config: object, model_dtype: torch.dtype) -> int:
         """K and V of one token in every layer (the scales, a few per layer, left out)."""
@@ -55,9 +51,6 @@ NAMED = {
     "w8a8": Precision(quantization="fp8"),
     "kv8": Precision(kv_cache_dtype="fp8"),
     "w8a8+kv8": Precision(quantization="fp8", kv_cache_dtype="fp8"),
-    # W8A16 where a decode step's rows are few (up to 32), W8A8 above
-    "w8a16": Precision(quantization="fp8", decode_activations="model"),
-    "w8a16+kv8": Precision(quantization="fp8", kv_cache_dtype="fp8", decode_activations="model"),
 }
 
 

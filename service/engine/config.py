@@ -34,9 +34,6 @@ class EngineConfig:
     # "fp8": every linear layer but lm_head in FP8 (W8A8, fp8_linear.py), quantized when the core is
     # built where the model still has them in its own dtype; None: as the model is
     quantization: str | None = None
-    # FP8 layers (from `quantization` or the checkpoint): a decode step's rows (up to 32) quantized,
-    # "fp8" (W8A8), or in the model's dtype, "model" (W8A16): fp8_linear.py
-    fp8_decode_activations: str = "fp8"
     # "auto" (the model's dtype) or "fp8" (e4m3 K/V with a scale per layer: kv_cache.py)
     kv_cache_dtype: str = "auto"
     compile_decode: bool = False  # decode-only steps run a torch.compile'd forward

@@ -22,7 +22,7 @@ from .host_blocks import HostBlocks
 from .model_runner import ModelRunner, sliding_window
 from .ops.attention import register
 from .ops.decode_op import kernel_supports
-from .ops.fp8_linear import compute_dtype, quantize_linears, set_decode_activations
+from .ops.fp8_linear import compute_dtype, quantize_linears
 from .ops.fused_projections import fuse_projections
 from .ops.kv_cache import CacheShape, KVCache
 from .ops.kv_quant import storage_dtype
@@ -47,9 +47,6 @@ def build_core(
         log.info("quantized %d linear layers to FP8 (W8A8)", quantize_linears(model))
     elif config.quantization is not None:
         raise ValueError(f"quantization {config.quantization!r}: expected fp8 or none")
-    fp8_layers = set_decode_activations(model, config.fp8_decode_activations)
-    if fp8_layers and config.fp8_decode_activations != "fp8":
-        log.info("FP8 layers take a decode step's rows in the model's dtype (W8A16)")
     device = next(model.parameters()).device
     dtype = compute_dtype(model)
     if device.type == "cuda":  # process-wide choices of PyTorch's CUDA backends

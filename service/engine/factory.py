@@ -101,7 +101,6 @@ def build_engine(
         fold_rotary=settings.fold_rotary and cuda,
         kv_cache_layout=settings.kv_cache_layout,
         quantization=quantization,
-        fp8_decode_activations=settings.fp8_decode_activations,
         kv_cache_dtype=settings.kv_cache_dtype,
         blas_library=settings.blas_library,
         telemetry_window_s=settings.telemetry_window_s,

@@ -10,11 +10,6 @@ plain torch: torch.compile fuses it into the kernels around it, and CUDA graphs 
 The GEMM: on CUDA a Triton kernel for a decode step's few rows (triton_fp8_gemm.py) and
 `torch._scaled_mm` for more; on the CPU `torch._scaled_mm`'s reference implementation (slow, for
 tests and accuracy runs).
-
-A layer may instead take a decode step's few rows unquantized (W8A16, `decode_activations`
-"model"): the kernel converts each e4m3 weight exactly to the rows' dtype, so no kernel quantizes
-the activations and they keep their precision, for the same weight bytes; more rows are quantized
-as W8A8's are.
 """
 
 from __future__ import annotations
@@ -74,36 +69,6 @@ def _(
     return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 
-@torch.library.custom_op("tandem::fp8_linear_rows", mutates_args=())
-def linear_rows(
-    x: torch.Tensor,  # [M, K] the model's dtype
-    weight: torch.Tensor,  # [N, K] e4m3
-    weight_scale: torch.Tensor,  # [1, N] float32
-) -> torch.Tensor:
-    """-> [M, N] = x @ (weight * weight_scale)^T in x's dtype: up to SMALL_ROWS rows unquantized
-    (W8A16), more quantized per row (W8A8). An opaque op, as scaled_mm is: the choice follows each
-    call's row count."""
-    if x.shape[0] <= SMALL_ROWS:
-        if x.is_cuda:
-            from .triton_fp8_gemm import fp8_gemm
-
-            return fp8_gemm(x, None, weight, weight_scale, x.dtype)
-        # the kernel's arithmetic: e4m3 to the rows' dtype exactly, float32 sums, the scales last
-        return ((x.float() @ weight.to(x.dtype).float().t()) * weight_scale).to(x.dtype)
-    xq, x_scale = quantize_rows(x)
-    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
-
-
-@linear_rows.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-# what a layer does with a decode step's rows (up to SMALL_ROWS): "fp8" quantizes them (W8A8),
-# "model" takes them in the model's dtype (W8A16)
-DECODE_ACTIVATIONS = ("fp8", "model")
-
-
 class Fp8Linear(nn.Module):
     """y = x W^T + b with W in e4m3 ([out, in], a float32 scale per output row) and x quantized per
     token; the output in the input's dtype."""
@@ -121,7 +86,6 @@ class Fp8Linear(nn.Module):
         scale = weight_scale.detach().float().reshape(1, out_features).contiguous()
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
-        self.decode_activations = "fp8"
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Fp8Linear:
@@ -147,11 +111,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.decode_activations == "model":
-            y = linear_rows(rows, self.weight, self.weight_scale)
-        else:
-            xq, x_scale = quantize_rows(rows)
-            y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
+        xq, x_scale = quantize_rows(rows)
+        y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -173,17 +134,6 @@ def quantize_linears(model: nn.Module) -> int:
                 setattr(module, name, Fp8Linear.quantize(child))
                 done += 1
     return done
-
-
-def set_decode_activations(model: nn.Module, activations: str) -> int:
-    """Every FP8 layer of `model` takes a decode step's rows as `activations` says
-    (DECODE_ACTIVATIONS) -> layers set."""
-    if activations not in DECODE_ACTIVATIONS:
-        raise ValueError(f"fp8 decode activations {activations!r}: expected one of {DECODE_ACTIVATIONS}")
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    for layer in layers:
-        layer.decode_activations = activations
-    return len(layers)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
