@@ -1,6 +1,6 @@
 """The small-row FP8 GEMM kernel on Triton's CPU interpreter, in float32 (the interpreter's bf16
-products are wrong: test_fp8_kv_cache.py says so): rows quantized (W8A8) and rows as they are
-(W8A16), with and without split-K, against float32 references on the same e4m3 operands.
+products are wrong: test_fp8_kv_cache.py says so): quantized rows times e4m3 weights, with and
+without split-K, against float32 references on the same e4m3 operands.
 `make test` runs this file with TRITON_INTERPRET=1; test_gpu_fp8_gemm.py covers the GPU."""
 
 from __future__ import annotations
@@ -27,35 +27,26 @@ def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("m", [1, 5])
-def test_unquantized_rows_times_e4m3_weights(m, split_k):
+def test_quantized_rows_times_e4m3_weights(m, split_k):
     from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm
 
     torch.manual_seed(m + split_k)
     wq, ws = _weights(48, 512)
-    x = torch.randn(m, 512)
-    got = fp8_gemm(x, None, wq, ws, torch.float32, GemmConfig(16, 128, 4, 1, split_k))
-    expected = x @ (wq.float() * ws.t()).t()
+    xq, xs = quantize_rows(torch.randn(m, 512))
+    got = fp8_gemm(xq, xs, wq, ws, torch.float32, GemmConfig(16, 128, 4, 1, split_k))
+    expected = (xq.float() * xs) @ (wq.float() * ws.t()).t()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_a_weight_scale_forgotten_would_show():
-    """The W8A16 output is scaled by the weights' scales (differing per row), not left unscaled."""
+def test_a_scale_forgotten_would_show():
+    """The output is scaled by the rows' scales and the weights' (each differing per row), not left
+    unscaled or scaled by one of them."""
     from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm
 
     wq, ws = _weights(32, 256)
-    x = torch.randn(3, 256)
-    got = fp8_gemm(x, None, wq, ws, torch.float32, GemmConfig(16, 128, 4, 1, 1))
-    unscaled = x @ wq.float().t()
-    assert not torch.allclose(got, unscaled, rtol=1e-2)
-    torch.testing.assert_close(got, unscaled * ws, rtol=1e-5, atol=1e-5 * unscaled.abs().max().item())
-
-
-def test_quantized_rows_times_e4m3_weights():
-    from tandem.service.engine.ops.triton_fp8_gemm import GemmConfig, fp8_gemm
-
-    torch.manual_seed(3)
-    wq, ws = _weights(48, 512)
-    xq, xs = quantize_rows(torch.randn(4, 512))
-    got = fp8_gemm(xq, xs, wq, ws, torch.float32, GemmConfig(16, 128, 4, 1, 2))
-    expected = (xq.float() * xs) @ (wq.float() * ws.t()).t()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    xq, xs = quantize_rows(torch.randn(3, 256) * torch.tensor([[0.1], [1.0], [10.0]]))
+    got = fp8_gemm(xq, xs, wq, ws, torch.float32, GemmConfig(16, 128, 4, 1, 1))
+    unscaled = xq.float() @ wq.float().t()
+    for wrong in (unscaled, unscaled * xs, unscaled * ws):
+        assert not torch.allclose(got, wrong, rtol=1e-2)
+    torch.testing.assert_close(got, unscaled * xs * ws, rtol=1e-5, atol=1e-5 * unscaled.abs().max().item())

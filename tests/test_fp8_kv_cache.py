@@ -172,9 +172,8 @@ def test_the_decode_op_attends_over_the_dequantized_cache(layout, dtype):
 # cannot run the store of the step's own K/V; test_gpu_fp8_kv.py covers all of them on a GPU.
 
 
-@pytest.mark.parametrize("unscaled", [False, True], ids=["dequantized-tiles", "unscaled-tiles"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_the_decode_kernel_reads_an_fp8_cache(splits, unscaled):
+def test_the_decode_kernel_reads_an_fp8_cache(splits):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("run with TRITON_INTERPRET=1 (Triton reads it when it is first imported)")
@@ -189,6 +188,6 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits, unscaled):
     ref = decode_attention(q[0].transpose(0, 1), dequantize(cache.k[layer][slots_of], ks, torch.float32),
                            dequantize(cache.v[layer][slots_of], vs, torch.float32), mask, scale)
     out = paged_decode_attention(q[0].transpose(0, 1), cache.k[layer], cache.v[layer], table, lens, block,
-                                 scale, splits, config=KernelConfig(tile=32, fp8_unscaled=unscaled),
+                                 scale, splits, config=KernelConfig(tile=32),
                                  kv_scales=(ks, vs))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

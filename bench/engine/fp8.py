@@ -125,7 +125,7 @@ def run_variant(a: argparse.Namespace, variant: str, bandwidth: float, record: d
 def gemm_times(a: argparse.Namespace) -> dict:
     """Microseconds of each layer's GEMM at a few row counts: bf16, the FP8 op (alone, and with the
     rows' quantization before it), torch._scaled_mm, and (at up to 32 rows) the small-row kernel's
-    configurations and the same kernel on unquantized rows (W8A16). Timed as a decode step runs them:
+    configurations. Timed as a decode step runs them:
     in a CUDA graph, each call reading a different copy of the weights (none served warm from the L2)."""
     from triton.testing import do_bench_cudagraph
 
@@ -170,12 +170,6 @@ def gemm_times(a: argparse.Namespace) -> dict:
                                fp8_weights) for c in sweep}
                 best = min(swept, key=swept.get)
                 row["fp8_best_configuration"] = swept[best]
-                # W8A16: the rows unquantized, the weights converted in the loop (no quantization)
-                row["w8a16_default_configuration"] = us(
-                    lambda w, x=x, q=q: fp8_gemm(x, None, w, q[2], torch.bfloat16), fp8_weights)
-                row["w8a16_best_w8a8_configuration"] = us(
-                    lambda w, x=x, q=q, c=best: fp8_gemm(x, None, w, q[2], torch.bfloat16, c),
-                    fp8_weights)
                 print(f"  GEMM {name} {n}x{k}, {m:3d} rows: best small-row configuration {best}: "
                       f"{swept[best]:.1f} us; the default {default_config(n, k, sms)}", flush=True)
                 times[f"{name} {n}x{k}, {m} rows, small-row configurations"] = {

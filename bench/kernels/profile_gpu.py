@@ -224,15 +224,8 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
-def fp8_variants(configs: list[KernelConfig]) -> list[KernelConfig]:
-    """Each configuration with an FP8 cache's tiles dequantized in the loop, and used unscaled."""
-    return [dataclasses.replace(c, fp8_unscaled=u) for c in configs for u in (False, True)]
-
-
 # an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too
-FP8_KERNEL_CONFIGS = fp8_variants(KERNEL_CONFIGS + [
-    KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)
-])
+FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -244,8 +237,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     its time, share of the copy bandwidth and largest difference from the engine's
     configuration's output (marked `chosen`). Then (NHD) the kernel as a mixed step's decode rows
     launch it, reading the cache only, in 1-3 stages (`launch`: "cache only"). `kv_fp8`: over e4m3
-    caches, each configuration with its tiles dequantized and unscaled (`fp8_unscaled`), the bytes
-    read an e4m3 cache's."""
+    caches (128-token tiles pipelined too), the bytes read an e4m3 cache's."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
@@ -260,7 +252,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
     configs, cache_only_configs = KERNEL_CONFIGS, CACHE_ONLY_CONFIGS
     if kv_fp8:
-        configs, cache_only_configs = FP8_KERNEL_CONFIGS, fp8_variants(CACHE_ONLY_CONFIGS)
+        configs = FP8_KERNEL_CONFIGS
     rows = []
     for layout, (k, v) in d.caches.items():
         def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
@@ -269,7 +261,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop, "fp8_unscaled": config.fp8_unscaled,
+                   "new_after_loop": config.new_after_loop,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -284,7 +276,6 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
-               "fp8_unscaled": config.fp8_unscaled,
                "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
@@ -646,11 +637,11 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
         shown += [r for r in step if r["chosen"] and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "FP8 unscaled", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r["fp8_unscaled"], r["chosen"],
+                               r["warps"], r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

@@ -65,8 +65,6 @@ class KernelConfig:
     merge_heads: int = 1
     new_after_loop: bool = False
     single_split_direct: bool = False
-    # an FP8 cache's tiles used unscaled, its scales on the scores and the output (triton_decode.py)
-    fp8_unscaled: bool = False
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to

@@ -13,9 +13,6 @@ table's width, so it can be captured in a CUDA graph.
 An FP8 cache (KV_FP8) is read tile by tile into float32, times the layer's scale, then the query's
 dtype for the matrix products; the step's new K/V are quantized as they are stored, and the program
 that uses them from registers uses them as stored, round-tripped (kv_quant.py has the arithmetic).
-Or (FP8_UNSCALED) each e4m3 tile becomes the query's dtype as it is (exactly: e4m3 values are bf16,
-fp16 and float32 values), the K scale joins the scores' scale and the V scale multiplies the
-program's output once: no per-element multiply and no float32 round trip in the loop.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import triton.language as tl
 from .decode_grid import ENGINE_CONFIGS, MAX_SPLITS, KernelConfig, Splits, kernel_config, num_splits_for
 from .deferred_rotary import DeferredRotary
 from .kv_quant import is_fp8
-from .triton_fp8 import quantize, read
+from .triton_fp8 import dequantize, quantize
 from .triton_rotary import rotary_cos_sin
 
 
@@ -149,7 +146,6 @@ def _decode_split_kernel(
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FP8_UNSCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -173,8 +169,6 @@ def _decode_split_kernel(
     if KV_FP8:  # the layer's scales (0-d tensors: set in place, read by captured graphs)
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-        if FP8_UNSCALED:  # the scores of unscaled keys, scaled once
-            scale = scale * k_scale
     if ROTARY:  # Q (and below, the new K) rotated at the new token's position
         dtype = q_ptr.dtype.element_ty
         cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
@@ -206,8 +200,8 @@ def _decode_split_kernel(
         tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
         tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
         if KV_FP8:  # from here on, as the cached tiles are read
-            new_k = read(new_k, k_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
-            new_v = read(new_v, v_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
+            new_k = dequantize(new_k, k_scale, q_ptr.dtype.element_ty)
+            new_v = dequantize(new_v, v_scale, q_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
@@ -218,8 +212,8 @@ def _decode_split_kernel(
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
         if KV_FP8:
-            k = read(k, k_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
-            v = read(v, v_scale, q_ptr.dtype.element_ty, FP8_UNSCALED)
+            k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
+            v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
@@ -235,8 +229,6 @@ def _decode_split_kernel(
         lsum = lsum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
-    if KV_FP8 and FP8_UNSCALED:  # the values' scale, once for all of them
-        acc = acc * v_scale
     # one split for every sequence (no merge launch), or for this one (the merge skips it)
     if DIRECT or (SINGLE_SPLIT_DIRECT and splits == 1):
         out = acc / lsum[:, None]
@@ -404,7 +396,6 @@ def paged_decode_attention(
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
-        FP8_UNSCALED=fp8 and config.fp8_unscaled,
         num_warps=config.warps,
         num_stages=config.stages,
     )

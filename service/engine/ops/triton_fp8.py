@@ -19,12 +19,3 @@ def quantize(x, scale, FP8_DTYPE: tl.constexpr):
 def dequantize(x, scale, DTYPE: tl.constexpr):
     """e4m3 values times scale in float32, rounded to `DTYPE` (kv_quant.dequantize)."""
     return (x.to(tl.float32) * scale).to(DTYPE)
-
-
-@triton.jit
-def read(x, scale, DTYPE: tl.constexpr, UNSCALED: tl.constexpr):
-    """Stored e4m3 values as the attention math takes them: dequantized, or (UNSCALED) converted as
-    they are, exactly, the scale applied outside by the caller."""
-    if UNSCALED:
-        return x.to(DTYPE)
-    return dequantize(x, scale, DTYPE)

@@ -7,11 +7,6 @@ all the rows (BLOCK_M of them, padded to 16, the tensor cores' least), walks its
 BLOCK_K steps, and applies the row and channel scales once at the end:
 y = (x_q @ w_q^T) * x_scale * w_scale.
 
-Or (W8A16) the rows come in the model's dtype, unquantized: each weight tile is converted to it
-(exactly: e4m3 values are bf16, fp16 and float32 values) and y = (x @ w_q^T) * w_scale. The rows
-then need no quantization kernel before the GEMM (a decode step quantizes every linear layer's
-input), and keep their precision; the weights' bytes, which bound the GEMM at few rows, are the same.
-
 A layer of few output tiles splits K among programs (split-K) so that every SM streams: each split
 stores its float32 partial product, and the last split of a tile to finish (a counter per tile)
 sums the partials in split order and writes the output, in the same launch: no second kernel, and
@@ -28,14 +23,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om,
-                     X_FP8: tl.constexpr):
+def _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om):
     w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
-    if X_FP8:
-        x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)
-        acc = acc * x_scale[:, None] * w_scale[None, :]
-    else:
-        acc = acc * w_scale[None, :]
+    x_scale = tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)
+    acc = acc * x_scale[:, None] * w_scale[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -62,9 +53,9 @@ def _sum_of_splits(acc, rm, rn, m_ok, n_ok, partial_ptr, arrivals_ptr, M, N, SPL
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr,  # [M, K] e4m3 (X_FP8), else the model's dtype
+    x_ptr,  # [M, K] e4m3
     w_ptr,  # [N, K] e4m3
-    x_scale_ptr,  # [M] float32 (X_FP8 only)
+    x_scale_ptr,  # [M] float32
     w_scale_ptr,  # [N] float32
     out_ptr,  # [M, N]
     partial_ptr,  # [SPLIT_K, M, N] float32 (split-K only)
@@ -80,7 +71,6 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    X_FP8: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
@@ -99,15 +89,13 @@ def _fp8_gemm_kernel(
         k_ok = k < k_end
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if not X_FP8:  # W8A16: the weights in the rows' dtype, exactly
-            w = w.to(x.dtype)
         acc = tl.dot(x, w, acc)
     if SPLIT_K == 1:
-        _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om, X_FP8)
+        _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om)
     else:
         total, last = _sum_of_splits(acc, rm, rn, m_ok, n_ok, partial_ptr, arrivals_ptr, M, N, SPLIT_K)
         if last:
-            _scale_and_store(total, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om, X_FP8)
+            _scale_and_store(total, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om)
 
 
 # 64-row programs gave wrong products in the GPU tests (docs/quantization.md); 16 and 32 matched
@@ -183,17 +171,14 @@ class Launch:
 
 
 def fp8_gemm(
-    x: torch.Tensor,  # [M, K] e4m3, or the model's dtype (W8A16); rows contiguous
-    x_scale: torch.Tensor | None,  # [M, 1] float32; None for unquantized rows
+    x: torch.Tensor,  # [M, K] e4m3, rows contiguous
+    x_scale: torch.Tensor,  # [M, 1] float32
     weight: torch.Tensor,  # [N, K] e4m3, rows contiguous
     weight_scale: torch.Tensor,  # [1, N] float32
     out_dtype: torch.dtype,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """-> [M, N] in `out_dtype`: (x @ weight^T) scaled per row of x (where it is quantized) and per
-    row of weight."""
-    x_fp8 = x_scale is not None
-    assert x_fp8 == (x.dtype == weight.dtype), "e4m3 rows come with their scales, others without"
+    """-> [M, N] in `out_dtype`: (x @ weight^T) scaled per row of x and per row of weight."""
     m, k = x.shape
     n = weight.shape[0]
     config = config or default_config(n, k, _sms(x.device))
@@ -202,9 +187,9 @@ def fp8_gemm(
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     launch = Launch.plan(out, k, config, block_m)
     _fp8_gemm_kernel[launch.grid](
-        x, weight, x_scale if x_fp8 else weight_scale, weight_scale, out, launch.partials, launch.arrivals,
+        x, weight, x_scale, weight_scale, out, launch.partials, launch.arrivals,
         m, n, k, launch.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=launch.grid[2],
-        X_FP8=x_fp8, num_warps=config.warps, num_stages=config.stages,
+        num_warps=config.warps, num_stages=config.stages,
     )
     return out
