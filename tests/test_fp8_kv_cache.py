@@ -191,3 +191,37 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits):
                                  scale, splits, config=KernelConfig(tile=32),
                                  kv_scales=(ks, vs))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():
+    """The profile's anatomy kernel (bench/kernels/decode_anatomy.py) over an e4m3 cache: its
+    whole-loop parts attend over the dequantized context (what the engine's kernel computes), and
+    its `dequant` part adds up the dequantized K and V, so the times it reports are of that work."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run with TRITON_INTERPRET=1 (Triton reads it when it is first imported)")
+    from tandem.bench.kernels.decode_anatomy import WHOLE_LOOP, parts, run_part
+    from tandem.service.engine.ops.decode_grid import Splits
+
+    cache, args, _, _ = _decode_case("NHD", torch.float32)
+    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
+    q = q[0].transpose(0, 1).contiguous()
+    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
+    k, v = cache.k[layer], cache.v[layer]
+    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
+    live = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
+    keys, values = dequantize(k[slots_of], ks, torch.float32), dequantize(v[slots_of], vs, torch.float32)
+    ref = decode_attention(q, keys, values, live, scale)
+    one = Splits(1, 1)
+    # each mode and tile once (warps and stages are the compiler's, not the interpreter's)
+    shapes = {(p.mode, p.tile): p for p in parts(kv_fp8=True)}
+    assert {"dequant", "full", "fma"} <= {mode for mode, _ in shapes}
+    for (mode, tile), part in shapes.items():
+        if mode in WHOLE_LOOP:
+            out = run_part(part, q, k, v, table, lens, block, scale, one, kv_scales=(ks, vs))[:, :, 0]
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=f"{mode}, tile {tile}")
+    sums = ((keys + values) * live[:, :, None, None]).sum(1).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    dequant = run_part(shapes["dequant", 32], q, k, v, table, lens, block, scale, one, kv_scales=(ks, vs))
+    torch.testing.assert_close(dequant[:, :, 0], sums, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="e4m3 cache"):
+        run_part(shapes["dequant", 32], q, k, v, table, lens, block, scale, one)

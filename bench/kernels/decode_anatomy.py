@@ -8,15 +8,18 @@ lookups) and does only the part of the work its MODE names:
   reaches with no math to wait for;
 - `contiguous`: the same loads with each sequence's slots in one run (no table read): what the
   table's dependent load costs;
+- `dequant` (an e4m3 cache only): the loads and each tile dequantized to the query's dtype as the
+  engine's loop does it (float32, times the layer's scale): what the conversion costs;
 - `scores`: the loads, Q.K^T (tl.dot) and the running max;
 - `softmax`: and the exponentials and their sum;
 - `full`: and P.V: the engine's loop (no new K/V, no rotary);
 - `fma`: the whole loop on the CUDA cores (broadcast products summed), query heads unpadded.
 
-Each program stores its split's normalised output: with one split per sequence that is the
-attention output, which is how the whole-loop modes are checked against the engine's kernel.
-Triton is imported here, so profile_gpu.py (--decode-anatomy) imports this module only
-when asked.
+Over an e4m3 cache (`kv_scales` given) every part from `dequant` on dequantizes its tiles as the
+engine's kernel does. Each program stores its split's normalised output: with one split per
+sequence that is the attention output, which is how the whole-loop modes are checked against the
+engine's kernel. Triton is imported here, so profile_gpu.py (--decode-anatomy) imports this
+module only when asked.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from tandem.service.engine.ops.triton_decode import (
     _splits_of,
     _tile_range,
 )
+from tandem.service.engine.ops.triton_fp8 import dequantize
 
-MODES = ("read", "contiguous", "scores", "softmax", "full", "fma")
+MODES = ("read", "contiguous", "dequant", "scores", "softmax", "full", "fma")
 WHOLE_LOOP = ("full", "fma")  # the modes that compute attention
+FP8_ONLY = ("dequant",)  # the modes that time an e4m3 cache's own work
 # the kernel's MODE values (globals a Triton kernel reads must be constexpr)
-READ, CONTIGUOUS, SCORES, SOFTMAX, FULL, FMA = (tl.constexpr(i) for i in range(len(MODES)))
+READ, CONTIGUOUS, DEQUANT, SCORES, SOFTMAX, FULL, FMA = (tl.constexpr(i) for i in range(len(MODES)))
 
 
 @triton.jit(do_not_specialize=["least_splits", "num_splits"])
@@ -48,6 +53,8 @@ def _anatomy_kernel(
     v_ptr,
     table_ptr,
     lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     scale,
     least_splits,
@@ -68,6 +75,7 @@ def _anatomy_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -84,6 +92,9 @@ def _anatomy_kernel(
     g_ok = g < GROUP
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.full([GROUP_PAD], 1.0, tl.float32)
     if MODE >= SOFTMAX:
@@ -99,7 +110,10 @@ def _anatomy_kernel(
         else:  # the engine's own tile load
             pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, ctx_len, t, d, stride_tb,
                                          stride_ks, stride_kh, BLOCK_SIZE, TILE, False)
-        if MODE <= CONTIGUOUS:
+        if KV_FP8 and MODE >= DEQUANT:  # as the engine's loop reads an e4m3 tile
+            k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
+            v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
+        if MODE <= DEQUANT:
             acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)[None, :]
         elif MODE == FMA:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
@@ -156,9 +170,12 @@ def launch(
     block_size: int,
     scale: float,
     splits: Splits,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an e4m3 cache's (0-d float32)
 ) -> tuple[torch.Tensor, object]:
     """-> [B, H, splits.most, D] fp32, each split's normalised output (the parts short of `full`:
     sums that only keep their work alive), and the compiled kernel (None when interpreted)."""
+    if part.mode in FP8_ONLY and kv_scales is None:
+        raise ValueError(f"part {part.mode!r} reads an e4m3 cache: give its kv_scales")
     b, h, d = q.shape
     kv_heads = k_cache.shape[1]
     group = h // kv_heads
@@ -169,6 +186,7 @@ def launch(
         v_cache,
         block_table,
         ctx_lens,
+        *(kv_scales or (ctx_lens, ctx_lens)),  # unread without an e4m3 cache
         out,
         scale,
         splits.least,
@@ -189,15 +207,17 @@ def launch(
         BLOCK_SIZE=block_size,
         TILE=part.tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=kv_scales is not None,
         num_warps=part.warps,
         num_stages=part.stages,
     )
     return out, kernel
 
 
-def run_part(part: Part, *args: object) -> torch.Tensor:
+def run_part(part: Part, *args: object, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:
     """`launch`'s output alone (the call timed)."""
-    return launch(part, *args)[0]
+    return launch(part, *args, kv_scales=kv_scales)[0]
 
 
 def resources(kernel: object, device: torch.device) -> dict:
@@ -218,15 +238,19 @@ def resources(kernel: object, device: torch.device) -> dict:
             "resident_per_sm": min(limits)}
 
 
-def parts() -> list[Part]:
+def parts(kv_fp8: bool = False) -> list[Part]:
     """Every part at the engine's tiles (32, 64) and wider, in 4 and 8 warps, one stage as the
     engine runs; `fma` holds a [heads, tile, head_dim] product in registers, so its tiles are
-    narrower. Then the loads and the whole loops software-pipelined, 2 to 4 stages deep."""
+    narrower. Then the loads and the whole loops software-pipelined, 2 to 4 stages deep. `kv_fp8`:
+    over an e4m3 cache, its dequantization among the parts, and the loops 128-token tiles deep too
+    (an e4m3 tile takes half a bf16 one's shared memory)."""
     out = []
-    for mode in MODES:
+    for mode in (m for m in MODES if kv_fp8 or m not in FP8_ONLY):
         tiles = (16, 32) if mode == "fma" else (32, 64, 128)
         out += [Part(mode, tile, warps) for tile in tiles for warps in (4, 8)]
-    for mode in ("read", "full"):
+    pipelined = ("read", "dequant", "full") if kv_fp8 else ("read", "full")
+    tiles = (32, 64, 128) if kv_fp8 else (32, 64)
+    for mode in pipelined:
         out += [Part(mode, tile, warps, stages)
-                for stages in (2, 3, 4) for tile in (32, 64) for warps in (4, 8)]
+                for stages in (2, 3, 4) for tile in tiles for warps in (4, 8)]
     return out

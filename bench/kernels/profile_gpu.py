@@ -378,48 +378,51 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     return rows
 
 
-def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
+def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
+                         kv_fp8: bool = False) -> list[dict]:
     """The decode kernel's loop taken apart (decode_anatomy.py) at the grid of a step's own
     longest context, per cache layout: each part's time and share of the copy bandwidth in every
     tile and warp count, beside the engine's kernel (no new K/V, and writing it); the whole-loop
-    parts with their largest difference from the engine's output (one split per sequence)."""
+    parts with their largest difference from the engine's output (one split per sequence).
+    `kv_fp8`: over e4m3 caches (the bytes read an e4m3 cache's), their dequantization a part."""
     from tandem.bench.kernels.decode_anatomy import WHOLE_LOOP, launch, parts, resources, run_part
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
-    block, dt = DECODE_BLOCK, next(model.parameters()).dtype
+    block = DECODE_BLOCK
     lens_host = grid_contexts(kind, batch)
     width = -(-max(lens_host) // block)
-    d = decode_inputs(model, lens_host, width, ("NHD", "HND"))
-    table, lens, q, new_kv = d.table, d.lens, d.q, d.new_kv
+    d = decode_inputs(model, lens_host, width, ("NHD", "HND"), kv_fp8)
+    table, lens, q, new_kv, scales = d.table, d.lens, d.q, d.new_kv, d.kv_scales
     splits = num_splits_for(batch, shape.num_kv_heads, num_sms(q.device.index or 0), longest=max(lens_host))
     one = Splits(1, 1)
-    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
     chosen = kernel_config(batch)
     rows = []
     for layout, (k, v) in d.caches.items():
-        reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, one).float()
-        calls = {"engine": lambda k=k, v=v: paged_decode_attention(q, k, v, table, lens, block, 0.1, splits),
+        reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, one, kv_scales=scales).float()
+        calls = {"engine": lambda k=k, v=v: paged_decode_attention(q, k, v, table, lens, block, 0.1, splits,
+                                                                   kv_scales=scales),
                  "engine, writing new K/V": lambda k=k, v=v: paged_decode_attention(
-                     q, k, v, table, lens, block, 0.1, splits, new_kv)}
+                     q, k, v, table, lens, block, 0.1, splits, new_kv, kv_scales=scales)}
         for mode, call in calls.items():
             seconds = timed(call)
             rows.append({"layout": layout, "mode": mode, "tile": chosen.tile, "warps": chosen.warps,
                          "stages": chosen.stages, "least": splits.least, "most": splits.most,
                          "us": round(1e6 * seconds, 1),
                          "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": 0.0})
-        for part in parts():
+        for part in parts(kv_fp8):
             row = {"layout": layout, "mode": part.mode, "tile": part.tile, "warps": part.warps,
                    "stages": part.stages, "least": splits.least, "most": splits.most}
 
             def call(part=part, k=k, v=v, splits=splits) -> torch.Tensor:
-                return run_part(part, q, k, v, table, lens, block, 0.1, splits)
+                return run_part(part, q, k, v, table, lens, block, 0.1, splits, kv_scales=scales)
             try:
                 diff = None
                 if part.mode in WHOLE_LOOP:
-                    alone = run_part(part, q, k, v, table, lens, block, 0.1, one)[:, :, 0]
+                    alone = run_part(part, q, k, v, table, lens, block, 0.1, one, kv_scales=scales)[:, :, 0]
                     diff = (alone - reference).abs().max().item()
-                row |= resources(launch(part, q, k, v, table, lens, block, 0.1, splits)[1], q.device)
+                row |= resources(launch(part, q, k, v, table, lens, block, 0.1, splits, scales)[1], q.device)
                 seconds = timed(call)
             except Exception as exc:  # a configuration the compiler rejects: note it, go on
                 rows.append({**row, "error": str(exc)[:200]})
@@ -662,7 +665,8 @@ def grid_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: float,
 
 def anatomy_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: float, sweeps: Sweeps) -> None:
     for batch, kind in points(a.decode_anatomy):
-        rows = sweeps.anatomy[f"{batch}:{kind}"] = decode_anatomy_sweep(model, batch, kind, bandwidth)
+        rows = sweeps.anatomy[f"{batch}:{kind}"] = decode_anatomy_sweep(
+            model, batch, kind, bandwidth, NAMED[a.precision].kv_cache_dtype == "fp8")
         sweeps.save()
         print(f"decode kernel anatomy, batch {batch}, contexts {kind}: each part's fastest configuration, "
               "in one stage and pipelined")
