@@ -137,6 +137,8 @@ MISTRAL_CASES = [
     # no call: a name with nothing after it, words after the marker
     ("[TOOL_CALLS]get_weather[ARGS]", "[TOOL_CALLS]get_weather[ARGS]", []),
     ("[TOOL_CALLS]get the weather", "[TOOL_CALLS]get the weather", []),
+    # a name no tool may have (OpenAI's rule, the request's: letters, digits, '_', '-'): not a call
+    ('[TOOL_CALLS]weather.get[ARGS]{"city": "Paris"}', '[TOOL_CALLS]weather.get[ARGS]{"city": "Paris"}', []),
     # cut short by max_tokens in the arguments: a call with what it has
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', "", [("get_weather", '{"city": "Par')]),
 ]

@@ -8,6 +8,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# a function's name, by OpenAI's rule: what a request's tools may be named, and so what the reader
+# takes as the name of a call written outside its arguments
+FUNCTION_NAME = r"[A-Za-z0-9_-]{1,64}"
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import regex
 
-from .format import CallFormat, Layout
+from .format import FUNCTION_NAME, CallFormat, Layout
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ Event = Content | CallStart | CallArguments
 # a call object that names its function first, up to where its arguments' value begins
 _HEADER = regex.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(\w+)"\s*:\s*')
 # a call named outside its arguments (format.CallFormat.named_calls), up to the arguments' brace
-_NAMED = regex.compile(r"\s*([A-Za-z0-9_.\-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*\{")
+_NAMED = regex.compile(rf"\s*({FUNCTION_NAME})(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*\{{")
 _NAME_START = regex.compile(r"\s*[A-Za-z0-9_]")
 
 

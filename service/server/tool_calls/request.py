@@ -15,8 +15,9 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict
 
 from ...contract import invalid
+from .format import FUNCTION_NAME
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+_NAME = re.compile(FUNCTION_NAME)
 
 
 class _Body(BaseModel):
