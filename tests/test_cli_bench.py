@@ -584,15 +584,33 @@ def test_tandem_bench_fp8_smoke_runs_each_variant_on_each_workload(tmp_path):
     first variant, the FP8 engine holding e4m3 weights (fewer weight bytes) and tokens of its own."""
     out = tmp_path / "fp8.json"
     tandem = Path(sys.executable).with_name("tandem")
-    subprocess.run([str(tandem), "bench", "fp8", "--smoke", "--variants", "bf16,w8a8", "--out", str(out)],
+    subprocess.run([str(tandem), "bench", "fp8", "--smoke", "--variants", "bf16,w8a8", "--out", str(out),
+                    "--inductor", "split_reductions=False"],
                    check=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONSAFEPATH": "1"})
     result = json.loads(out.read_text())
     assert result["benchmark"] == "fp8" and result["smoke"] is True
+    assert result["inductor"] == {"split_reductions": False}  # what the run set, recorded
     bf16, w8a8 = result["variants"]["bf16"], result["variants"]["w8a8"]
     assert set(bf16["workloads"]) == set(w8a8["workloads"]) == {"1x8+4", "4x8+6"}
     assert w8a8["weight_GB"] < bf16["weight_GB"]
     assert set(result["ratio_to_bf16"]["w8a8"]) == {"1x8+4", "4x8+6"}
     assert all(r["tok_s"] > 0 for r in w8a8["workloads"].values())
+
+
+@pytest.mark.parametrize(("pair", "why"), [
+    ("no_such_choice=1", "has no 'no_such_choice'"),
+    ("split_reductions=nope", "not a Python literal"),
+    ("split_reductions", "expected NAME=VALUE"),
+])
+def test_an_inductor_choice_a_benchmark_cannot_set_is_refused(pair, why):
+    from torch._inductor import config
+
+    from tandem.bench.engine import inductor_options
+
+    before = config.split_reductions
+    with pytest.raises(ValueError, match=why):
+        inductor_options.apply([pair])
+    assert config.split_reductions == before
 
 
 def test_bench_gpu_runs_each_precision_beside_the_first_and_reports_the_ratios(tmp_path, monkeypatch):

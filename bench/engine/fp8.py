@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tandem.bench.engine import inductor_options
 from tandem.bench.engine.gpu_sync import roofline
 from tandem.bench.engine.harness import blocks_for, copy_bandwidth, environment, run_tandem
 from tandem.bench.engine.precision import NAMED, model_bytes
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="REQUESTSxPROMPT+NEW, comma-separated")
     ap.add_argument("--gemm", action="store_true", help="also time the FP8 GEMMs against bf16's")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, short workloads")
+    inductor_options.add_option(ap)
     ap.add_argument("--out", help="JSON path (default: bench/results/ under the standard name)")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -184,11 +186,16 @@ def gemm_times(a: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    try:
+        inductor = inductor_options.apply(a.inductor)
+    except ValueError as exc:
+        print(f"tandem bench fp8: {exc}", file=sys.stderr)
+        return 2
     result = ResultFile("fp8", argv, a.device, f"{a.shape}-{a.variants.replace(',', '-')}", a.out)
     bandwidth = copy_bandwidth(a.device, 2 * 1024**3 if a.device.type == "cuda" else 2**26)
     record: dict = {"benchmark": "fp8", "model": f"random-init Llama {a.shape} shape", "smoke": a.smoke,
                     "environment": environment(a.device), "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
-                    "variants": {}}
+                    "inductor": inductor, "variants": {}}
     for variant in a.variant_list:
         run_variant(a, variant, bandwidth, record["variants"].setdefault(variant, {}),
                     lambda: result.write(record))

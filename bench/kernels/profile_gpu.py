@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.common import markdown_table, need_cuda
+from tandem.bench.engine import inductor_options
 from tandem.bench.engine.gemm_floor import time_linear, timed
 from tandem.bench.engine.harness import blocks_for, copy_bandwidth, environment
 from tandem.bench.engine.precision import NAMED, model_bytes
@@ -584,6 +585,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--precision", choices=list(NAMED), default="bf16",
                     help="the profiled engine's linear layers and KV cache (bench/engine/precision.py)")
     ap.add_argument("--trace", default=None, help="Chrome trace of the profiled steps (default: a temp file)")
+    inductor_options.add_option(ap)
     ap.add_argument("--out", default=None,
                     help="JSON result path (default: bench/results/<date>_<gpu>_gpu-profile_<shape>-<engine>-"
                          "<requests>.json, with --no-step <shape>-sweeps)")
@@ -737,6 +739,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
     need_cuda("gpu-profile", " to profile CUDA kernels")
+    try:
+        inductor = inductor_options.apply(a.inductor)
+    except ValueError as exc:
+        print(f"tandem bench gpu-profile: {exc}", file=sys.stderr)
+        return 2
     device, dtype = torch.device("cuda"), torch.bfloat16
     engine = a.engine if a.precision == "bf16" else f"{a.engine}-{a.precision}"
     shape = f"{a.shape}-sweeps" if a.no_step else f"{a.shape}-{engine}-{a.requests}"
@@ -757,7 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps, context, trace = step_profile(a, model, bandwidth)
     out = result_file.write(
         {"benchmark": "profile_gpu", "environment": env, "shape": a.shape, "engine": a.engine,
-         "precision": a.precision, "requests": a.requests, "context": context,
+         "precision": a.precision, "inductor": inductor, "requests": a.requests, "context": context,
          "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
          "linears": rows_of_linears, "decode_attention": sweeps.attention, "decode_grids": sweeps.grids,
          "decode_anatomy": sweeps.anatomy, "mixed_op": sweeps.mixed_ops, "step": steps})
