@@ -599,6 +599,8 @@ def test_tandem_bench_fp8_smoke_runs_each_variant_on_each_workload(tmp_path):
 
 @pytest.mark.parametrize(("pair", "why"), [
     ("no_such_choice=1", "has no 'no_such_choice'"),
+    ("triton.no_such_choice=1", "has no 'triton.no_such_choice'"),
+    ("no_such_group.enable_pdl=1", "has no 'no_such_group.enable_pdl'"),
     ("split_reductions=nope", "not a Python literal"),
     ("split_reductions", "expected NAME=VALUE"),
 ])
@@ -611,6 +613,19 @@ def test_an_inductor_choice_a_benchmark_cannot_set_is_refused(pair, why):
     with pytest.raises(ValueError, match=why):
         inductor_options.apply([pair])
     assert config.split_reductions == before
+
+
+def test_an_inductor_choice_in_a_nested_group_is_set_where_inductor_reads_it():
+    from torch._inductor import config
+
+    from tandem.bench.engine import inductor_options
+
+    before = config.triton.enable_pdl
+    try:
+        assert inductor_options.apply(["triton.enable_pdl=True"]) == {"triton.enable_pdl": True}
+        assert config.triton.enable_pdl is True
+    finally:
+        config.triton.enable_pdl = before
 
 
 def test_bench_gpu_runs_each_precision_beside_the_first_and_reports_the_ratios(tmp_path, monkeypatch):
