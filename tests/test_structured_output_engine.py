@@ -14,7 +14,7 @@ from engine_harness import Arrival, make_core, run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.service.contract import Request, SamplingParams, StructuredOutput
-from tandem.service.engine.grammar import Grammars
+from tandem.service.engine.grammar import Grammars, tokenizer_ids
 from tandem.service.engine.sampler import mask_logits
 from tandem.service.engine.sequence import Sequence
 from tandem.service.structured_output import canonical_schema
@@ -179,6 +179,45 @@ def test_a_grammar_compiling_holds_up_only_its_own_request(model_and_tokenizer, 
     assert failed["bad"][0] == ErrorKind.INVALID_ARGUMENT and "cannot be compiled" in failed["bad"][1]
     text = tokenizer.decode(tokens["json"][:-1] if tokens["json"][-1] in eos else tokens["json"])
     assert re.fullmatch(REGEX, text), text
+
+
+@pytest.mark.parametrize("padding", [0, 45, 40_000])
+def test_a_padded_vocabulary_masks_as_the_tokenizers_own_and_allows_no_padding_id(model_and_tokenizer,
+                                                                                  padding):
+    """A model's vocabulary padded past the tokenizer's ids: xgrammar sees the tokenizer's ids only
+    (it scans the ids it counts as special on every token it accepts), a constrained row allows the
+    tokens it would over the tokenizer's own vocabulary and no padding id, an unconstrained row every
+    token; and the matcher accepts as it would."""
+    model, tokenizer = model_and_tokenizer
+    ids = tokenizer_ids(tokenizer)
+    eos = frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    exact, padded = Grammars(tokenizer, ids, eos), Grammars(tokenizer, ids + padding, eos)
+    assert padded.info.vocab_size == ids
+    assert len(padded.info.special_token_ids) == len(exact.info.special_token_ids)
+    constraint = StructuredOutput(json_schema=canonical_schema(SCHEMA))
+    params = SamplingParams(max_tokens=64, structured_output=constraint)
+    prefix = tokenizer.encode('{"name": "Rex", "kind": "', add_special_tokens=False)
+
+    def rows(grammars: Grammars) -> torch.Tensor:
+        seqs = []
+        for i, constrained in enumerate([True, False, True]):
+            seq = Sequence(request=Request(f"r{i}", [1, 2], params if constrained else SamplingParams()),
+                           token_ids=[1, 2], prompt_len=2, seed=i, max_total_len=128)
+            if constrained:
+                seq.grammar = grammars.state_for(seq)
+            seqs.append(seq)
+        for token in prefix:  # the third row's matcher inside an enum's string
+            assert not seqs[2].grammar.accept(token)  # accepted, not the end
+        assert seqs[2].grammar.accepted == len(prefix)
+        mask = grammars.fill(seqs, slot=0)
+        allowed = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1)
+        return allowed[:, : grammars.vocab_size].bool()
+
+    want, got = rows(exact), rows(padded)
+    assert got.shape[1] == ids + padding
+    assert torch.equal(got[:, :ids], want) and got[1].all()
+    assert not got[0, ids:].any() and not got[2, ids:].any()
+    assert got[0].any() and got[2].any() and not torch.equal(got[0], got[2])  # two states, each some tokens
 
 
 def test_masked_logits_keep_allowed_tokens_and_drop_the_rest():

@@ -15,9 +15,12 @@ a stalled step. xgrammar releases the GIL while it compiles.
 
 A step with constrained rows samples only once their masks are filled (`fill`): one bitmask row per
 sampled row, 32 tokens per int32, every bit set for a row without a grammar (its logits are left as
-they are). The engine core fills them on the host while the device runs the step's forward, and the
-sampler applies them on the device (sampler.mask_logits): model_runner.py and docs/architecture.md tell the
-overlap.
+they are). xgrammar sees the token ids the tokenizer has, not the ids a model's vocabulary pads
+past them (no text: a grammar never allows them): it scans every id it counts as special on each
+token it accepts, so a vocabulary padded by tens of thousands of ids would cost each constrained
+row that scan per step. The engine core fills the masks on the host while the device runs the
+step's forward, and the sampler applies them on the device (sampler.mask_logits): model_runner.py
+and docs/architecture.md tell the overlap.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
+def tokenizer_ids(tokenizer: PreTrainedTokenizerBase) -> int:
+    """How many token ids the tokenizer knows (its added tokens included): one past the largest."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
 class Grammars:
     """The model's tokenizer as xgrammar sees it, the compiled-grammar cache, the masks' host buffers."""
 
@@ -72,8 +80,9 @@ class Grammars:
         """`vocab_size`: the model's (its logits' width, which may exceed the tokenizer's);
         `stop_token_ids`: what ends a sequence at the end of its grammar (the model's EOS);
         `threads`: that fill a step's masks (on the CPU the model's own threads need the cores)."""
+        self.grammar_vocab = min(vocab_size, tokenizer_ids(tokenizer))  # the ids xgrammar sees
         self.info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None)
+            tokenizer, vocab_size=self.grammar_vocab, stop_token_ids=sorted(stop_token_ids) or None)
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
@@ -82,6 +91,7 @@ class Grammars:
         self.compiled = self.hits = 0  # grammars compiled, and constraints found in the cache
         self.pin_memory = pin_memory
         self._masks: dict[int, torch.Tensor] = {}  # the host bitmask of each step slot
+        self._narrow: torch.Tensor | None = None  # xgrammar's rows where the vocabulary is padded
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._pending: dict[StructuredOutput, Future[xgr.CompiledGrammar]] = {}
@@ -150,7 +160,24 @@ class Grammars:
             if state is not None and not seq.finished and not state.matcher.is_terminated():
                 matchers.append(state.matcher)
                 rows.append(row)
-        if matchers:
+        if matchers and self.grammar_vocab == self.vocab_size:
             self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        elif matchers:
+            self._fill_padded(matchers, rows, mask)
         return mask
+
+    def _fill_padded(self, matchers: list[xgr.GrammarMatcher], rows: list[int], mask: torch.Tensor) -> None:
+        """The constrained rows of `mask` where the model's vocabulary pads the tokenizer's: xgrammar
+        fills its own narrower rows (it writes them contiguously), the padding ids none allowed."""
+        words = (self.grammar_vocab + 31) // 32
+        if self._narrow is None or self._narrow.shape[0] < mask.shape[0]:
+            self._narrow = torch.empty((mask.shape[0], words), dtype=torch.int32)
+        narrow = self._narrow[: mask.shape[0]]
+        self._batch.batch_fill_next_token_bitmask(matchers, narrow, rows)
+        index = torch.tensor(rows)
+        full = torch.zeros((len(rows), mask.shape[1]), dtype=torch.int32)
+        full[:, :words] = narrow[index]
+        if self.grammar_vocab % 32:  # the last word's bits past the tokenizer's ids
+            full[:, words - 1] &= (1 << self.grammar_vocab % 32) - 1
+        mask[index] = full
 
