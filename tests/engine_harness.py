@@ -62,7 +62,6 @@ def make_core(
     kv_offload_blocks: int = 0,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
-    programmatic_launch: bool = False,
 ) -> EngineCore:
     config = EngineConfig(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, cuda_graphs, step_loop,
@@ -71,7 +70,7 @@ def make_core(
         fuse_projections=fuse_projections, kv_cache_layout=kv_cache_layout, blas_library=blas_library,
         fold_rotary=fold_rotary, compile_prefill=compile_prefill and compile_backend is not None,
         prefix_caching=prefix_caching, kv_offload_blocks=kv_offload_blocks, quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype, compile_scope=compile_scope, programmatic_launch=programmatic_launch,
+        kv_cache_dtype=kv_cache_dtype, compile_scope=compile_scope,
     )
     return build_core(model, config, eos)
 

@@ -21,13 +21,11 @@ def tiny_model() -> torch.nn.Module:
 
 
 def test_auto_and_the_cuda_paths_settle_off_on_the_cpu(tiny_model):
-    # every device path asked for, the loop left to "auto"
-    asked = EngineConfig(num_blocks=8, block_size=16, programmatic_launch=True)
+    asked = EngineConfig(num_blocks=8, block_size=16)  # every device path asked for, the loop left to "auto"
     assert asked.cuda_graphs and asked.in_place_decode and asked.varlen_prefill
     config = resolve(asked, tiny_model)
     assert config.step_loop == "sync"
-    assert not (config.cuda_graphs or config.in_place_decode or config.varlen_prefill
-                or config.programmatic_launch)
+    assert not (config.cuda_graphs or config.in_place_decode or config.varlen_prefill)
     assert config.max_model_len == 8 * 16  # the model's 1024 positions, capped by what the cache holds
     assert resolve(config, tiny_model) == config  # settled: nothing left to settle
 
@@ -51,20 +49,3 @@ def test_the_runner_takes_only_a_resolved_config(tiny_model):
     with pytest.raises(AssertionError, match="through core_builder.resolve"):
         ModelRunner(tiny_model, cache, asked)
     assert ModelRunner(tiny_model, cache, resolve(asked, tiny_model)).decode_kernel is None
-
-
-def test_programmatic_launch_turns_inductors_on_and_gives_its_own_choice_back():
-    from torch._inductor import config as inductor
-
-    from tandem.service.engine.ops import programmatic_launch
-
-    before = inductor.triton.enable_pdl
-    try:
-        programmatic_launch.enable(True)
-        assert programmatic_launch.enabled() and inductor.triton.enable_pdl is True
-        programmatic_launch.enable(True)  # again: what it gives back is still the choice before the first
-        programmatic_launch.enable(False)
-        assert not programmatic_launch.enabled() and inductor.triton.enable_pdl == before
-    finally:
-        programmatic_launch.enable(False)
-        inductor.triton.enable_pdl = before

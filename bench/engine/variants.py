@@ -32,8 +32,6 @@ VARIANTS = {
     "compiled_eager_prefill": {**SERVER_CUDA, "step_loop": "async", "compile_prefill": False},
     # with one decoder layer compiled and run by every layer instead of the whole model (compile_scope.py)
     "compiled_layer": {**SERVER_CUDA, "step_loop": "async", "compile_scope": "layer"},
-    # with every kernel of the engine's and Inductor's launched by programmatic dependent launch
-    "compiled_pdl": {**SERVER_CUDA, "step_loop": "async", "programmatic_launch": True},
 }
 
 

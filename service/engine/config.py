@@ -50,10 +50,6 @@ class EngineConfig:
     # on for CUDA (docs/benchmarks.md); on the CPU the ops' eager rotation shows no gain
     # (docs/architecture.md)
     fold_rotary: bool = False
-    # CUDA, compute capability 9.0 on: the engine's Triton kernels and Inductor's launched with
-    # programmatic dependent launch (ops/programmatic_launch.py), a process-wide choice made when
-    # the core is built; resolve turns it off where the GPU has none
-    programmatic_launch: bool = False
     # prefill and mixed steps run a torch.compile'd forward too (symbolic token count, one graph
     # around the mixed attention op), compiled at start-up by a short warm-up. The server turns it on for CUDA
     compile_prefill: bool = False

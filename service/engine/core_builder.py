@@ -20,7 +20,6 @@ from .config import EngineConfig
 from .engine_core import EngineCore
 from .host_blocks import HostBlocks
 from .model_runner import ModelRunner, sliding_window
-from .ops import programmatic_launch
 from .ops.attention import register
 from .ops.decode_op import kernel_supports
 from .ops.fp8_linear import compute_dtype, quantize_linears
@@ -56,7 +55,6 @@ def build_core(
         # planning (milliseconds of CPU) would cost more than the attention itself
         torch.backends.cuda.enable_cudnn_sdp(False)
     config = resolve(config, model)
-    programmatic_launch.enable(config.programmatic_launch)
     shape = CacheShape.of(model.config)
     kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     log.info(
@@ -140,7 +138,6 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
         in_place_decode=in_place_decode,
         varlen_prefill=varlen_prefill,
         cuda_graphs=config.cuda_graphs and in_place_decode,  # the graphs replay the in-place decode
-        programmatic_launch=config.programmatic_launch and programmatic_launch.supported(device),
         resolved=True,
     )
 

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import programmatic_launch
 from .decode_grid import ENGINE_CONFIGS, MAX_SPLITS, KernelConfig, Splits, kernel_config, num_splits_for
 from .deferred_rotary import DeferredRotary
 from .kv_quant import is_fp8
@@ -147,11 +146,7 @@ def _decode_split_kernel(
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    if PDL:  # the previous kernel's writes first (programmatic_launch.py), then the next may launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -269,13 +264,9 @@ def _merge_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
     """The splits' partial outputs of HEADS query heads of one sequence, merged by their running
     max and sum (a log-sum-exp merge)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     splits = _splits_of(tl.load(lens_ptr + b), least_splits, num_splits, SPLIT_TOKENS)
     if SINGLE_SPLIT_DIRECT and splits == 1:  # its one split wrote the output
@@ -355,7 +346,6 @@ def paged_decode_attention(
             new_k, new_v = new_k.contiguous(), new_v.contiguous()
     else:  # unused pointers
         new_k, new_v, slot_mapping = k_cache, v_cache, ctx_lens
-    pdl = programmatic_launch.enabled()
     _decode_split_kernel[(b, kv_heads, num_splits)](
         q,
         k_cache,
@@ -406,10 +396,8 @@ def paged_decode_attention(
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
-        PDL=pdl,
         num_warps=config.warps,
         num_stages=config.stages,
-        launch_pdl=pdl,
     )
     if num_splits == 1:  # the split kernel wrote the output itself
         return out
@@ -420,8 +408,7 @@ def paged_decode_attention(
                         HEAD_DIM=d, SINGLE_SPLIT_DIRECT=config.single_split_direct,
                         num_warps=config.merge_warps)
     heads = config.merge_heads  # query heads of a sequence per merge program
-    _merge_kernel[(b, triton.cdiv(h, heads))](*merge_args, NUM_HEADS=h, HEADS=heads, **merge_consts,
-                                              PDL=pdl, launch_pdl=pdl)
+    _merge_kernel[(b, triton.cdiv(h, heads))](*merge_args, NUM_HEADS=h, HEADS=heads, **merge_consts)
     return out
 
 

@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import programmatic_launch
-
 
 @triton.jit
 def _scale_and_store(acc, rm, rn, m_ok, n_ok, x_scale_ptr, w_scale_ptr, out_ptr, stride_om):
@@ -73,11 +71,7 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    if PDL:  # the previous kernel's writes first (programmatic_launch.py), then the next may launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
     k_first = tl.program_id(2) * k_per_split  # this program's share of K (all of it without split-K)
@@ -192,11 +186,10 @@ def fp8_gemm(
     # 16 or 32 rows a program (the tensor cores' least is 16); more rows take more programs
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     launch = Launch.plan(out, k, config, block_m)
-    pdl = programmatic_launch.enabled()
     _fp8_gemm_kernel[launch.grid](
         x, weight, x_scale, weight_scale, out, launch.partials, launch.arrivals,
         m, n, k, launch.k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=launch.grid[2],
-        PDL=pdl, num_warps=config.warps, num_stages=config.stages, launch_pdl=pdl,
+        num_warps=config.warps, num_stages=config.stages,
     )
     return out
