@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -124,7 +125,8 @@ def test_the_matcher_follows_the_sequence_and_grammars_are_compiled_once(model_a
         temperature=1.0, seed=i, max_tokens=100, structured_output=constraint)) for i in range(3)]
     for a in arrivals:
         core.add(Request(a.request_id, a.prompt_ids, a.params))
-    assert not core.scheduler.waiting and core.stats().waiting == 3  # waiting for their one compile
+    # the first, on the idle engine, scheduled while it compiles; the others wait for that compile
+    assert len(core.scheduler.waiting) == 1 and core.stats().waiting == 3
     seqs: list[Sequence] = []
     while core.has_work:
         core.run_once()
@@ -179,6 +181,56 @@ def test_a_grammar_compiling_holds_up_only_its_own_request(model_and_tokenizer, 
     assert failed["bad"][0] == ErrorKind.INVALID_ARGUMENT and "cannot be compiled" in failed["bad"][1]
     text = tokenizer.decode(tokens["json"][:-1] if tokens["json"][-1] in eos else tokens["json"])
     assert re.fullmatch(REGEX, text), text
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_on_an_idle_engine_a_first_time_grammar_compiles_while_its_prompt_is_prefilled(
+        model_and_tokenizer, monkeypatch, loop):
+    """Nothing else to run: a request whose grammar is new is scheduled at once, its prompt's step
+    launched before the compile ends, and its first token sampled under the compiled grammar (the
+    answer parses). One whose grammar the model's tokenizer refuses fails alone with
+    INVALID_ARGUMENT, and the engine serves the next request."""
+    from tandem.service.contract import ErrorKind
+
+    model, tokenizer = model_and_tokenizer
+    core, eos = _core(model, tokenizer, step_loop=loop)
+    build = core.grammars._build
+    compiled_at: dict[str, float] = {}
+
+    def slow_build(constraint):  # noqa: ANN001, ANN202
+        time.sleep(0.3)  # the prompt's step is launched meanwhile
+        compiled_at[constraint.kind] = time.time()
+        if constraint.regex == "(":
+            raise ValueError("unbalanced parenthesis")
+        return build(constraint)
+
+    monkeypatch.setattr(core.grammars, "_build", slow_build)
+    prompt = tokenizer.encode("Describe a pet as JSON:")
+
+    def serve(request_id: str, constraint: StructuredOutput) -> tuple[list[int], float | None, tuple | None]:
+        core.add(Request(request_id, prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=100,
+                                                            structured_output=constraint)))
+        assert core.scheduler.waiting and core.stats().waiting == 1, "scheduled at once"
+        tokens, scheduled, failure = [], None, None
+        while core.has_work:
+            for out in core.run_once().values():
+                for _row, at, _cached in out.started:
+                    scheduled = at
+                tokens += out.tokens
+                failure = next(((kind, why) for rid, kind, why in out.failed if rid == request_id), failure)
+        return tokens, scheduled, failure
+
+    tokens, scheduled, failure = serve("re", StructuredOutput(regex=REGEX))
+    assert failure is None and scheduled < compiled_at["regex"]
+    text = tokenizer.decode(tokens[:-1] if tokens[-1] in eos else tokens)
+    assert re.fullmatch(REGEX, text), text
+    compiled_at.clear()
+    tokens, _, failure = serve("bad", StructuredOutput(regex="("))
+    assert tokens == [] and failure[0] == ErrorKind.INVALID_ARGUMENT and "cannot be compiled" in failure[1]
+    assert not core.has_work
+    tokens, _, failure = serve("json", StructuredOutput(json_schema=canonical_schema(SCHEMA)))
+    assert failure is None
+    jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1] if tokens[-1] in eos else tokens)), SCHEMA)
 
 
 @pytest.mark.parametrize("padding", [0, 45, 40_000])

@@ -31,7 +31,7 @@ from ..contract import (
     invalid,
 )
 from .config import EngineConfig
-from .grammar import Grammars
+from .grammar import Grammars, PendingGrammar
 from .model_runner import LaunchedStep, ModelRunner
 from .sampler import SampleOutput
 from .scheduler import Scheduler, SchedulerOutput
@@ -92,7 +92,11 @@ class EngineCore:
                 raise invalid("structured output needs the model's tokenizer, which this engine lacks")
             if not self.grammars.ready(constraint):
                 self.grammars.compile_soon(constraint)
-                self._compiling.append(seq)
+                if self._idle():  # no one to stall: its prompt's prefill overlaps the compile
+                    seq.grammar = PendingGrammar(constraint)
+                    self.scheduler.add(seq)
+                else:
+                    self._compiling.append(seq)
                 return
             seq.grammar = self.grammars.state_for(seq)
         self.scheduler.add(seq)
@@ -128,6 +132,9 @@ class EngineCore:
             self.scheduler.add(seq)
         self._compiling = waiting
         return outputs
+
+    def _idle(self) -> bool:
+        return not (self.scheduler.has_work or self.step_in_flight or self._compiling)
 
     @property
     def step_in_flight(self) -> bool:
@@ -197,14 +204,15 @@ class EngineCore:
         if not out.chunks:
             return {}
         self._mark_scheduled(out, t0)
+        refused: Outputs = {}
         try:
             step = self.runner.launch(out, None, t0, self._constrained(out))
             if step.unsampled is not None:
-                self._sample_masked(step)
+                self._sample_masked(step, refused)
             result = self.runner.wait(step)
         except Exception as exc:  # a failed step fails the request that caused it, not the server
-            return self._contain([out], exc, {})
-        return self._complete(step, result)
+            return _merge(self._contain([out], exc, {}), refused)
+        return _merge(self._complete(step, result), refused)
 
     def step_ahead(self, launched: LaunchedStep | None) -> tuple[Outputs, LaunchedStep | None]:
         """One turn of the asynchronous loop: schedule and launch step N+1, then finish step N.
@@ -214,6 +222,7 @@ class EngineCore:
         the previous step's tokens.
         """
         nxt = None
+        refused: Outputs = {}  # requests whose grammars the model's tokenizer refused (_resolve)
         t0 = time.time()
         out = self._schedule() if self.scheduler.has_work else None
         if out is not None and out.chunks:
@@ -221,7 +230,7 @@ class EngineCore:
             try:
                 nxt = self.runner.launch(out, launched, t0, self._constrained(out))
                 if nxt.unsampled is not None and launched is None:  # no step before it to hand out
-                    self._sample_masked(nxt)
+                    self._sample_masked(nxt, refused)
             except Exception as exc:  # step N is sound unless its wait fails too: finish it first
                 failed, outputs = [out], {}
                 if launched is not None:
@@ -231,9 +240,9 @@ class EngineCore:
                         failed.insert(0, launched.out)
                     else:
                         outputs = self._complete(launched, result)
-                return self._contain(failed, exc, outputs), None
+                return _merge(self._contain(failed, exc, outputs), refused), None
         if launched is None:
-            return {}, nxt
+            return refused, nxt
         try:
             result = self.runner.wait(launched)
         except Exception as exc:  # step N+1 was built on step N's tokens: it goes too
@@ -246,7 +255,7 @@ class EngineCore:
         if nxt is not None and nxt.unsampled is not None:
             # step N's tokens are in their matchers: step N+1's masks, while the device runs its forward
             try:
-                self._sample_masked(nxt)
+                self._sample_masked(nxt, outputs)
             except Exception as exc:
                 self._settle(nxt)
                 return self._contain([nxt.out], exc, outputs), None
@@ -256,10 +265,29 @@ class EngineCore:
         """Some row the step samples has a grammar (its sampling waits for the masks)."""
         return self.grammars is not None and any(c.samples and c.seq.grammar is not None for c in out.chunks)
 
-    def _sample_masked(self, step: LaunchedStep) -> None:
-        """Fill a constrained step's token masks on the host, then queue its sampling."""
+    def _sample_masked(self, step: LaunchedStep, refused: Outputs) -> None:
+        """Fill a constrained step's token masks on the host, then queue its sampling. A request the
+        model's tokenizer refuses a grammar for joins `refused`."""
         seqs = [step.out.chunks[ci].seq for ci in step.batch.sample_chunks]
+        for seq in seqs:
+            if isinstance(seq.grammar, PendingGrammar):
+                self._resolve(seq, refused)
         self.runner.sample_masked(step, self.grammars.fill(seqs, step.slot))
+
+    def _resolve(self, seq: Sequence, refused: Outputs) -> None:
+        """The grammar of a sequence scheduled while it compiled, waited for now (the compile's rest).
+        One the model's tokenizer refuses ends its request with INVALID_ARGUMENT; its row is sampled
+        unmasked and dropped, as a cancelled request's."""
+        if seq.finished:
+            seq.grammar = None
+            return
+        try:
+            seq.grammar = self.grammars.state_for(seq)
+        except RequestError as exc:
+            seq.grammar = None
+            if self.scheduler.abort(seq.request_id) is not None:
+                failed = refused.setdefault(seq.request.front, StepOutputs()).failed
+                failed.append((seq.request_id, exc.kind, exc.message))
 
     def _schedule(self) -> SchedulerOutput:
         """The next step, its K/V copies to and from the host pool already queued (they come
@@ -380,6 +408,13 @@ class EngineCore:
                 o.failed.append((seq.request_id, ErrorKind.INTERNAL, f"engine step failed: {exc}"))
         self.scheduler.quarantine([s for s in seqs if s not in culprits])
         return outputs
+
+
+def _merge(outputs: Outputs, refused: Outputs) -> Outputs:
+    """`outputs` with the failures of `refused` added (for each front)."""
+    for front, extra in refused.items():
+        outputs.setdefault(front, StepOutputs()).failed.extend(extra.failed)
+    return outputs
 
 
 def _top_pairs(

@@ -8,10 +8,13 @@ sequence appends, so it follows the sequence through preemption (recompute keeps
 the K/V is dropped), KV offload, prefix caching and failed steps (whose tokens are never appended)
 with no rollback; an extra token of the asynchronous loop that is dropped is never accepted either.
 
-A constraint not yet in the cache is compiled on a thread of its own (`compile_soon`): its request
-waits outside the scheduler (engine_core) until the compile is done, while the loop goes on
-stepping every other request; a first-time schema costs its own request the compile, not everyone
-a stalled step. xgrammar releases the GIL while it compiles.
+A constraint not yet in the cache is compiled on a thread of its own (`compile_soon`): on a busy
+engine its request waits outside the scheduler (engine_core) until the compile is done, while the
+loop goes on stepping every other request; a first-time schema costs its own request the compile,
+not everyone a stalled step. On an idle engine there is no one to stall: the request is scheduled
+at once (`PendingGrammar`), its prompt's prefill runs while the grammar compiles, and the step that
+samples its first token waits for the rest of the compile. xgrammar releases the GIL while it
+compiles.
 
 A step with constrained rows samples only once their masks are filled (`fill`): one bitmask row per
 sampled row, 32 tokens per int32, every bit set for a row without a grammar (its logits are left as
@@ -58,6 +61,20 @@ class GrammarState:
             return True
         self.accepted += 1
         return self.matcher.is_terminated()
+
+
+class PendingGrammar:
+    """The grammar of a sequence scheduled while its constraint compiles (an idle engine prefills the
+    prompt meanwhile): the step that samples its first token waits for the compile
+    (EngineCore._resolve), so no token ever reaches it."""
+
+    __slots__ = ("constraint",)
+
+    def __init__(self, constraint: StructuredOutput) -> None:
+        self.constraint = constraint
+
+    def accept(self, token: int) -> bool:
+        raise RuntimeError("a token reached a sequence whose grammar was never resolved")
 
 
 def tokenizer_ids(tokenizer: PreTrainedTokenizerBase) -> int:
