@@ -261,9 +261,14 @@ def test_a_padded_vocabulary_masks_as_the_tokenizers_own_and_allows_no_padding_i
         for token in prefix:  # the third row's matcher inside an enum's string
             assert not seqs[2].grammar.accept(token)  # accepted, not the end
         assert seqs[2].grammar.accepted == len(prefix)
-        mask = grammars.fill(seqs, slot=0)
-        allowed = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1)
-        return allowed[:, : grammars.vocab_size].bool()
+        def allowed(mask: torch.Tensor) -> torch.Tensor:
+            bits = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(len(mask), -1)
+            return bits[:, : grammars.vocab_size].bool()
+
+        every = allowed(grammars.fill(seqs, slot=0).clone())
+        constrained_only = allowed(grammars.fill([seqs[0], seqs[2]], slot=1))  # every row constrained
+        assert torch.equal(constrained_only, every[[0, 2]])
+        return every
 
     want, got = rows(exact), rows(padded)
     assert got.shape[1] == ids + padding

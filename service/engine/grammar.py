@@ -191,10 +191,10 @@ class Grammars:
             self._narrow = torch.empty((mask.shape[0], words), dtype=torch.int32)
         narrow = self._narrow[: mask.shape[0]]
         self._batch.batch_fill_next_token_bitmask(matchers, narrow, rows)
-        index = torch.tensor(rows)
-        full = torch.zeros((len(rows), mask.shape[1]), dtype=torch.int32)
-        full[:, :words] = narrow[index]
+        # every row constrained (the common case): slices, copied at memory speed; else the rows'
+        index: slice | torch.Tensor = slice(0, len(rows)) if rows[-1] == len(rows) - 1 else torch.tensor(rows)
+        mask[index, :words] = narrow[index]
+        mask[index, words:] = 0
         if self.grammar_vocab % 32:  # the last word's bits past the tokenizer's ids
-            full[:, words - 1] &= (1 << self.grammar_vocab % 32) - 1
-        mask[index] = full
+            mask[index, words - 1] &= (1 << self.grammar_vocab % 32) - 1
 
