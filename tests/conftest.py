@@ -6,14 +6,17 @@ import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 import torch
 from serverproc import TINY_SERVER_FLAGS, ServerFactory
 
 from tandem.service.models.default_model import default_gguf_path
 from tandem.service.models.loader import convert_gguf, default_cache_dir
+
+if TYPE_CHECKING:  # imported where used: the GPU image, which runs the gpu tests, has no openai
+    import openai
 
 # `make test` runs a worker per core: torch's work in a worker and in the processes it starts (CLI
 # benchmarks) keeps to one thread, since threads that wait on a descheduled sibling (the other
@@ -125,5 +128,7 @@ def tiny_server_http(shared_servers: ServerFactory) -> str:
 @pytest.fixture(scope="session")
 def tiny_openai(tiny_server_http: str) -> Iterator[openai.OpenAI]:
     """The published `openai` client on the shared tiny server (no retries: a failure shows)."""
+    import openai
+
     with openai.OpenAI(base_url=f"{tiny_server_http}/v1", api_key="unused", max_retries=0, timeout=60.0) as c:
         yield c
