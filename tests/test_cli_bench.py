@@ -796,3 +796,7 @@ def test_tandem_bench_structured_runs_both_sides_on_the_same_tokens(tmp_path):
     assert result["tokens"] > 0 and result["requests"] == 8
     speeds = result["constrained_tok_s"] / result["unconstrained_tok_s"]
     assert result["ratio"] == pytest.approx(speeds, rel=0.01)
+    # the same tokens in batches of the same sizes: as many steps; the constrained ones did grammar work
+    assert result["steps"]["constrained"] == result["steps"]["unconstrained"] > 0
+    assert result["host_grammar_ms_per_step"]["fill"] > 0 and result["host_grammar_ms_per_step"]["accept"] > 0
+    assert result["ms_per_step"]["constrained"] > result["host_grammar_ms_per_step"]["fill"]

@@ -5,7 +5,9 @@ on the same model; tokens/s of each and their ratio. Sampling at temperature 1 w
 request; an unconstrained request generates as many tokens as the constrained one of its index did
 (ignore_eos), so both runs make the same number of tokens, in batches of the same sizes. Then, on
 the idle engine, the time to the first token of a request whose schema is new (its grammar compiled
-first) against the same schema again (cached), `--first-time` times each, alternating.
+first) against the same schema again (cached), `--first-time` times each, alternating. Each run's
+steps and mean step time, and the constrained run's host time in grammar work per step (filling the
+masks, the matchers accepting tokens), say how much of a gap between the two the host explains.
 
     tandem bench structured                         # the embedded SmolLM2-135M, 64 streams
     tandem bench structured --model DIR --streams 256 --requests 1024 --device cuda
@@ -31,7 +33,7 @@ from tandem.service.contract import Request, SamplingParams, StructuredOutput
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.engine_core import EngineCore
-from tandem.service.engine.grammar import Grammars
+from tandem.service.engine.grammar import Grammars, GrammarState
 from tandem.service.models.loader import load_model
 from tandem.service.structured_output import canonical_schema
 
@@ -83,6 +85,41 @@ def closed_loop(core: EngineCore, prompt: list[int], streams: int, requests: int
     if finished != requests:
         raise RuntimeError(f"{finished} of {requests} requests finished")
     return time.perf_counter() - start, outputs
+
+
+class GrammarClock:
+    """The host's grammar work while it is entered: the masks' fills (`Grammars.fill`) and the
+    tokens the matchers accept (`GrammarState.accept`), timed by wrapping them."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+        self.fill_s = self.accept_s = 0.0
+
+    def __enter__(self) -> GrammarClock:
+        fill, accept = self.grammars.fill, GrammarState.accept
+
+        def timed_fill(*args: object, **kwargs: object) -> torch.Tensor:
+            start = time.perf_counter()
+            try:
+                return fill(*args, **kwargs)
+            finally:
+                self.fill_s += time.perf_counter() - start
+
+        def timed_accept(state: GrammarState, token: int) -> bool:
+            start = time.perf_counter()
+            try:
+                return accept(state, token)
+            finally:
+                self.accept_s += time.perf_counter() - start
+
+        self._restore = (fill, accept)
+        self.grammars.fill = timed_fill  # type: ignore[method-assign]
+        GrammarState.accept = timed_accept  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.grammars.fill  # the class's own again
+        GrammarState.accept = self._restore[1]  # type: ignore[method-assign]
 
 
 def first_token_seconds(core: EngineCore, request_id: str, prompt: list[int],
@@ -172,7 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     warm = min(args.streams, 8)
     closed_loop(core, prompt, warm, warm, constrained)  # compiles the grammar, warms the step shapes
-    seconds_c, outs = closed_loop(core, prompt, args.streams, args.requests, constrained)
+    steps = core.steps
+    with GrammarClock(core.grammars) as clock:
+        seconds_c, outs = closed_loop(core, prompt, args.streams, args.requests, constrained)
+    steps_c = core.steps - steps
     lengths = [len(o) for o in outs]
     parsed = sum(_parses(tokenizer, o, eos) for o in outs)
 
@@ -180,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return SamplingParams(temperature=1.0, seed=i, max_tokens=lengths[i], ignore_eos=True)
 
     closed_loop(core, prompt, warm, warm, free)
+    steps = core.steps
     seconds_f, outs_f = closed_loop(core, prompt, args.streams, args.requests, free)
+    steps_f = core.steps - steps
     tokens = sum(lengths)
     assert tokens == sum(len(o) for o in outs_f)
     compiles = core.grammars.compiled  # the throughput runs': their one schema
@@ -191,13 +233,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "constrained_tok_s": round(tokens / seconds_c, 1),
         "unconstrained_tok_s": round(tokens / seconds_f, 1),
         "ratio": round(seconds_f / seconds_c, 3), "parsed": f"{parsed}/{args.requests}",
+        "steps": {"constrained": steps_c, "unconstrained": steps_f},
+        "ms_per_step": {"constrained": round(1e3 * seconds_c / steps_c, 3),
+                        "unconstrained": round(1e3 * seconds_f / steps_f, 3)},
+        "host_grammar_ms_per_step": {"fill": round(1e3 * clock.fill_s / steps_c, 3),
+                                     "accept": round(1e3 * clock.accept_s / steps_c, 3)},
         "grammar_compiles": compiles, "first_time_schema_ttft": ttft,
         "environment": environment(device),
     }
     print(json.dumps(result, indent=1))
     print(f"\n{args.streams} streams, {tokens} tokens: constrained {result['constrained_tok_s']} tok/s, "
           f"unconstrained {result['unconstrained_tok_s']} tok/s, ratio {result['ratio']:.3f}; "
-          f"{result['parsed']} constrained outputs parse; TTFT on the idle engine with a new schema "
+          f"{result['parsed']} constrained outputs parse; a step {result['ms_per_step']['constrained']} "
+          f"against {result['ms_per_step']['unconstrained']} ms, of it the host's grammar work "
+          f"{result['host_grammar_ms_per_step']['fill']} ms filling masks and "
+          f"{result['host_grammar_ms_per_step']['accept']} ms accepting tokens; "
+          f"TTFT on the idle engine with a new schema "
           f"{ttft['first_time_ms']} ms, with a cached one {ttft['cached_ms']} ms ({ttft['ratio']:.2f}x)")
     if args.out:
         with open(args.out, "w") as f:
