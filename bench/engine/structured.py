@@ -112,14 +112,14 @@ class GrammarClock:
             finally:
                 self.accept_s += time.perf_counter() - start
 
-        self._restore = (fill, accept)
+        self._accept = accept
         self.grammars.fill = timed_fill  # type: ignore[method-assign]
         GrammarState.accept = timed_accept  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.grammars.fill  # the class's own again
-        GrammarState.accept = self._restore[1]  # type: ignore[method-assign]
+        GrammarState.accept = self._accept  # type: ignore[method-assign]
 
 
 def first_token_seconds(core: EngineCore, request_id: str, prompt: list[int],
