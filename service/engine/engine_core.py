@@ -31,7 +31,7 @@ from ..contract import (
     invalid,
 )
 from .config import EngineConfig
-from .grammar import Grammars, PendingGrammar
+from .grammar import PENDING, Grammars
 from .model_runner import LaunchedStep, ModelRunner
 from .sampler import SampleOutput
 from .scheduler import Scheduler, SchedulerOutput
@@ -93,7 +93,7 @@ class EngineCore:
             if not self.grammars.ready(constraint):
                 self.grammars.compile_soon(constraint)
                 if self._idle():  # no one to stall: its prompt's prefill overlaps the compile
-                    seq.grammar = PendingGrammar(constraint)
+                    seq.grammar = PENDING
                     self.scheduler.add(seq)
                 else:
                     self._compiling.append(seq)
@@ -270,7 +270,7 @@ class EngineCore:
         model's tokenizer refuses a grammar for joins `refused`."""
         seqs = [step.out.chunks[ci].seq for ci in step.batch.sample_chunks]
         for seq in seqs:
-            if isinstance(seq.grammar, PendingGrammar):
+            if seq.grammar is PENDING:
                 self._resolve(seq, refused)
         self.runner.sample_masked(step, self.grammars.fill(seqs, step.slot))
 

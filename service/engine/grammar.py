@@ -12,7 +12,7 @@ A constraint not yet in the cache is compiled on a thread of its own (`compile_s
 engine its request waits outside the scheduler (engine_core) until the compile is done, while the
 loop goes on stepping every other request; a first-time schema costs its own request the compile,
 not everyone a stalled step. On an idle engine there is no one to stall: the request is scheduled
-at once (`PendingGrammar`), its prompt's prefill runs while the grammar compiles, and the step that
+at once (`PENDING`), its prompt's prefill runs while the grammar compiles, and the step that
 samples its first token waits for the rest of the compile. xgrammar releases the GIL while it
 compiles.
 
@@ -66,15 +66,15 @@ class GrammarState:
 class PendingGrammar:
     """The grammar of a sequence scheduled while its constraint compiles (an idle engine prefills the
     prompt meanwhile): the step that samples its first token waits for the compile
-    (EngineCore._resolve), so no token ever reaches it."""
+    (EngineCore._resolve), so no token ever reaches it. The constraint is the request's own."""
 
-    __slots__ = ("constraint",)
-
-    def __init__(self, constraint: StructuredOutput) -> None:
-        self.constraint = constraint
+    __slots__ = ()
 
     def accept(self, token: int) -> bool:
         raise RuntimeError("a token reached a sequence whose grammar was never resolved")
+
+
+PENDING = PendingGrammar()
 
 
 def tokenizer_ids(tokenizer: PreTrainedTokenizerBase) -> int:
