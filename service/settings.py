@@ -135,15 +135,6 @@ class ServerSettings(BaseSettings):
         "every layer (PyTorch's regional compilation: a shorter compile at start-up, the embedding and "
         "the LM head eager, a compiled call per layer: docs/benchmarks.md).",
     )
-    compile_module_guards: bool = Field(
-        False,
-        description="CUDA, with --compile and compile scope model: before each compiled call of a step "
-        "not replayed in a CUDA graph (prompts, mixed steps), re-check the model's modules (every "
-        "parameter's dtype, shape and strides, every attribute the forward read), as torch.compile does "
-        "by default. Off: only the step's inputs are checked, since the engine never changes a module "
-        "after compiling it, which takes most of such a call's host time (docs/benchmarks.md). The "
-        "layer scope always checks them.",
-    )
     fuse_projections: bool = Field(
         True,
         description="CUDA: Q/K/V and gate/up projections run as one GEMM each (the weights are "

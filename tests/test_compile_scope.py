@@ -107,38 +107,3 @@ def test_a_model_without_decoder_layers_compiles_whole():
     assert scope_for("layer", _model(layers=2)) == "layer"
     assert scope_for("layer", torch.nn.Linear(4, 4)) == "model"
     assert scope_for("model", _model(layers=2)) == "model"
-
-
-def _frames_after_a_module_changes(scope: str, module_guards: bool) -> int:
-    """Frames Dynamo compiles for a call made after an attribute the forward reads changed on a layer
-    (its attention's scaling), the model otherwise as compiled."""
-    torch._dynamo.reset()
-    counters.clear()
-    model = _model(layers=2)
-    forward = compile_forward(model, scope, backend="eager", module_guards=module_guards)
-    ids = torch.randint(0, model.config.vocab_size, (1, 8))
-    with torch.inference_mode():
-        forward(input_ids=ids, use_cache=False)
-        before = counters["frames"]["ok"]
-        model.model.layers[0].self_attn.scaling *= 0.5
-        forward(input_ids=ids, use_cache=False)
-    return counters["frames"]["ok"] - before
-
-
-def test_a_whole_model_without_module_guards_checks_its_inputs_not_its_modules():
-    """Module guards on: a changed module is a recompile (torch.compile's default). Off: the call runs
-    the code compiled for the module as it was (the engine never changes one), and only the inputs'
-    guards are checked. The layer scope keeps them whatever is asked: they tell its layers apart."""
-    assert _frames_after_a_module_changes("model", module_guards=True) == 1
-    assert _frames_after_a_module_changes("model", module_guards=False) == 0
-    assert _frames_after_a_module_changes("layer", module_guards=False) >= 1
-
-
-def test_the_compiled_model_without_module_guards_matches_generate():
-    """The engine's default: the whole model compiled, its module guards skipped, generate()'s tokens."""
-    model = _model()
-    arrivals = _arrivals(model.config.vocab_size, seed=24)
-    result, frames, *_ = _compiled_run(model, "model", arrivals)
-    assert frames > 0
-    for a in arrivals:
-        assert result.tokens[a.request_id] == hf_greedy(model, a.prompt_ids, MAX_NEW, None), a.request_id

@@ -32,8 +32,6 @@ VARIANTS = {
     "compiled_eager_prefill": {**SERVER_CUDA, "step_loop": "async", "compile_prefill": False},
     # with one decoder layer compiled and run by every layer instead of the whole model (compile_scope.py)
     "compiled_layer": {**SERVER_CUDA, "step_loop": "async", "compile_scope": "layer"},
-    # with the compiled model re-checking its modules before every call (torch.compile's default)
-    "compiled_module_guards": {**SERVER_CUDA, "step_loop": "async", "compile_module_guards": True},
 }
 
 

@@ -13,15 +13,6 @@ The attention ops take the layer's index (attention.py). Read from the layer, it
 constant of the graph, and each layer a recompile; the layers hand it to the compiled function
 instead, as an argument that Dynamo keeps symbolic (`LAYER_SOURCE`), which reaches the attention
 function with the step's other keyword arguments.
-
-Module guards. Before each call of a compiled frame Dynamo checks its guards, and for a whole model
-most of them are on the model's modules: every parameter's dtype, shape and strides, every attribute
-the forward read. The engine never changes a module after compiling it, so with `module_guards`
-off the scope "model" keeps only the guards on a step's inputs (`torch.compiler`'s
-`skip_guard_on_all_nn_modules_unsafe`), which takes most of the host time of a compiled call that
-is not replayed in a CUDA graph (prompts and mixed steps: docs/benchmarks.md). The scope "layer"
-keeps them: its one compiled function serves every layer, and its module guards are what tell
-layers that differ (another shape, another attention kind) apart.
 """
 
 from __future__ import annotations
@@ -52,15 +43,10 @@ def scope_for(scope: str, model: nn.Module) -> str:
     return scope if decoder_layers(model) is not None else "model"
 
 
-def compile_forward(
-    model: nn.Module, scope: str, backend: str, dynamic: bool | None = None, module_guards: bool = True
-) -> Callable:
-    """`model`'s forward, compiled over `scope`: the model itself, or each of its decoder layers.
-    `module_guards` off: a whole model's compiled calls check their inputs, not its modules."""
+def compile_forward(model: nn.Module, scope: str, backend: str, dynamic: bool | None = None) -> Callable:
+    """`model`'s forward, compiled over `scope`: the model itself, or each of its decoder layers."""
     if scope == "model":
-        skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
-        options = {"guard_filter_fn": skip} if skip is not None and not module_guards else None
-        return torch.compile(model, backend=backend, dynamic=dynamic, options=options)
+        return torch.compile(model, backend=backend, dynamic=dynamic)
     if scope != "layer":
         raise ValueError(f"compile scope {scope!r}: expected one of {', '.join(COMPILE_SCOPES)}")
     layers = decoder_layers(model)

@@ -42,11 +42,6 @@ class EngineConfig:
     # decoder layer compiled once and run by every layer (resolve keeps "model" for a model without
     # decoder layers)
     compile_scope: str = "model"
-    # the compiled whole model re-checks its modules (parameters, attributes) before every call, as
-    # torch.compile does by default; off (the server's default too), only a step's inputs
-    # (compile_scope.py: the engine never changes a module after compiling it). The scope "layer"
-    # always keeps them
-    compile_module_guards: bool = False
     # CUDA: the library PyTorch's GEMMs prefer ("default" = PyTorch's own pick, "cublas", "cublaslt");
     # a process-wide choice (torch.backends.cuda.preferred_blas_library), made when the core is built
     blas_library: str = "default"

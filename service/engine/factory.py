@@ -97,7 +97,6 @@ def build_engine(
         compile_decode=settings.compile and cuda,
         compile_prefill=settings.compile and settings.compile_prefill and cuda,
         compile_scope=settings.compile_scope,
-        compile_module_guards=settings.compile_module_guards,
         fuse_projections=settings.fuse_projections and cuda,
         fold_rotary=settings.fold_rotary and cuda,
         kv_cache_layout=settings.kv_cache_layout,

@@ -135,8 +135,7 @@ class ModelRunner:
         if config.compile_decode or config.compile_prefill:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if config.compile_decode:
-            self.decode_forward = compile_forward(stepped, config.compile_scope, config.compile_backend,
-                                                  module_guards=config.compile_module_guards)
+            self.decode_forward = compile_forward(stepped, config.compile_scope, config.compile_backend)
         # prefill and mixed steps, compiled where asked: one graph around the mixed attention op
         # (mixed_op.py), with a symbolic token count
         self.prefill_forward = stepped
@@ -145,7 +144,7 @@ class ModelRunner:
             for store in (cache.k_store, cache.v_store):  # fixed: no guard ties them to the step's sizes
                 torch._dynamo.mark_static(store)
             self.prefill_forward = compile_forward(stepped, config.compile_scope, config.compile_backend,
-                                                   dynamic=True, module_guards=config.compile_module_guards)
+                                                   dynamic=True)
         max_blocks = -(-config.max_model_len // bs)
         self.slots = [
             StepBuffers(config.max_num_batched_tokens, config.max_num_seqs, max_blocks, device,
