@@ -19,6 +19,7 @@ import torch
 from .attention_ref import decode_mask, gathered_decode_attention
 from .decode_grid import num_splits_for
 from .deferred_rotary import DeferredRotary, rotate
+from .inference_ops import without_version_bumps
 from .kv_cache import slot_major
 from .kv_quant import layer_scales, write
 
@@ -93,6 +94,9 @@ def paged_decode(
         mask = decode_mask(ctx_lens.long(), width * block_size, None)
         out = gathered_decode_attention(q, k_cache, v_cache, blocks, mask, block_size, scale, ks, vs)
     return out[None]
+
+
+without_version_bumps("tandem::paged_decode")  # inference only: inference_ops.py
 
 
 @paged_decode.register_fake

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .attention_metadata import AttentionMetadata, PrefillSegment
 from .attention_ref import gathered_decode_attention
 from .deferred_rotary import rotate
+from .inference_ops import without_version_bumps
 from .kv_cache import slot_major
 from .kv_quant import layer_scales, read, round_trip, select, write
 
@@ -151,6 +152,9 @@ def _segment(
         qp, kp, vp, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
     )
     return op[0].transpose(0, 1)
+
+
+without_version_bumps("tandem::paged_mixed")  # inference only: inference_ops.py
 
 
 @paged_mixed.register_fake

@@ -1,0 +1,28 @@
+"""The engine's custom ops that write the KV cache, dispatched without autograd's version bumps.
+
+`torch.library.custom_op` gives an op that mutates its arguments a Python kernel at the dispatcher's
+ADInplaceOrView key: before every call it binds the op's arguments to its schema and bumps the
+mutated tensors' version counters, which autograd reads to refuse a backward through a tensor changed
+since it was saved. The engine runs inference only, where nothing reads them, and that kernel is
+most of the op's dispatch cost, paid once a layer in every step the CUDA graphs do not replay (the
+steps with prompts: docs/benchmarks.md). So the key falls through, straight to the op's own kernel.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+_LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+
+
+def without_version_bumps(qualified_name: str) -> None:
+    """Dispatch the custom op `namespace::name` past ADInplaceOrView (its mutated arguments' version
+    counters are left as they are)."""
+    namespace, name = qualified_name.split("::")
+    if namespace != "tandem":
+        raise ValueError(f"{qualified_name}: only the engine's own ops (tandem::) are changed here")
+    with warnings.catch_warnings():  # overriding the kernel custom_op registered is the point
+        warnings.simplefilter("ignore", UserWarning)
+        _LIBRARY.impl(name, torch.library.fallthrough_kernel, "ADInplaceOrView")

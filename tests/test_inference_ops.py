@@ -1,0 +1,38 @@
+"""The engine's ops that write the KV cache dispatch straight to their kernels: autograd's version
+bump (a Python kernel per call that torch.library.custom_op adds for a mutated argument) is skipped,
+since the engine runs inference only (ops/inference_ops.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_harness import Arrival, hf_greedy, make_core, run
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tandem.service.contract import SamplingParams
+from tandem.service.engine.ops.inference_ops import without_version_bumps
+
+
+@pytest.mark.parametrize("op", ["tandem::paged_mixed", "tandem::paged_decode"])
+def test_the_ops_that_write_the_cache_dispatch_past_the_version_bump(op):
+    import tandem.service.engine.ops.decode_op  # noqa: F401  (registers the ops)
+    import tandem.service.engine.ops.mixed_op  # noqa: F401
+
+    assert torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(op, "ADInplaceOrView")
+
+
+def test_steps_with_prompts_and_decode_steps_keep_generates_tokens():
+    """Both ops run (a prompt, then decode steps) and give transformers' generate()'s tokens."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    core = make_core(model, num_blocks=32, block_size=4)
+    prompt = [5, 17, 42, 8, 99, 3, 250]
+    result = run(core, [Arrival("r", prompt, SamplingParams(max_tokens=5))])
+    assert result.tokens["r"] == hf_greedy(model, prompt, 5, None)
+
+
+def test_only_the_engines_own_ops_are_changed():
+    with pytest.raises(ValueError, match="only the engine's own ops"):
+        without_version_bumps("aten::index_copy_")
