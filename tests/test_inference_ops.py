@@ -36,3 +36,16 @@ def test_steps_with_prompts_and_decode_steps_keep_generates_tokens():
 def test_only_the_engines_own_ops_are_changed():
     with pytest.raises(ValueError, match="only the engine's own ops"):
         without_version_bumps("aten::index_copy_")
+
+
+def test_a_pytorch_that_refuses_the_override_keeps_custom_ops_kernel(monkeypatch):
+    """Before Library.impl took allow_override, overriding a kernel registered from Python raised:
+    the op then keeps its version bump and the engine still imports."""
+    from tandem.service.engine.ops import inference_ops
+
+    class Refusing:
+        def impl(self, *args, **kwargs):
+            raise RuntimeError("This is not allowed since there's already a kernel registered from python")
+
+    monkeypatch.setattr(inference_ops, "_LIBRARY", Refusing())
+    assert without_version_bumps("tandem::paged_mixed") is False

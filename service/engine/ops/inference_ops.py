@@ -5,7 +5,9 @@ ADInplaceOrView key: before every call it binds the op's arguments to its schema
 mutated tensors' version counters, which autograd reads to refuse a backward through a tensor changed
 since it was saved. The engine runs inference only, where nothing reads them, and that kernel is
 most of the op's dispatch cost, paid once a layer in every step the CUDA graphs do not replay (the
-steps with prompts: docs/benchmarks.md). So the key falls through, straight to the op's own kernel.
+steps with prompts: docs/architecture.md). So the key falls through, straight to the op's own kernel.
+A PyTorch that refuses to override a kernel registered from Python (before `Library.impl` took
+`allow_override`) keeps custom_op's: the same results, the bump's cost.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import torch
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
 
 
-def without_version_bumps(qualified_name: str) -> None:
+def without_version_bumps(qualified_name: str) -> bool:
     """Dispatch the custom op `namespace::name` past ADInplaceOrView (its mutated arguments' version
-    counters are left as they are)."""
+    counters are left as they are); False where this PyTorch keeps custom_op's kernel."""
     namespace, name = qualified_name.split("::")
     if namespace != "tandem":
         raise ValueError(f"{qualified_name}: only the engine's own ops (tandem::) are changed here")
     with warnings.catch_warnings():  # overriding the kernel custom_op registered is the point
         warnings.simplefilter("ignore", UserWarning)
-        _LIBRARY.impl(name, torch.library.fallthrough_kernel, "ADInplaceOrView")
+        try:
+            _LIBRARY.impl(name, torch.library.fallthrough_kernel, "ADInplaceOrView")
+        except RuntimeError:  # "already a kernel registered from python": an older PyTorch
+            return False
+    return True
