@@ -789,6 +789,9 @@ def test_tandem_bench_structured_runs_both_sides_on_the_same_tokens(tmp_path):
                    capture_output=True)
     result = json.loads(out.read_text())
     assert result["model"] == "random-tiny" and result["grammar_compiles"] == 1
+    # the record names its run, as every benchmark's does
+    assert result["command"].startswith("tandem bench structured --shape tiny") and result["commit"]
+    assert result["date"] and result["gpu"] and result["smoke"] is False
     ttft = result["first_time_schema_ttft"]
     assert ttft["requests"] == 3 and ttft["grammar_compiles"] == 3
     assert 0 < ttft["cached_ms"] and 0 < ttft["first_time_ms"]

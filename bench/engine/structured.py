@@ -29,6 +29,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tandem.bench.common import SHAPES
 from tandem.bench.engine.harness import blocks_for, environment, raise_failures
+from tandem.bench.record import ResultFile
 from tandem.service.contract import Request, SamplingParams, StructuredOutput
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
@@ -176,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--first-time", type=int, default=8,
                     help="requests with a new schema (and as many with the same again) for the TTFT ratio")
     ap.add_argument("--smoke", action="store_true", help="8 streams, 16 requests: checks that it runs")
-    ap.add_argument("--out", help="write the result as JSON here too")
+    ap.add_argument("--out", help="JSON path (default: bench/results/ under the standard name)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.smoke:
         args.streams, args.requests, args.max_tokens, args.first_time = 8, 16, 48, 2
@@ -228,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     compiles = core.grammars.compiled  # the throughput runs': their one schema
     ttft = first_time_ttft(core, prompt, args.first_time)
     result = {
-        "benchmark": "structured", "model": name, "streams": args.streams, "requests": args.requests,
+        "benchmark": "structured", "smoke": args.smoke, "model": name, "streams": args.streams,
+        "requests": args.requests,
         "tokens": tokens, "mean_length": round(tokens / args.requests, 1),
         "constrained_tok_s": round(tokens / seconds_c, 1),
         "unconstrained_tok_s": round(tokens / seconds_f, 1),
@@ -250,9 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{result['host_grammar_ms_per_step']['accept']} ms accepting tokens; "
           f"TTFT on the idle engine with a new schema "
           f"{ttft['first_time_ms']} ms, with a cached one {ttft['cached_ms']} ms ({ttft['ratio']:.2f}x)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    run_name = f"{name}-{args.streams}x{args.requests}"
+    path = ResultFile("structured", argv, device, run_name, args.out).write(result)
+    print(f"wrote {path}")
     return 0
 
 
