@@ -359,7 +359,14 @@ def test_a_request_cancelled_while_offloaded_gives_its_pool_blocks_back(server, 
         victim, others = calls[-1], calls[:-1]
         deadline = time.monotonic() + TIMEOUT
         while (load := stub.GetLoad(pb.LoadRequest(), timeout=TIMEOUT)).requests_waiting == 0:
-            assert time.monotonic() < deadline and load.requests_running == 4, load
+            assert time.monotonic() < deadline, load
+            if load.requests_running < 4:  # the first ended before the cache ran out: a missed round
+                break
+        if load.requests_waiting == 0:
+            for prompt, head, call in zip(prompts, first, calls, strict=True):  # all run to their end
+                tokens = head + [t for m in call for t in m.token_ids]
+                assert len(tokens) == 60 and tokens == hf_greedy(llama, prompt, 60, None)
+            continue
         victim.cancel()
         # /metrics shows the engine's stats as of its last step report, which may predate the abort:
         # read until the pool is back, then ask whether the others still run (they ran then too)
