@@ -202,7 +202,10 @@ def served(serve: ServerFactory) -> Iterator[Served]:
             for w in workers:
                 w.start()
             time.sleep(LOAD_S / 2)
-            during = scrape(url)
+            # the supervisor records the engine's reports a moment after they are made: the first
+            # scrape from mid-load on that shows the load, taken before the load ends
+            during = scrape_when(url, lambda s: value_or_zero(s, "tandem_requests_running") >= 1,
+                                 timeout_s=max(0.0, started + LOAD_S - time.monotonic()))
             for w in workers:
                 w.join()
             after = scrape_when(url, lambda s: recorded(s, quiet, load))
