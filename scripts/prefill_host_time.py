@@ -26,7 +26,7 @@ from tandem.service.engine.engine_core import EngineCore
 from tandem.service.engine.ops import decode_op, inference_ops, mixed_op  # noqa: F401  (the ops)
 
 LENGTHS = (20, 27, 34, 41, 48)
-OPS = ("tandem::paged_mixed", "tandem::paged_decode")
+OPS = tuple(inference_ops.SKIPPED)  # the engine's ops that skip the bump (both attention ops)
 
 
 def dispatch(version_bumps: bool) -> None:

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 _LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+SKIPPED: list[str] = []  # the ops dispatched past the bump, by qualified name
 
 
 def without_version_bumps(qualified_name: str) -> bool:
@@ -31,4 +32,6 @@ def without_version_bumps(qualified_name: str) -> bool:
             _LIBRARY.impl(name, torch.library.fallthrough_kernel, "ADInplaceOrView")
         except RuntimeError:  # "already a kernel registered from python": an older PyTorch
             return False
+    if qualified_name not in SKIPPED:
+        SKIPPED.append(qualified_name)
     return True
