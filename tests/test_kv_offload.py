@@ -4,6 +4,7 @@ between the device cache and the pool, and greedy parity with transformers' gene
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from tandem.service.contract import Request, SamplingParams
 from tandem.service.engine.block_manager import BlockManager
+from tandem.service.engine.config import EngineConfig
+from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.host_blocks import ON_DEVICE, HostBlocks
 from tandem.service.engine.kv_offload import KVOffload, _runs
 from tandem.service.engine.ops.kv_cache import CacheShape, KVCache
@@ -48,6 +51,17 @@ def test_the_host_pool_hands_out_its_lowest_free_blocks_first():
     assert not pool.can_allocate(3)
     with pytest.raises(RuntimeError):
         pool.allocate(3)
+
+
+def test_a_pool_not_yet_allocated_hands_out_nothing_until_it_opens():
+    pool = HostBlocks(4, is_open=False)
+    assert not pool.is_open and pool.num_free == 0 and not pool.can_allocate(1) and pool.usage == 0.0
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.open()
+    assert pool.is_open and pool.num_free == 4 and pool.allocate(2) == [0, 1] and pool.usage == 0.5
+    pool.open()  # once: what is handed out stays handed out
+    assert pool.num_free == 2
 
 
 def test_copies_go_in_runs_of_consecutive_pool_blocks():
@@ -266,6 +280,7 @@ def test_blocks_copied_out_and_back_in_hold_the_same_kv(layout):
     cache.v_store.copy_(torch.randn_like(cache.v_store))
     k0, v0 = cache.k.clone(), cache.v.clone()
     offload = KVOffload(cache, num_blocks=5)
+    offload.allocate()
     offload.queue(BlockMoves(out_device=[1, 4, 2], out_host=[3, 4, 0]))
     cache.k_store.zero_()
     cache.v_store.zero_()
@@ -280,6 +295,21 @@ def test_blocks_copied_out_and_back_in_hold_the_same_kv(layout):
             block(cache.v, dst), block(v0, src)
         )
     assert not block(cache.k, 1).any() and not block(cache.k, 2).any()  # nothing else was written
+
+
+def test_a_pool_that_cannot_be_allocated_leaves_offload_off_with_a_warning(monkeypatch, caplog):
+    shape = CacheShape(num_layers=2, num_kv_heads=3, head_dim=8)
+    cache = KVCache(shape, num_blocks=6, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    offload = KVOffload(cache, num_blocks=5)
+    assert not offload.ready and offload.nbytes == 5 * 2 * 2 * 4 * 3 * 8 * 4
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    offload.allocate(background=True)
+    assert not offload.wait(timeout=10) and offload.store is None
+    assert "KV offload is off" in caplog.text and "out of memory" in caplog.text
 
 
 # --- greedy parity with generate() --------------------------------------------------------------
@@ -333,3 +363,34 @@ def test_offloaded_sequences_get_generate_tokens(llama, loop, pool, prefix_cachi
     stats = core.stats()
     assert (stats.preemptions_offload, stats.kv_offload_blocks_in) == (s.preempted_offload, s.blocks_restored)
     assert (stats.kv_offload_blocks_reused, stats.kv_offload_blocks_kept) == (s.blocks_reused, s.blocks_kept)
+
+
+def test_a_pool_allocated_in_the_background_opens_once_it_is_there(llama, monkeypatch):
+    """The server's core pins its host pool on a thread: until the pool exists, preempted sequences
+    are recomputed; once it does, the next step opens it and preemptions copy their K/V out; every
+    request still gets generate()'s tokens."""
+    allow = threading.Event()
+    allocate = KVOffload._allocate
+
+    def held_back(self: KVOffload) -> None:
+        assert allow.wait(60)
+        allocate(self)
+
+    monkeypatch.setattr(KVOffload, "_allocate", held_back)
+    config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=32,
+                          max_model_len=96, kv_offload_blocks=64)  # as make_core's, the pool aside
+    core = build_core(llama, config, host_pool_in_background=True)
+    s = core.scheduler
+    assert s.host is not None and not s.host.is_open and core.stats().kv_offload_usage == 0.0
+    first = _arrivals(llama.config.vocab_size, seed=3)
+    result = run(core, first)
+    assert s.preempted_recompute > 0 and s.preempted_offload == 0 and not s.host.is_open
+    allow.set()
+    assert core.runner.offload is not None and core.runner.offload.wait(timeout=60)
+    vocab = llama.config.vocab_size
+    later = [Arrival(f"later-{a.request_id}", a.prompt_ids, a.params, 0) for a in _arrivals(vocab, seed=4)]
+    result.tokens.update(run(core, later).tokens)
+    assert s.host.is_open and s.preempted_offload > 0
+    assert s.blocks_restored + s.blocks_reused == s.blocks_offloaded
+    for a in first + later:
+        assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 24, None), a.request_id

@@ -90,7 +90,7 @@ def fresh_scheduler(
     budget per step (at most the one the core's step buffers were sized for)."""
     assert num_blocks <= core.runner.cache.num_blocks and budget <= config.max_num_batched_tokens
     pool = core.runner.offload
-    assert host_blocks == 0 or (pool is not None and host_blocks <= pool.store.shape[0])
+    assert host_blocks == 0 or (pool is not None and host_blocks <= pool.shape[0])
     mine = dataclasses.replace(
         config, num_blocks=num_blocks, prefix_caching=prefix_caching, kv_offload_blocks=host_blocks,
         max_num_batched_tokens=budget,

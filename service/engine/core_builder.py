@@ -37,9 +37,12 @@ def build_core(
     config: EngineConfig,
     eos_token_ids: frozenset[int] = frozenset(),
     step_observer: Callable[[StepTiming], None] | None = None,
+    host_pool_in_background: bool = False,
 ) -> EngineCore:
     """`step_observer` sees every step, the compile warm-up's included (the engine process drops
-    the timings of its warm-ups: they are not traffic)."""
+    the timings of its warm-ups: they are not traffic). `host_pool_in_background`: the KV offload
+    pool is allocated on a thread once the graphs are captured, and opens when it is there (the
+    server: seconds off its start), rather than before the core is returned."""
     model.set_attn_implementation(register())
     if config.fuse_projections:
         log.info("fused %d groups of projections", fuse_projections(model))
@@ -75,12 +78,14 @@ def build_core(
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout,
                     config.kv_cache_dtype)
     allocated = time.perf_counter()
-    scheduler = build_scheduler(config, model)
+    scheduler = build_scheduler(config, model, host_pool_open=not host_pool_in_background)
     runner = ModelRunner(model, cache, config)
-    # the start-up's kv_cache phase, part by part (a pinned host pool of some GiB takes seconds)
-    log.info("KV cache allocated in %.2f s; scheduler and runner (step buffers, host pool) in %.2f s",
+    # the start-up's kv_cache phase, part by part
+    log.info("KV cache allocated in %.2f s; scheduler and runner (step buffers) in %.2f s",
              allocated - start, time.perf_counter() - allocated)
     seconds = runner.capture_graphs()  # at start-up, before the server reports SERVING
+    if runner.offload is not None:  # no capture from here on: another thread may allocate
+        runner.offload.allocate(background=host_pool_in_background)
     core = EngineCore(runner, scheduler, config, eos_token_ids, step_observer)
     if config.compile_prefill:
         start = time.perf_counter()
@@ -142,14 +147,15 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
     )
 
 
-def build_scheduler(config: EngineConfig, model: torch.nn.Module) -> Scheduler:
-    """The scheduler of `config` (its blocks, prefix caching, host pool) for `model`'s cache."""
+def build_scheduler(config: EngineConfig, model: torch.nn.Module, host_pool_open: bool = True) -> Scheduler:
+    """The scheduler of `config` (its blocks, prefix caching, host pool) for `model`'s cache; its
+    host pool closed until the engine core opens it where `host_pool_open` is False."""
     return Scheduler(
         BlockManager(config.num_blocks, config.block_size, config.prefix_caching,
                      _cache_salt(model, config.kv_cache_dtype)),
         config.max_num_seqs,
         config.max_num_batched_tokens,
-        HostBlocks(config.kv_offload_blocks) if config.kv_offload_blocks else None,
+        HostBlocks(config.kv_offload_blocks, host_pool_open) if config.kv_offload_blocks else None,
     )
 
 

@@ -105,7 +105,8 @@ def build_engine(
         blas_library=settings.blas_library,
         telemetry_window_s=settings.telemetry_window_s,
     )
-    core = build_core(model, config, loaded.eos_token_ids, step_observer)
+    # the KV offload pool pinned beside the warm-up and the first requests: seconds off the start
+    core = build_core(model, config, loaded.eos_token_ids, step_observer, host_pool_in_background=True)
     start = time.perf_counter()
     core.grammars = Grammars(
         loaded.tokenizer, model.config.get_text_config().vocab_size, loaded.eos_token_ids,

@@ -5,6 +5,9 @@ to the device before it runs again (kv_offload.py makes the copies); leading blo
 prefix cache with a sequence still running stay on the device, uncopied (ON_DEVICE). Only
 bookkeeping lives here, so the scheduler stays free of tensors. Blocks are handed out lowest id
 first, so a sequence's blocks are mostly one run of the pool and its copies few.
+
+A pool pinned in the background (kv_offload.py) starts closed: no block is free until the memory
+exists and the engine core opens it; until then a preempted sequence is recomputed.
 """
 
 from __future__ import annotations
@@ -17,11 +20,20 @@ ON_DEVICE = -1
 
 
 class HostBlocks:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, is_open: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError("the host pool needs at least one block")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))  # a heap: lowest id first
+        self.is_open = False
+        self._free: list[int] = []  # a heap: lowest id first
+        if is_open:
+            self.open()
+
+    def open(self) -> None:
+        """Every block free: the pool's memory exists (once; the pool is never closed again)."""
+        if not self.is_open:
+            self.is_open = True
+            self._free = list(range(self.num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -29,7 +41,7 @@ class HostBlocks:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / self.num_blocks if self.is_open else 0.0
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)

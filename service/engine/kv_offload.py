@@ -16,9 +16,19 @@ step's token-copy stream: a step's tokens must never wait behind a long KV copy.
 both directions keeps every use of a pool block in order (the scheduler frees a block as soon as
 its copy in is queued). On the CPU the copies simply run. An FP8 cache's blocks move as their bytes
 (kv_quant.as_bytes: not every device has float8 index kernels), its scales stay where they are.
+
+Pinning the pool takes the host about half a second a GiB (docs/benchmarks.md), and nothing needs it
+before a sequence is preempted, so the server pins it on a thread of its own once the CUDA graphs are
+captured (a capture fails if another thread allocates meanwhile): the pool opens when it is there.
+A pool that cannot be pinned (the host's memory, a memlock limit) is left out with a warning, and
+preempted sequences are recomputed.
 """
 
 from __future__ import annotations
+
+import logging
+import threading
+import time
 
 import torch
 
@@ -27,6 +37,7 @@ from .ops.kv_quant import as_bytes
 from .scheduler import BlockMoves
 from .streams import Streams, on
 
+log = logging.getLogger(__name__)
 
 def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
     """(first pool block, first staging row, length) of each run of consecutive pool blocks."""
@@ -52,11 +63,49 @@ class KVOffload:
         self.v_blocks = self._by_block(as_bytes(cache.v_store))
         block_shape = self.k_blocks.select(self.block_dim, 0).shape
         # one pool block: its K and V of every layer, contiguous, so a run of blocks is one copy
-        self.store = torch.empty(
-            (num_blocks, 2, *block_shape), dtype=self.k_blocks.dtype, pin_memory=self.cuda
-        )
+        self.shape = (num_blocks, 2, *block_shape)
+        self.store: torch.Tensor | None = None  # the pool, once allocated
+        self._allocating: threading.Thread | None = None
         self.compute = streams.compute if streams is not None else None
         self.stream = streams.offload if streams is not None else None
+
+    def allocate(self, background: bool = False) -> None:
+        """Allocate the pool (pinned on CUDA): now, or on a thread of its own (`ready` says when).
+        Call it once no CUDA graph is being captured any more."""
+        if self.store is not None or self._allocating is not None:
+            return
+        if not background:
+            self._allocate()
+            return
+        self._allocating = threading.Thread(target=self._allocate, name="tandem-kv-offload-pool", daemon=True)
+        self._allocating.start()
+
+    def _allocate(self) -> None:
+        start = time.perf_counter()
+        try:
+            store = torch.empty(self.shape, dtype=self.k_blocks.dtype, pin_memory=self.cuda)
+        except (RuntimeError, MemoryError) as exc:
+            log.warning("KV offload is off: the host pool of %.2f GiB could not be allocated (%s); "
+                        "preempted sequences are recomputed", self.nbytes / 2**30, exc)
+            return
+        self.store = store
+        log.info("KV offload: the host pool (%.2f GiB%s) allocated in %.2f s", self.nbytes / 2**30,
+                 ", pinned" if self.cuda else "", time.perf_counter() - start)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_blocks.element_size() * int(torch.Size(self.shape).numel())
+
+    @property
+    def ready(self) -> bool:
+        """The pool's memory exists: its blocks may be handed out."""
+        return self.store is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a pool allocated in the background; -> whether it is ready."""
+        if self._allocating is not None:
+            self._allocating.join(timeout)
+        return self.ready
 
     def _by_block(self, store: torch.Tensor) -> torch.Tensor:
         bs = self.cache.block_size
@@ -75,49 +124,51 @@ class KVOffload:
     def queue(self, moves: BlockMoves) -> None:
         """Queue a step's copies (before its forward): out first, since a block going out this step
         may be the destination of one coming in."""
+        store = self.store
+        assert store is not None, "the scheduler hands out pool blocks only once the pool is ready"
         if moves.out_device:
-            self._copy_out(moves.out_device, moves.out_host)
+            self._copy_out(store, moves.out_device, moves.out_host)
         if moves.in_host:
-            self._copy_in(moves.in_host, moves.in_device)
+            self._copy_in(store, moves.in_host, moves.in_device)
 
     @torch.inference_mode()
-    def _copy_out(self, device_ids: list[int], host_ids: list[int]) -> None:
+    def _copy_out(self, store: torch.Tensor, device_ids: list[int], host_ids: list[int]) -> None:
         d = self.block_dim
         with on(self.compute):
             index = self._index(device_ids)
             staging = torch.empty(
-                (len(device_ids), *self.store.shape[1:]), dtype=self.store.dtype, device=self.device
+                (len(device_ids), *store.shape[1:]), dtype=store.dtype, device=self.device
             )
             staging[:, 0] = self.k_blocks.index_select(d, index).movedim(d, 0)
             staging[:, 1] = self.v_blocks.index_select(d, index).movedim(d, 0)
         if not self.cuda:
-            self.store[torch.tensor(host_ids)] = staging
+            store[torch.tensor(host_ids)] = staging
             return
         gathered = torch.cuda.Event()
         gathered.record(self.compute)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(gathered)
             for first, start, length in _runs(host_ids):
-                self.store[first : first + length].copy_(staging[start : start + length], non_blocking=True)
+                store[first : first + length].copy_(staging[start : start + length], non_blocking=True)
         staging.record_stream(self.stream)  # the allocator keeps it until the copies are done
 
     @torch.inference_mode()
-    def _copy_in(self, host_ids: list[int], device_ids: list[int]) -> None:
+    def _copy_in(self, store: torch.Tensor, host_ids: list[int], device_ids: list[int]) -> None:
         d = self.block_dim
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 staging = torch.empty(
-                    (len(host_ids), *self.store.shape[1:]), dtype=self.store.dtype, device=self.device
+                    (len(host_ids), *store.shape[1:]), dtype=store.dtype, device=self.device
                 )
                 for first, start, length in _runs(host_ids):
                     staging[start : start + length].copy_(
-                        self.store[first : first + length], non_blocking=True
+                        store[first : first + length], non_blocking=True
                     )
                 loaded = torch.cuda.Event()
                 loaded.record(self.stream)
             self.compute.wait_event(loaded)
         else:
-            staging = self.store[torch.tensor(host_ids)]
+            staging = store[torch.tensor(host_ids)]
         with on(self.compute):
             index = self._index(device_ids)
             self.k_blocks.index_copy_(d, index, staging[:, 0].movedim(0, d))
