@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -394,3 +395,21 @@ def test_a_pool_allocated_in_the_background_opens_once_it_is_there(llama, monkey
     assert s.blocks_restored + s.blocks_reused == s.blocks_offloaded
     for a in first + later:
         assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 24, None), a.request_id
+
+
+def test_waiting_for_a_pool_allocated_in_the_background_opens_it(llama, monkeypatch):
+    """What the engine process does before it serves: no step of a request waits behind the pinning."""
+    allocate = KVOffload._allocate
+
+    def slow(self: KVOffload) -> None:
+        time.sleep(0.3)
+        allocate(self)
+
+    monkeypatch.setattr(KVOffload, "_allocate", slow)
+    config = EngineConfig(num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=32,
+                          max_model_len=96, kv_offload_blocks=64)
+    core = build_core(llama, config, host_pool_in_background=True)
+    assert core.scheduler.host is not None and not core.scheduler.host.is_open
+    assert core.wait_for_host_pool() >= 0.2
+    assert core.scheduler.host.is_open and core.scheduler.host.num_free == 64
+    assert core.wait_for_host_pool() < 0.1  # once there, nothing to wait for

@@ -302,6 +302,15 @@ class EngineCore:
             self.runner.move_blocks(out.moves)
         return out
 
+    def wait_for_host_pool(self) -> float:
+        """Wait until a host pool allocated in the background is there (pinning it holds the CUDA
+        driver: a step launched meanwhile would wait behind it), and open it. -> seconds waited."""
+        start = time.perf_counter()
+        if self.runner.offload is not None:
+            self.runner.offload.wait()
+        self._open_host_pool()
+        return time.perf_counter() - start
+
     def _open_host_pool(self) -> None:
         """Open the scheduler's host pool once its memory exists (allocated on its own thread)."""
         offload, host = self.runner.offload, self.scheduler.host

@@ -17,11 +17,11 @@ both directions keeps every use of a pool block in order (the scheduler frees a 
 its copy in is queued). On the CPU the copies simply run. An FP8 cache's blocks move as their bytes
 (kv_quant.as_bytes: not every device has float8 index kernels), its scales stay where they are.
 
-Pinning the pool takes the host about half a second a GiB (docs/benchmarks.md), and nothing needs it
-before a sequence is preempted, so the server pins it on a thread of its own once the CUDA graphs are
-captured (a capture fails if another thread allocates meanwhile): the pool opens when it is there.
-A pool that cannot be pinned (the host's memory, a memlock limit) is left out with a warning, and
-preempted sequences are recomputed.
+Pinning the pool takes seconds for some GiB (docs/benchmarks.md), so the server pins it on a thread of
+its own once the CUDA graphs are captured (a capture fails if another thread allocates meanwhile),
+beside the host-bound compile and warm-up, and opens it before it serves: the pinning holds the CUDA
+driver, and a step launched meanwhile would wait for it. A pool that cannot be pinned (the host's
+memory, a memlock limit) is left out with a warning, and preempted sequences are recomputed.
 """
 
 from __future__ import annotations

@@ -210,6 +210,8 @@ def _start_up(
     if settings.warmup:
         with clock.phase("warm_up"):
             warm_up(core, limits)
+    # the KV offload pool was pinned beside the compile and the warm-up; no request waits behind it
+    clock.add("kv_cache", core.wait_for_host_pool())
     return loaded, core, limits
 
 
