@@ -43,7 +43,7 @@ def test_only_the_engines_own_ops_are_changed():
 def test_a_pytorch_that_refuses_the_override_keeps_custom_ops_kernel(monkeypatch):
     """Before Library.impl took allow_override, overriding a kernel registered from Python raised:
     the op then keeps its version bump and the engine still imports."""
-    class Refusing:
+    class Refusing:  # and no dispatcher handle to fall back on
         def impl(self, *args, **kwargs):
             raise RuntimeError("This is not allowed since there's already a kernel registered from python")
 
@@ -51,3 +51,29 @@ def test_a_pytorch_that_refuses_the_override_keeps_custom_ops_kernel(monkeypatch
     monkeypatch.setattr(inference_ops, "SKIPPED", [])
     assert without_version_bumps("tandem::paged_mixed") is False
     assert inference_ops.SKIPPED == []
+
+
+def test_a_pytorch_whose_library_refuses_the_override_still_gets_the_fall_through():
+    """PyTorch 2.11 (the GPU images') raises in Library.impl when custom_op registered the key from
+    Python: the fall-through then goes in through the library's dispatcher handle."""
+    import tandem.service.engine.ops.mixed_op  # noqa: F401  (registers the op)
+
+    op = "tandem::paged_mixed"
+
+    class RefusingLibrary(torch.library.Library):
+        def impl(self, *args, **kwargs):
+            raise RuntimeError("This is not allowed since there's already a kernel registered from python")
+
+    engine_library = inference_ops._LIBRARY
+    engine_library._destroy()  # custom_op's own kernel back, as on a PyTorch that refused at import
+    try:
+        assert not torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(op, "ADInplaceOrView")
+        inference_ops._LIBRARY = RefusingLibrary("tandem", "FRAGMENT")
+        assert without_version_bumps(op) is True
+        assert torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(op, "ADInplaceOrView")
+        inference_ops._LIBRARY._destroy()
+    finally:  # the engine's own registrations, for the tests after this one
+        inference_ops._LIBRARY = torch.library.Library("tandem", "FRAGMENT")
+        for name in list(inference_ops.SKIPPED):
+            without_version_bumps(name)
+    assert torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(op, "ADInplaceOrView")

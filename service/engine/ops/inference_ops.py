@@ -6,8 +6,10 @@ mutated tensors' version counters, which autograd reads to refuse a backward thr
 since it was saved. The engine runs inference only, where nothing reads them, and that kernel is
 most of the op's dispatch cost, paid once a layer in every step the CUDA graphs do not replay (the
 steps with prompts: docs/architecture.md). So the key falls through, straight to the op's own kernel.
-A PyTorch that refuses to override a kernel registered from Python (before `Library.impl` took
-`allow_override`) keeps custom_op's: the same results, the bump's cost.
+A PyTorch whose `Library.impl` refuses to override a kernel registered from Python (before it took
+`allow_override`: the GPU images' 2.11) gets the fall-through from the library's dispatcher handle
+itself, which that check does not guard; where even that fails, the op keeps custom_op's kernel: the
+same results, the bump's cost.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def without_version_bumps(qualified_name: str) -> bool:
         try:
             _LIBRARY.impl(name, torch.library.fallthrough_kernel, "ADInplaceOrView")
         except RuntimeError:  # "already a kernel registered from python": an older PyTorch
-            return False
+            handle = getattr(_LIBRARY, "m", None)
+            try:
+                handle.impl(name, "ADInplaceOrView", torch.library.fallthrough_kernel, False)
+            except (AttributeError, RuntimeError, TypeError):
+                return False
     if qualified_name not in SKIPPED:
         SKIPPED.append(qualified_name)
     return True
