@@ -120,6 +120,34 @@ def test_gemm_floor_counts_every_gemm_weight_once():
     assert linear_shapes(model) == ({(128, 64): 2, (64, 64): 2, (256, 64): 2, (64, 128): 2}, (512, 64))
 
 
+def test_gemm_floor_times_the_fp8_engines_linears_through_its_fp8_gemm(monkeypatch):
+    """An engine whose linear layers run in FP8 gets the FP8 GEMM's floor, not bf16's: every body
+    weight shape goes through the FP8 timing, the LM head (kept in the model's dtype) does not."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tandem.bench.engine import gemm_floor
+    from tandem.bench.workloads.bounds import fp8_gemm_rate
+    from tandem.service.engine.ops.fp8_linear import quantize_linears
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    assert gemm_floor.fp8_shapes(model) == set()
+    quantize_linears(model)
+    shapes, head = gemm_floor.linear_shapes(model)
+    assert gemm_floor.fp8_shapes(model) == set(shapes) and head not in gemm_floor.fp8_shapes(model)
+    timed_fp8, timed_dense = [], []
+    fp8, dense = gemm_floor.time_fp8_linear, gemm_floor.time_linear
+    monkeypatch.setattr(gemm_floor, "time_fp8_linear",
+                        lambda rows, o, i, *a, **k: timed_fp8.append((o, i)) or fp8(rows, o, i, *a, **k))
+    monkeypatch.setattr(gemm_floor, "time_linear",
+                        lambda x, o, i, *a, **k: timed_dense.append((o, i)) or dense(x, o, i, *a, **k))
+    assert gemm_floor.forward_gemm_seconds(model, 16, 4) > 0
+    assert sorted(timed_fp8) == sorted(shapes) and timed_dense == [head]
+    assert fp8_gemm_rate(torch.device("cpu"), torch.float32) > 0
+
+
 def _held_up_step() -> None:
     time.sleep(0.3)
 

@@ -7,7 +7,9 @@ fused projections count as one) is timed alone at the step's row count, every ca
 copy of the weight (none served from L2). The floor of a workload adds up, per step, its GEMMs
 and, for decode steps, the K/V read at the copy bandwidth; norms, activations, attention compute,
 sampling and launch gaps count as free. roofline seconds / floor seconds is then the highest share
-of the roofline that the device's GEMMs allow.
+of the roofline that the device's GEMMs allow. A model whose linear layers run in FP8 (W8A8:
+ops/fp8_linear.py) has them timed through the engine's FP8 GEMM, its input already quantized (the
+quantization counts as free, as the norms it is fused into do): the FP8 engine's own floor.
 """
 
 from __future__ import annotations
@@ -68,24 +70,60 @@ def linear_shapes(model: torch.nn.Module) -> tuple[Counter, tuple[int, int]]:
     return shapes, tuple(head.weight.shape)
 
 
+def time_fp8_linear(rows: int, out_features: int, in_features: int, device: torch.device,
+                    out_dtype: torch.dtype, l2_bytes: int = 256 << 20) -> float:
+    """Seconds of the engine's FP8 GEMM (e4m3 operands, a scale per row and per output channel:
+    ops/fp8_linear.scaled_mm) at `rows` rows, each call reading another copy of W."""
+    from tandem.service.engine.ops.fp8_linear import quantize_rows, scaled_mm
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.bfloat16, device=device)
+
+    xq, x_scale = quantize_rows(random(rows, in_features))
+    weight, weight_scale = quantize_rows(random(out_features, in_features))
+    weight_scale = weight_scale.reshape(1, out_features).contiguous()
+    copies = [weight.clone() for _ in range(-(-l2_bytes // weight.nbytes))]
+    turn = iter(range(10**9))
+    return timed(lambda: scaled_mm(xq, x_scale, copies[next(turn) % len(copies)], weight_scale, out_dtype),
+                 cuda=xq.is_cuda)
+
+
+def fp8_shapes(model: torch.nn.Module) -> set[tuple[int, int]]:
+    """The [out, in] weight shapes of the model's linear layers that run in FP8."""
+    from tandem.service.engine.ops.fp8_linear import Fp8Linear
+
+    return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, Fp8Linear)}
+
+
 def forward_gemm_seconds(model: torch.nn.Module, rows: int, sampled: int) -> float:
     """One forward's GEMMs alone: every linear at `rows` rows, the LM head at `sampled`."""
     return body_gemm_seconds(model, rows) + head_gemm_seconds(model, sampled)
 
 
 def body_gemm_seconds(model: torch.nn.Module, rows: int) -> float:
-    """Every linear of the model but the LM head, alone at `rows` rows."""
+    """Every linear of the model but the LM head, alone at `rows` rows (in FP8 those that run in it)."""
+    from tandem.service.engine.ops.fp8_linear import compute_dtype
+
     p = next(model.parameters())
+    dtype = compute_dtype(model)
     shapes, _head = linear_shapes(model)
-    return sum(count * time_linear(torch.randn(rows, in_f, dtype=p.dtype, device=p.device), out_f, in_f)
-               for (out_f, in_f), count in shapes.items())
+    fp8 = fp8_shapes(model)
+
+    def seconds(out_f: int, in_f: int) -> float:
+        if (out_f, in_f) in fp8:
+            return time_fp8_linear(rows, out_f, in_f, p.device, dtype)
+        return time_linear(torch.randn(rows, in_f, dtype=dtype, device=p.device), out_f, in_f)
+
+    return sum(count * seconds(out_f, in_f) for (out_f, in_f), count in shapes.items())
 
 
 def head_gemm_seconds(model: torch.nn.Module, rows: int) -> float:
     """The LM head alone at `rows` rows (the sampled ones)."""
+    from tandem.service.engine.ops.fp8_linear import compute_dtype
+
     p = next(model.parameters())
     _shapes, head = linear_shapes(model)
-    return time_linear(torch.randn(rows, head[1], dtype=p.dtype, device=p.device), *head)
+    return time_linear(torch.randn(rows, head[1], dtype=compute_dtype(model), device=p.device), *head)
 
 
 class StepGemmFloor:

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.bench.common import SHAPES, percentile
-from tandem.bench.engine.gemm_floor import StepGemmFloor, linear_shapes
+from tandem.bench.engine.gemm_floor import StepGemmFloor, linear_shapes, time_fp8_linear
 from tandem.bench.engine.gemm_floor import timed as seconds_per_call
 from tandem.bench.engine.host_step import DECODE_ROWS
 from tandem.bench.workloads.timed_run import Run
@@ -23,7 +23,7 @@ class Device:
     linear_params: int  # GEMM weights a prompt token goes through (embedding and LM head apart)
     kv_per_token: int
     bandwidth: float  # bytes read + written per second, device-to-device copy
-    gemm_flops: float  # dense GEMM rate, FLOP/s
+    gemm_flops: float  # dense GEMM rate, FLOP/s (the FP8 GEMM's for an engine whose linears run in FP8)
 
     def decode_memory_s(self, step: dict) -> float:
         """A step's decode rows' memory traffic at the copy bandwidth: every weight, their K/V."""
@@ -79,6 +79,14 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
         n = 256
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     return 2 * n**3 / seconds_per_call(lambda: a @ b, reps=10, cuda=cuda)
+
+
+def fp8_gemm_rate(device: torch.device, out_dtype: torch.dtype, n: int = 8192) -> float:
+    """The engine's FP8 GEMM FLOP/s (W8A8, ops/fp8_linear.scaled_mm) of an n x n x n product, its
+    input already quantized: the prompt rate of an engine whose linear layers run in FP8."""
+    if device.type != "cuda":
+        n = 256
+    return 2 * n**3 / time_fp8_linear(n, n, n, device, out_dtype)
 
 
 def gemm_floor(steps: list[dict], floor: StepGemmFloor) -> float:

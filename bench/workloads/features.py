@@ -57,6 +57,7 @@ from tandem.bench.workloads.bounds import (
     Device,
     decode_by_rows,
     device_busy,
+    fp8_gemm_rate,
     gemm_floor,
     gemm_rate,
     linear_params,
@@ -247,12 +248,14 @@ def build_bench(a: argparse.Namespace) -> tuple[Bench, dict]:
     model = build_model(a.shape, device, dtype)
     (precision,) = precisions(a)
     kv = precision.kv_bytes_per_token(model.config, dtype)  # FP8: twice the blocks in the same GiB
+    fp8 = precision.quantization == "fp8"
     limits = Device(
         weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         linear_params=linear_params(model),
         kv_per_token=kv,
         bandwidth=copy_bandwidth(device) if device.type == "cuda" else 1e10,
-        gemm_flops=gemm_rate(device, dtype),
+        # prompts at the rate of the GEMMs the engine runs them with: FP8 weights, FP8's
+        gemm_flops=fp8_gemm_rate(device, dtype) if fp8 else gemm_rate(device, dtype),
     )
     if a.cache_gib is None:
         a.cache_gib = cache_gib_that_fits(device)
@@ -290,6 +293,7 @@ def build_bench(a: argparse.Namespace) -> tuple[Bench, dict]:
         },
         "copy_bandwidth_TBps": round(limits.bandwidth / 1e12, 3),
         "gemm_TFLOPs": round(limits.gemm_flops / 1e12, 1),
+        "gemm_precision": "fp8" if fp8 else str(dtype).removeprefix("torch."),
         "weight_GB": round(limits.weight_bytes / 1e9, 3),
         "kv_KiB_per_token": kv / 1024,
     }
