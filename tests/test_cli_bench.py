@@ -696,6 +696,13 @@ def test_bench_gpu_runs_each_precision_beside_the_first_and_reports_the_ratios(t
     kv = result["tandem+kv-fp8"]["roofline"]["kv_KiB_per_token"]
     assert kv == result["roofline"]["kv_KiB_per_token"] / 4  # the smoke's model is float32: 4 bytes -> 1
     assert "roofline" not in result["tandem"]
+    # and its GEMM floor too: the same K/V read at a quarter of the bytes, each run's share of its own
+    own = result["tandem+kv-fp8"]["gemm_floor"]
+    base = result["gemm_floor"]
+    assert own["decode_kv_read_seconds"] == pytest.approx(base["decode_kv_read_seconds"] / 4, rel=0.02)
+    run = result["tandem+kv-fp8"]  # its share of its own floor (the report's seconds are rounded)
+    assert run["fraction_of_gemm_floor"] == pytest.approx(own["seconds"] / run["seconds"], rel=0.05)
+    assert "gemm_floor" not in result["tandem"]
 
 
 @pytest.mark.parametrize(

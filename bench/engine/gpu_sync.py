@@ -255,6 +255,23 @@ def precision_rooflines(a: argparse.Namespace, cores: dict, configs: dict, bandw
     return out
 
 
+def precision_floors(a: argparse.Namespace, cores: dict, configs: dict, bandwidth: float) -> dict:
+    """The GEMM floor of each run at a precision other than the model's own, by label: its engine's
+    model as built (its FP8 linears timed through the FP8 GEMM: gemm_floor.py) and its K/V bytes."""
+    out = {}
+    for key, config in configs.items():
+        precision = Precision(config.quantization or "none", config.kv_cache_dtype)
+        if precision == Precision():
+            continue
+        model = cores[key].runner.model
+        kv = precision.kv_bytes_per_token(model.config, a.dtype)
+        floor = workload_floor(model, kv, bandwidth, a.requests, a.prompt, a.new, a.max_num_seqs,
+                               a.max_num_batched_tokens)
+        if floor is not None:
+            out[label(key)] = floor
+    return out
+
+
 def hf_run(a: argparse.Namespace, hf_model: torch.nn.Module, prompts: list[list[int]]
            ) -> Callable[[], RunStats]:
     """transformers' timed run; a failing --hf-config (e.g. CUDA graphs unsupported here) falls back
@@ -301,19 +318,22 @@ def step_telemetry(a: argparse.Namespace, cores: dict, prompts: list[list[int]])
     return extra
 
 
-def compare(a: argparse.Namespace, results: dict[str, RunStats], base_roof: dict, floor: dict | None,
-            roofs: dict | None = None) -> tuple[dict, list[list[object]]]:
-    """Each run's share of its roofline (`roofs`' where its precision has one of its own, else the
-    model's) and of the GEMM floor: (report by run, table rows)."""
+def compare(a: argparse.Namespace, results: dict[str, RunStats], base_roof: dict, base_floor: dict | None,
+            roofs: dict | None = None, floors: dict | None = None) -> tuple[dict, list[list[object]]]:
+    """Each run's share of its roofline and of its GEMM floor (`roofs`' and `floors`' where its
+    precision has its own, else the model's): (report by run, table rows)."""
     rows, report = [], {}
     for name, r in results.items():
         roof = (roofs or {}).get(name, base_roof)
+        floor = (floors or {}).get(name, base_floor)
         fraction = roof["seconds"] / r.seconds
         report[name] = {**r.summary(), "fraction_of_roofline": round(fraction, 4)}
         if roof is not base_roof:
             report[name]["roofline"] = roof
         if floor is not None:
             report[name]["fraction_of_gemm_floor"] = round(floor["seconds"] / r.seconds, 4)
+            if floor is not base_floor:
+                report[name]["gemm_floor"] = floor
         median = r.step_ms["median"] if r.step_ms else None  # transformers has no steps of ours
         step_fraction = roof["step_ms_mean"] / median if median and roof["step_ms_mean"] else None
         if step_fraction is not None:
@@ -324,7 +344,7 @@ def compare(a: argparse.Namespace, results: dict[str, RunStats], base_roof: dict
                      f"{floor['seconds'] / r.seconds:.1%}" if floor is not None else "-",
                      f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-",
                      f"{r.engine_idle:.1%}" if r.engine_idle is not None else "-", r.warmup_seconds])
-    roof = base_roof
+    roof, floor = base_roof, base_floor
     rows.append(["roofline (decode)", a.requests * max(1, a.new - 1), roof["seconds"], roof["tok_s"],
                  f"{roof['step_ms_first']}-{roof['step_ms_last']}", "100%", "100%", "-", "-", "-", "-"])
     if floor is not None:
@@ -425,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hf_model is not None:
         release_hf(hf_model)
     roof, floor = bounds(a, next(iter(cores.values())).runner.model, facts, bandwidth)
-    report, rows = compare(a, results, roof, floor, precision_rooflines(a, cores, configs, bandwidth))
+    report, rows = compare(a, results, roof, floor, precision_rooflines(a, cores, configs, bandwidth),
+                           precision_floors(a, cores, configs, bandwidth))
     if len(precisions(a)) > 1:
         report["precision_ratios"] = precision_ratios(a, results)
     for name, config in configs.items():  # each engine's own settings (the variant over the benchmark's spec)
