@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -241,35 +241,30 @@ def precision_ratios(a: argparse.Namespace, results: dict[str, RunStats]) -> dic
     return ratios
 
 
-def precision_rooflines(a: argparse.Namespace, cores: dict, configs: dict, bandwidth: float) -> dict:
-    """The decode roofline of each run at a precision other than the model's own, by label: its
-    engine's weights as built (FP8 where quantized, with their scales) and its K/V bytes per token."""
-    out = {}
+def other_precisions(a: argparse.Namespace, cores: dict, configs: dict
+                     ) -> Iterator[tuple[str, torch.nn.Module, int]]:
+    """Each run at a precision other than the model's own: its label, its engine's model as built
+    (FP8 where quantized, with their scales) and its K/V bytes per token."""
     for key, config in configs.items():
         precision = Precision(config.quantization or "none", config.kv_cache_dtype)
-        if precision == Precision():
-            continue
-        model = cores[key].runner.model
-        kv = precision.kv_bytes_per_token(model.config, a.dtype)
-        out[label(key)] = roofline(model_bytes(model), kv, bandwidth, a.requests, a.prompt, a.new)
-    return out
+        if precision != Precision():
+            model = cores[key].runner.model
+            yield label(key), model, precision.kv_bytes_per_token(model.config, a.dtype)
+
+
+def precision_rooflines(a: argparse.Namespace, cores: dict, configs: dict, bandwidth: float) -> dict:
+    """The decode roofline of each run at a precision other than the model's own, by label."""
+    return {name: roofline(model_bytes(model), kv, bandwidth, a.requests, a.prompt, a.new)
+            for name, model, kv in other_precisions(a, cores, configs)}
 
 
 def precision_floors(a: argparse.Namespace, cores: dict, configs: dict, bandwidth: float) -> dict:
-    """The GEMM floor of each run at a precision other than the model's own, by label: its engine's
-    model as built (its FP8 linears timed through the FP8 GEMM: gemm_floor.py) and its K/V bytes."""
-    out = {}
-    for key, config in configs.items():
-        precision = Precision(config.quantization or "none", config.kv_cache_dtype)
-        if precision == Precision():
-            continue
-        model = cores[key].runner.model
-        kv = precision.kv_bytes_per_token(model.config, a.dtype)
-        floor = workload_floor(model, kv, bandwidth, a.requests, a.prompt, a.new, a.max_num_seqs,
-                               a.max_num_batched_tokens)
-        if floor is not None:
-            out[label(key)] = floor
-    return out
+    """The GEMM floor of each run at a precision other than the model's own, by label (its FP8
+    linears timed through the FP8 GEMM: gemm_floor.py)."""
+    floors = {name: workload_floor(model, kv, bandwidth, a.requests, a.prompt, a.new, a.max_num_seqs,
+                                   a.max_num_batched_tokens)
+              for name, model, kv in other_precisions(a, cores, configs)}
+    return {name: floor for name, floor in floors.items() if floor is not None}
 
 
 def hf_run(a: argparse.Namespace, hf_model: torch.nn.Module, prompts: list[list[int]]
