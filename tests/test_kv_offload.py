@@ -413,3 +413,25 @@ def test_waiting_for_a_pool_allocated_in_the_background_opens_it(llama, monkeypa
     assert core.wait_for_host_pool() >= 0.2
     assert core.scheduler.host.is_open and core.scheduler.host.num_free == 64
     assert core.wait_for_host_pool() < 0.1  # once there, nothing to wait for
+
+
+def test_a_core_whose_pool_cannot_be_allocated_recomputes_its_preemptions(llama, monkeypatch, caplog):
+    """A pool too large for the host (here 1 PiB) is not an engine failure: the core builds, offload
+    stays off with a warning, every preemption recomputes, and every request gets generate()'s tokens."""
+    allocate = KVOffload._allocate
+
+    def too_large(self: KVOffload) -> None:
+        self.shape = (1 << 50,)
+        allocate(self)
+
+    monkeypatch.setattr(KVOffload, "_allocate", too_large)
+    core = make_core(llama, num_blocks=24, block_size=4, max_num_batched_tokens=32, max_model_len=96,
+                     kv_offload_blocks=64)
+    assert "KV offload is off" in caplog.text
+    arrivals = _arrivals(llama.config.vocab_size, seed=3)
+    result = run(core, arrivals)
+    s = core.scheduler
+    assert s.host is not None and not s.host.is_open
+    assert s.preempted_recompute > 0 and s.preempted_offload == 0
+    for a in arrivals:
+        assert result.tokens[a.request_id] == hf_greedy(llama, a.prompt_ids, 24, None), a.request_id

@@ -78,7 +78,8 @@ def build_core(
     cache = KVCache(shape, config.num_blocks, config.block_size, dtype, device, config.kv_cache_layout,
                     config.kv_cache_dtype)
     allocated = time.perf_counter()
-    scheduler = build_scheduler(config, model, host_pool_open=not host_pool_in_background)
+    # its host pool opens once the pool's memory is there (EngineCore): never, if it cannot be had
+    scheduler = build_scheduler(config, model, host_pool_open=False)
     runner = ModelRunner(model, cache, config)
     # the start-up's kv_cache phase, part by part
     log.info("KV cache allocated in %.2f s; scheduler and runner (step buffers) in %.2f s",

@@ -85,6 +85,8 @@ class EngineCore:
         # a host pool allocated in the background (kv_offload.py): its blocks are handed out once it is there
         host = scheduler.host
         self._host_pool_closed = host is not None and not host.is_open
+        if self._host_pool_closed:
+            self._open_host_pool()
 
     def add(self, request: Request) -> None:
         """Queue a request (a constrained one whose grammar is not compiled yet waits for it)."""

@@ -105,7 +105,7 @@ def build_engine(
         blas_library=settings.blas_library,
         telemetry_window_s=settings.telemetry_window_s,
     )
-    # the KV offload pool pinned beside the warm-up and the first requests: seconds off the start
+    # the KV offload pool pinned beside the compile and the warm-up: seconds off the start
     core = build_core(model, config, loaded.eos_token_ids, step_observer, host_pool_in_background=True)
     start = time.perf_counter()
     core.grammars = Grammars(

@@ -39,6 +39,7 @@ from .streams import Streams, on
 
 log = logging.getLogger(__name__)
 
+
 def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
     """(first pool block, first staging row, length) of each run of consecutive pool blocks."""
     runs: list[tuple[int, int, int]] = []
