@@ -319,6 +319,7 @@ def test_tandem_bench_autoscale_writes_json_markdown_and_plot(tmp_path: Path):
     assert report["start_s"] == [15, 45, 120]  # the start times swept by default
     assert set(report["by_start"]["45"]["results"]["chat"]["7"]) == {c.name for c in fair.CONTENDERS}
     assert report["calibration"]["name"] == calibration.DEFAULT.stem  # the report names its pods
+    assert report["calibration"]["file"] == calibration.DEFAULT.name  # by name: no path of this machine
     text = out.with_suffix(".md").read_text()
     assert "| chat | 7 |" in text and f"calibration `{calibration.DEFAULT.stem}`" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
