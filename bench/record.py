@@ -106,8 +106,22 @@ def short_gpu(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cpu"
 
 
+# where a run wrote its files: no fact of the result, and a path of the machine it ran on
+OUTPUT_OPTIONS = ("--out", "--logs", "--plot", "--timeline")
+
+
 def command(benchmark: str, argv: Sequence[str]) -> str:
-    return shlex.join(["tandem", "bench", benchmark, *argv])
+    """The command line that reproduces the run: its arguments, less where it wrote its files."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in OUTPUT_OPTIONS:
+            skip = True  # and its value
+        elif not arg.startswith(tuple(f"{option}=" for option in OUTPUT_OPTIONS)):
+            kept.append(arg)
+    return shlex.join(["tandem", "bench", benchmark, *kept])
 
 
 class ResultFile:
