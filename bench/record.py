@@ -6,9 +6,9 @@ bench` name; shape the model shape and workload, such as `8b-256x256`), in bench
 source checkout (the current directory where Tandem is installed from a wheel). Beside the JSON, a
 benchmark may write a markdown table (.md) and a figure (.png) of the same name.
 
-Every record states the command line (less where the run wrote its files), the date, the GPU (or `cpu`), the commit (`git rev-parse`
-in a checkout, else the installed package's version) and the machine's facts. Nothing here imports
-torch unless the device is a GPU (its name comes from torch).
+Every record states the command line (less where the run wrote its files), the date, the GPU (or
+`cpu`), the commit (`git rev-parse` in a checkout, else the installed package's version) and the
+machine's facts. Nothing here imports torch unless the device is a GPU (its name comes from torch).
 """
 
 from __future__ import annotations
