@@ -82,11 +82,7 @@ class EngineCore:
         # structured output's compiler and masks (the factory sets it: it needs the tokenizer)
         self.grammars: Grammars | None = None
         self._compiling: list[Sequence] = []  # in arrival order: their grammars are being compiled
-        # a host pool allocated in the background (kv_offload.py): its blocks are handed out once it is there
-        host = scheduler.host
-        self._host_pool_closed = host is not None and not host.is_open
-        if self._host_pool_closed:
-            self._open_host_pool()
+        self._open_host_pool()  # a pool allocated before the core: open from the start
 
     def add(self, request: Request) -> None:
         """Queue a request (a constrained one whose grammar is not compiled yet waits for it)."""
@@ -297,8 +293,7 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The next step, its K/V copies to and from the host pool already queued (they come
         before its forward, and are queued even if the step has nothing to compute)."""
-        if self._host_pool_closed:
-            self._open_host_pool()
+        self._open_host_pool()
         out = self.scheduler.schedule()
         if out.moves:
             self.runner.move_blocks(out.moves)
@@ -314,11 +309,11 @@ class EngineCore:
         return time.perf_counter() - start
 
     def _open_host_pool(self) -> None:
-        """Open the scheduler's host pool once its memory exists (allocated on its own thread)."""
-        offload, host = self.runner.offload, self.scheduler.host
-        if offload is not None and host is not None and offload.ready:
+        """Open the scheduler's host pool once its memory exists (kv_offload.py: allocated on a thread
+        of its own in the server; never, where it could not be had)."""
+        host, offload = self.scheduler.host, self.runner.offload
+        if host is not None and not host.is_open and offload is not None and offload.ready:
             host.open()
-            self._host_pool_closed = False
 
     def _complete(self, step: LaunchedStep, result: SampleOutput[list]) -> Outputs:
         """Both loops' tail: count the step's busy time, report its timing, hand out its tokens."""
