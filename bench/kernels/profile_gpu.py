@@ -330,22 +330,24 @@ def splits_by_batch_alone(batch: int, kv_heads: int, num_sms: int) -> Splits:
     return Splits(least, max(least, min(MAX_SPLITS, 16 * num_sms // (batch * kv_heads))))
 
 
-def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float) -> list[dict]:
+def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
+                      kv_fp8: bool = False) -> list[dict]:
     """The engine's kernel configuration at one batch size over grids of more and more splits: the
     rule graph-captured steps use (their longest context: the block table's width) against the grid
     sized by the batch alone, fixed grids, the rule with other tokens per split (more, shorter
     splits or fewer, longer ones) and the engine's grid with its merge in 1 or 2 warps per program
     or with 4-32 query heads per program, with a one-split sequence's output written by its program
     (the merge skipping it), with the step's own token after the loop in two stages, on one layer's
-    cache; each with its largest difference from the engine's output."""
+    cache; each with its largest difference from the engine's output. `kv_fp8`: over e4m3 caches
+    (the bytes read an e4m3 cache's)."""
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
     shape = CacheShape.of(model.config)
-    block, dt = DECODE_BLOCK, next(model.parameters()).dtype
+    block = DECODE_BLOCK
     lens_host = grid_contexts(kind, batch)
     width = -(-max(4096, max(lens_host)) // block)  # a table as wide as a 4,096-token context
-    d = decode_inputs(model, lens_host, width)
-    (k, v), table, lens, q, new_kv = d.caches["NHD"], d.table, d.lens, d.q, d.new_kv
+    d = decode_inputs(model, lens_host, width, kv_fp8=kv_fp8)
+    (k, v), table, lens, q, new_kv, scales = d.caches["NHD"], d.table, d.lens, d.q, d.new_kv, d.kv_scales
     sms = num_sms(q.device.index or 0)
     by_batch = splits_by_batch_alone(batch, shape.num_kv_heads, sms)
     engine = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
@@ -358,7 +360,7 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     for tokens in (256, 1024):  # the engine's rule with other tokens per split (its 512), up to 128 splits
         grids[f"engine, {tokens} tokens per split"] = num_splits_for(
             batch, shape.num_kv_heads, sms, width * block, tokens=tokens, cap=128)
-    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * dt.itemsize
+    nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * k.element_size()
     chosen = kernel_config(batch)
     # the engine's grid with its merge in fewer warps per program (more programs resident at once)
     runs = {name: (splits, chosen) for name, splits in grids.items()}
@@ -376,11 +378,13 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
     runs["engine, new token after the loop, 2 stages"] = (engine, after)
     runs["engine, after the loop, 2 stages, one-split direct"] = (
         engine, dataclasses.replace(after, single_split_direct=True))
-    reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, engine, new_kv).float()
+    reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, engine, new_kv,
+                                       kv_scales=scales).float()
     rows = []
     for name, (splits, config) in runs.items():
         def call(splits=splits, config=config) -> torch.Tensor:
-            return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config)
+            return paged_decode_attention(q, k, v, table, lens, block, 0.1, splits, new_kv, config=config,
+                                          kv_scales=scales)
         diff = (call().float() - reference).abs().max().item()
         seconds = timed(call)
         rows.append({"grid": name, "least": splits.least, "most": splits.most, "tokens": splits.tokens,
@@ -668,7 +672,8 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
 
 def grid_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: float, sweeps: Sweeps) -> None:
     for batch, kind in points(a.attention_grid):
-        rows = sweeps.grids[f"{batch}:{kind}"] = decode_grid_sweep(model, batch, kind, bandwidth)
+        rows = sweeps.grids[f"{batch}:{kind}"] = decode_grid_sweep(
+            model, batch, kind, bandwidth, NAMED[a.precision].kv_cache_dtype == "fp8")
         sweeps.save()
         print(f"decode attention split grids, batch {batch}, contexts {kind}")
         headers = ["grid", "least", "most", "tokens per split", "merge warps", "us (layer)", "of bandwidth",
