@@ -193,41 +193,6 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_the_decode_kernel_takes_e4m3_tiles_as_float16(splits):
-    """`fp8_as_f16`: the tiles go to the matrix products as float16 (the K scale folded into the
-    query, the V scale on the output): the attention of the same float16 query over the dequantized
-    context, as the dequantizing loop gives it; a float32 query keeps the dequantizing loop's exact
-    float32 arithmetic."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("run with TRITON_INTERPRET=1 (Triton reads it when it is first imported)")
-    from tandem.service.engine.ops.decode_grid import KernelConfig
-    from tandem.service.engine.ops.triton_decode import paged_decode_attention
-
-    cache, args, _, _ = _decode_case("NHD", torch.float32)
-    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
-    q = q[0].transpose(0, 1)
-    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    k, v = cache.k[layer], cache.v[layer]
-    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
-    mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
-    keys, values = dequantize(k[slots_of], ks, torch.float32), dequantize(v[slots_of], vs, torch.float32)
-
-    def attend(query: torch.Tensor, **config: bool) -> torch.Tensor:
-        return paged_decode_attention(query, k, v, table, lens, block, scale, splits,
-                                      config=KernelConfig(tile=32, **config), kv_scales=(ks, vs))
-
-    q16 = q.half()
-    ref = decode_attention(q16.float(), keys, values, mask, scale)
-    as_f16, dequantized = attend(q16, fp8_as_f16=True), attend(q16)
-    assert as_f16.dtype == torch.float16
-    torch.testing.assert_close(as_f16.float(), ref, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(as_f16.float(), dequantized.float(), atol=2e-3, rtol=2e-3)
-    exact = decode_attention(q, keys, values, mask, scale)
-    torch.testing.assert_close(attend(q, fp8_as_f16=True), exact, atol=1e-5, rtol=1e-5)
-
-
 def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():
     """The profile's anatomy kernel (bench/kernels/decode_anatomy.py) over an e4m3 cache: its
     whole-loop parts attend over the dequantized context (what the engine's kernel computes), and

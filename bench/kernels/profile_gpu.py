@@ -225,20 +225,8 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
-# over an e4m3 cache: the dequantizing loop with the step's token after it (an e4m3 tile takes half a
-# bf16 one's shared memory: 128-token tiles pipeline too), against the loop that takes its tiles to
-# the matrix products as float16, in registers (less shared memory: up to 4 stages)
-FP8_KERNEL_CONFIGS = [
-    KernelConfig(tile, stages, 4, new_after_loop=True) for tile in (32, 64, 128) for stages in (1, 2, 3)
-] + [
-    KernelConfig(tile, stages, 4, new_after_loop=True, fp8_as_f16=True)
-    for tile, stages in itertools.product((32, 64, 128), (1, 2, 3, 4))
-] + [  # the wider tiles' registers over 8 warps
-    KernelConfig(tile, stages, 8, new_after_loop=True, fp8_as_f16=True)
-    for tile in (64, 128) for stages in (2, 3)
-]
-FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + [
-    KernelConfig(tile, stages, 4, fp8_as_f16=True) for tile in (32, 64) for stages in (1, 2, 3, 4)]
+# an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too
+FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -265,7 +253,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
     configs, cache_only_configs = KERNEL_CONFIGS, CACHE_ONLY_CONFIGS
     if kv_fp8:
-        configs, cache_only_configs = FP8_KERNEL_CONFIGS, FP8_CACHE_ONLY_CONFIGS
+        configs = FP8_KERNEL_CONFIGS
     rows = []
     for layout, (k, v) in d.caches.items():
         def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
@@ -274,7 +262,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop, "fp8_as_f16": config.fp8_as_f16,
+                   "new_after_loop": config.new_after_loop,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -289,7 +277,6 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
-               "fp8_as_f16": config.fp8_as_f16,
                "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
@@ -659,11 +646,11 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
         shown += [r for r in step if r["chosen"] and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "e4m3 as f16", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r["fp8_as_f16"], r["chosen"],
+                               r["warps"], r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

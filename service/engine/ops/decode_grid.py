@@ -55,11 +55,8 @@ class KernelConfig:
     frees registers and lets Triton pipeline them); whether a sequence whose context takes one
     split, in a grid of several, gets its output from that split's program (the merge then skips
     it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
-    merge of one partial); the merge's warps per program and query heads per program (one
-    sequence's: more heads, fewer and larger programs); and how the loop reads an e4m3 cache's
-    tiles: as float16 (exact) straight into the matrix products, the K scale folded into the query
-    and the V scale applied to the output once (`fp8_as_f16`), or each tile dequantized to the
-    query's dtype (float32 times the scale, rounded), the way every other path reads the cache."""
+    merge of one partial); and the merge's warps per program and query heads per program (one
+    sequence's: more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
@@ -68,7 +65,6 @@ class KernelConfig:
     merge_heads: int = 1
     new_after_loop: bool = False
     single_split_direct: bool = False
-    fp8_as_f16: bool = False
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to

@@ -71,30 +71,16 @@ def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, s
 
 
 @triton.jit
-def _fp8_read(x, scale, DTYPE: tl.constexpr, AS_F16: tl.constexpr):
-    """Stored e4m3 values as the loop uses them: float16 as they are (exact; the scale applied
-    outside), or dequantized to `DTYPE`."""
-    if AS_F16:
-        read = x.to(tl.float16)
-    else:
-        read = dequantize(x, scale, DTYPE)
-    return read
-
-
-@triton.jit
 def _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION: tl.constexpr):
     """One tile of K and V [TILE, head_dim] into the query heads' running softmax: the scores
-    Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc.
-    The matrix products take q's dtype: K and V converted to it as the products load them (an e4m3
-    tile to float16 in the registers that feed them, with no pass through shared memory)."""
-    s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION).to(tl.float32) * scale
+    Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     lsum = lsum * alpha + tl.sum(p, axis=1)
-    pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    acc = acc * alpha[:, None] + pv.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
     return m_new, lsum, acc
 
 
@@ -160,7 +146,6 @@ def _decode_split_kernel(
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FP8_AS_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -189,11 +174,6 @@ def _decode_split_kernel(
         cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
         q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
         q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
-    # the query as the scores' product takes it: FP8_AS_F16, float16 times the K scale (the e4m3
-    # tiles go to that product unscaled); the query itself otherwise
-    qk = q
-    if KV_FP8 and FP8_AS_F16:
-        qk = (q.to(tl.float32) * k_scale).to(tl.float16)
     if STORE_NEW:
         # the step's own K/V: one program writes it to the cache (no program reads that slot this
         # step) and uses it from registers: the program whose tiles hold its position substitutes
@@ -220,10 +200,10 @@ def _decode_split_kernel(
         tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
         tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
         if KV_FP8:  # from here on, as the cached tiles are read
-            new_k = _fp8_read(new_k, k_scale, q_ptr.dtype.element_ty, FP8_AS_F16)
-            new_v = _fp8_read(new_v, v_scale, q_ptr.dtype.element_ty, FP8_AS_F16)
+            new_k = dequantize(new_k, k_scale, q_ptr.dtype.element_ty)
+            new_v = dequantize(new_v, v_scale, q_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
-            s_new = tl.sum(qk.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
+            s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
@@ -231,14 +211,14 @@ def _decode_split_kernel(
     for tile in tl.range(first_tile, last_tile):
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
-        if KV_FP8 and not FP8_AS_F16:
+        if KV_FP8:
             k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
             v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
-            k = tl.where(is_new, new_k[None, :], k.to(new_k.dtype))
-            v = tl.where(is_new, new_v[None, :], v.to(new_v.dtype))
-        m, lsum, acc = _attend_tile(qk, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
+            k = tl.where(is_new, new_k[None, :], k)
+            v = tl.where(is_new, new_v[None, :], v)
+        m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
     if STORE_NEW and NEW_AFTER_LOOP:
         # the new token after the cached context's tiles (an empty split stays empty: no exp of
         # -inf minus -inf)
@@ -249,8 +229,6 @@ def _decode_split_kernel(
         lsum = lsum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
-    if KV_FP8 and FP8_AS_F16:  # the V scale, once
-        acc = acc * v_scale
     # one split for every sequence (no merge launch), or for this one (the merge skips it)
     if DIRECT or (SINGLE_SPLIT_DIRECT and splits == 1):
         out = acc / lsum[:, None]
@@ -418,8 +396,6 @@ def paged_decode_attention(
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
-        # a float32 model's query keeps its precision: its tiles are dequantized to float32
-        FP8_AS_F16=config.fp8_as_f16 and q.dtype != torch.float32,
         num_warps=config.warps,
         num_stages=config.stages,
     )
