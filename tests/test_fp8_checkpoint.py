@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.service.contract import SamplingParams
 from tandem.service.engine.ops.fp8_linear import FP8, FP8_MAX, Fp8Linear, quantize_rows
+from tandem.service.engine.ops.fp8_mlp import Fp8GatedMLP
 from tandem.service.engine.ops.fused_projections import fuse_projections
 from tandem.service.models.fp8_checkpoint import UnsupportedQuantization
 from tandem.service.models.loader import load_model
@@ -338,7 +339,8 @@ def test_engine_on_an_fp8_checkpoint_gives_generate_tokens(fmt, channel_checkpoi
     reference = copy.deepcopy(model)
     fuse_projections(reference)  # what the engine does to its model
     core = make_core(model, fuse_projections=True, quantization="fp8", max_num_batched_tokens=32)
-    assert isinstance(model.model.layers[0].mlp.gate_up_fused.linear, Fp8Linear)
+    mlp = model.model.layers[0].mlp  # the engine's FP8 gated MLP over the checkpoint's layers, fused
+    assert isinstance(mlp, Fp8GatedMLP) and isinstance(mlp.gate_up, Fp8Linear)
     prompts = [[(11 * i + j) % 1000 for j in range(n)] for i, n in enumerate([5, 40, 1, 17])]
     arrivals = [Arrival(f"r{i}", p, SamplingParams(max_tokens=10), i) for i, p in enumerate(prompts)]
     result = run(core, arrivals)

@@ -22,6 +22,7 @@ from tandem.service.engine.ops.fp8_linear import (
     quantize_linears,
     quantize_rows,
 )
+from tandem.service.engine.ops.fp8_mlp import Fp8GatedMLP
 from tandem.service.engine.ops.fused_projections import FusedLinear, fuse_projections
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -110,7 +111,8 @@ def test_engine_in_fp8_gives_generate_tokens_of_the_quantized_model(loop, compil
     core = make_core(model, fuse_projections=True, quantization="fp8", step_loop=loop,
                      max_num_batched_tokens=32, compile_backend="aot_eager" if compiled else None,
                      compile_prefill=compiled)
-    assert isinstance(model.model.layers[0].mlp.gate_up_fused.linear, Fp8Linear)
+    mlp = model.model.layers[0].mlp  # the engine's FP8 gated MLP over the fused gate/up layer
+    assert isinstance(mlp, Fp8GatedMLP) and isinstance(mlp.gate_up, Fp8Linear)
     prompts = [[(7 * i + j) % 1000 for j in range(n)] for i, n in enumerate([5, 40, 1, 17])]
     arrivals = [Arrival(f"r{i}", p, SamplingParams(max_tokens=12), i) for i, p in enumerate(prompts)]
     result = run(core, arrivals)

@@ -23,6 +23,7 @@ from .model_runner import ModelRunner, sliding_window
 from .ops.attention import register
 from .ops.decode_op import kernel_supports
 from .ops.fp8_linear import compute_dtype, quantize_linears
+from .ops.fp8_mlp import fuse_fp8_mlps
 from .ops.fused_projections import fuse_projections
 from .ops.kv_cache import CacheShape, KVCache
 from .ops.kv_quant import storage_dtype
@@ -50,6 +51,9 @@ def build_core(
         log.info("quantized %d linear layers to FP8 (W8A8)", quantize_linears(model))
     elif config.quantization is not None:
         raise ValueError(f"quantization {config.quantization!r}: expected fp8 or none")
+    mlps = fuse_fp8_mlps(model)  # FP8 layers quantized here or loaded from an FP8 checkpoint
+    if mlps:
+        log.info("%d gated MLPs quantize their activation in one kernel", mlps)
     device = next(model.parameters()).device
     dtype = compute_dtype(model)
     if device.type == "cuda":  # process-wide choices of PyTorch's CUDA backends
