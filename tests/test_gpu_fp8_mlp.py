@@ -26,7 +26,9 @@ def test_the_kernel_gives_the_torch_paths_rows(rows, width, dtype):
     ref_q, ref_scale = quantize_rows(F.silu(gate_up[:, :width]) * gate_up[:, width:])
     torch.testing.assert_close(scale, ref_scale, rtol=2e-7, atol=0)
     got, ref = q.float(), ref_q.float()
-    # the kernel's exponential and the library's may round a product to the model's dtype apart:
-    # then its e4m3 value one step apart, and rarely
+    # one e4m3 step apart at the most, and rarely: the kernel multiplies by the scale's reciprocal,
+    # so a quotient on a rounding tie (values of the model's dtype over its row's maximum, often
+    # exact) may round to the tie's other side; and its exponential may round a product to the
+    # model's dtype apart from the library's (measured: at most 0.12% of a row's values, H100)
     assert ((got - ref).abs() <= (ref.abs() / 8).clamp(min=2**-9)).all()
-    assert (got != ref).float().mean() < 1e-3
+    assert (got != ref).float().mean() < 5e-3
