@@ -627,6 +627,20 @@ def test_tandem_bench_fp8_smoke_runs_each_variant_on_each_workload(tmp_path):
     assert w8a8["weight_GB"] < bf16["weight_GB"]
     assert set(result["ratio_to_bf16"]["w8a8"]) == {"1x8+4", "4x8+6"}
     assert all(r["tok_s"] > 0 for r in w8a8["workloads"].values())
+    for run in (*bf16["workloads"].values(), *w8a8["workloads"].values()):
+        # where the wall time went: the prompt steps (and any stall) apart from the decode steps
+        assert run["steps"] > 0 and run["step_ms"]["median"] <= run["step_ms"]["max"]
+        assert run["slow_steps"]["count"] <= run["steps"]
+        assert 0 <= run["slow_steps"]["seconds"] <= run["seconds"]
+
+
+def test_slow_steps_are_those_past_three_medians():
+    from tandem.bench.engine.harness import slow_steps
+
+    # a prompt step of 40 ms and a stall of 35 among steps of about 10 (median 10.5, so a step of 30
+    # is not one): 75 ms of a 0.2 s run
+    assert slow_steps([40.0, 10.0, 10.5, 9.5, 35.0, 10.0, 30.0], 0.2) == {
+        "count": 2, "seconds": 0.075, "of_wall": 0.375}
 
 
 @pytest.mark.parametrize(("pair", "why"), [

@@ -111,6 +111,8 @@ def run_variant(a: argparse.Namespace, variant: str, bandwidth: float, record: d
         roof = roofline(weight_bytes, kv_per_token, bandwidth, w.requests, w.prompt, w.new)
         record["workloads"][str(w)] = {
             "tok_s": round(stats.tok_s, 1), "median_step_ms": stats.step_ms.get("median"),
+            "seconds": round(stats.seconds, 3), "steps": stats.steps, "step_ms": stats.step_ms,
+            "slow_steps": stats.slow_steps,
             "roofline_tok_s": roof["tok_s"], "roofline_step_ms_mean": roof["step_ms_mean"],
             "of_roofline": round(stats.tok_s / roof["tok_s"], 3) if roof["tok_s"] else None,
             "outputs_head": [o[:8] for o in stats.outputs[:4]],

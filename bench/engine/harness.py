@@ -67,6 +67,8 @@ class RunStats:
     steps: int | None = None
     warmup_seconds: float | None = None
     step_ms: dict[str, float] = field(default_factory=dict)  # Tandem: median / p90 / max step time
+    # Tandem: the wall time in steps of more than SLOW_STEP times the median (prompt steps, stalls)
+    slow_steps: dict[str, float] = field(default_factory=dict)
     all_runs: list[dict] = field(default_factory=list)  # every timed run, in order, with the machine's load
     foreign_cpu: float | None = None  # share of the machine's CPU other processes used meanwhile
     cpu_steal: float | None = None  # share of it the hypervisor gave to other machines
@@ -105,6 +107,9 @@ def model_device(model: torch.nn.Module) -> torch.device:
 # -- Tandem ----------------------------------------------------------------------------------------
 
 
+SLOW_STEP = 3.0  # a step this many times the median: a prompt's, or a stall
+
+
 def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, tag: str = "") -> RunStats:
     """Add every request, then run the core's loop (sync or async) until all are done; greedy,
     exactly `new_tokens` each."""
@@ -132,7 +137,16 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
     stats.engine_idle = round(max(0.0, 1 - (core.busy_seconds - busy_before) / seconds), 4)
     stats.step_ms = {k: round(percentile(step_times, q), 2)
                      for k, q in (("median", 50), ("p90", 90), ("max", 100))}
+    stats.slow_steps = slow_steps(step_times, seconds)
     return stats
+
+
+def slow_steps(step_times_ms: Sequence[float], wall_s: float) -> dict[str, float]:
+    """The steps of more than SLOW_STEP times the median: how many, their seconds and their share of
+    the wall time."""
+    slow = [ms for ms in step_times_ms if ms > SLOW_STEP * percentile(list(step_times_ms), 50)]
+    seconds = sum(slow) / 1e3
+    return {"count": len(slow), "seconds": round(seconds, 3), "of_wall": round(seconds / wall_s, 3)}
 
 
 # -- transformers ----------------------------------------------------------------------------------
