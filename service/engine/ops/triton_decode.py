@@ -177,11 +177,13 @@ def _decode_split_kernel(
     if KV_HEADS == 1:
         dim = d
         cols = d
+        col_head = 0  # each column's KV head past the first
         q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
     else:
         dim = c % HEAD_DIM
-        cols = (c // HEAD_DIM) * stride_kh + dim  # each column's offset in a slot, past the first head's
-        own = (c // HEAD_DIM)[None, :] == (g // GROUP)[:, None]
+        col_head = c // HEAD_DIM
+        cols = col_head * stride_kh + dim  # each column's offset in a slot, past the first head's
+        own = col_head[None, :] == (g // GROUP)[:, None]
         q = tl.load(q_rows + dim[None, :], mask=g_ok[:, None] & own, other=0.0)
     if KV_FP8:  # the layer's scales (0-d tensors: set in place, read by captured graphs)
         k_scale = tl.load(k_scale_ptr)
@@ -199,7 +201,7 @@ def _decode_split_kernel(
         # step) and uses it from registers: the program whose tiles hold its position substitutes
         # it into that tile; or (NEW_AFTER_LOOP) the last split, whose tiles may be none, takes its
         # score now and the token into its running softmax after its tiles
-        new_k_row = new_k_ptr + b * stride_nkb + (kvh + c // HEAD_DIM) * stride_nkh
+        new_k_row = new_k_ptr + b * stride_nkb + (kvh + col_head) * stride_nkh
         new_k = tl.load(new_k_row + dim)
         if ROTARY:  # with Q's cos and sin
             k_pair = tl.load(new_k_row + pair)
@@ -207,11 +209,11 @@ def _decode_split_kernel(
             new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
         if KV_FP8:
             new_k = quantize(new_k, k_scale, k_ptr.dtype.element_ty)
-            new_v = quantize(tl.load(new_v_ptr + b * stride_nvb + (kvh + c // HEAD_DIM) * stride_nvh + dim),
+            new_v = quantize(tl.load(new_v_ptr + b * stride_nvb + (kvh + col_head) * stride_nvh + dim),
                              v_scale, v_ptr.dtype.element_ty)
         else:
             new_k = new_k.to(k_ptr.dtype.element_ty)
-            new_v_row = new_v_ptr + b * stride_nvb + (kvh + c // HEAD_DIM) * stride_nvh
+            new_v_row = new_v_ptr + b * stride_nvb + (kvh + col_head) * stride_nvh
             new_v = tl.load(new_v_row + dim).to(v_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:
             owner = split == splits - 1
