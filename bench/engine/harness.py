@@ -144,7 +144,8 @@ def run_tandem(core: EngineCore, prompts: Sequence[list[int]], new_tokens: int, 
 def slow_steps(step_times_ms: Sequence[float], wall_s: float) -> dict[str, float]:
     """The steps of more than SLOW_STEP times the median: how many, their seconds and their share of
     the wall time."""
-    slow = [ms for ms in step_times_ms if ms > SLOW_STEP * percentile(list(step_times_ms), 50)]
+    bound = SLOW_STEP * percentile(list(step_times_ms), 50)
+    slow = [ms for ms in step_times_ms if ms > bound]
     seconds = sum(slow) / 1e3
     return {"count": len(slow), "seconds": round(seconds, 3), "of_wall": round(seconds / wall_s, 3)}
 
