@@ -111,11 +111,13 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        xq, x_scale = quantize_rows(rows)
-        y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        y = self.of_quantized(*quantize_rows(rows), x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def of_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The layer over rows already quantized (e4m3 [M, in], float32 scales [M, 1]) -> [M, out]."""
+        y = scaled_mm(xq, x_scale, self.weight, self.weight_scale, out_dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         bias = self.bias is not None

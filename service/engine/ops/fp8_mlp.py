@@ -22,7 +22,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .e4m3 import FP8
-from .fp8_linear import Fp8Linear, quantize_rows, scaled_mm
+from .fp8_linear import Fp8Linear, quantize_rows
 from .fused_projections import FusedLinear, LinearPart
 
 # the one forward the fused module reproduces (whitespace aside): the gated MLPs of the Llama,
@@ -65,10 +65,7 @@ class Fp8GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        xq, x_scale = silu_mul_quant(self.gate_up(rows))
-        y = scaled_mm(xq, x_scale, self.down.weight, self.down.weight_scale, x.dtype)
-        if self.down.bias is not None:
-            y = y + self.down.bias
+        y = self.down.of_quantized(*silu_mul_quant(self.gate_up(rows)), x.dtype)
         return y.reshape(*x.shape[:-1], self.down.out_features)
 
 
