@@ -47,12 +47,6 @@ COST_PACKING = 0.1
 # At most one scale-down per this share of the scale-down window: as load falls after a burst,
 # the window's highest recommendation falls tick by tick, and each tick would be a decision.
 SCALE_DOWN_PERIOD_SHARE = 0.5
-# Without a scale-down window in the spec, the policy holds pods after the load falls for this many
-# pod starts (measured from its own scale-ups, else pod_start_s), within these bounds: a pod
-# released too early comes back only a start later, so the faster pods start the sooner spare ones
-# may go (docs/autoscaling.md: chosen on held-out traces against 8 and 16 starts and a fixed 600 s).
-SCALE_DOWN_WINDOW_STARTS = 12.0
-SCALE_DOWN_WINDOW_BOUNDS_S = (120.0, 600.0)
 # A queue's backlog is load to serve within this long, on top of the arrivals.
 BACKLOG_DRAIN_S = 60.0
 # Scale down only while p95 time to first token is at most this share of its target.
@@ -81,8 +75,7 @@ class ScalingTargets:
     target_utilization: float = 0.7
     scale_down_idle_fraction: float = 0.5
     scale_up_stabilization_s: float = 0.0
-    # None: SCALE_DOWN_WINDOW_STARTS pod starts (scale_down_window_s)
-    scale_down_stabilization_s: float | None = None
+    scale_down_stabilization_s: float = 600.0
     max_scale_up_step: int = 4
     max_scale_down_step: int = 2
     max_num_seqs: int = 256
@@ -318,21 +311,9 @@ def _remember_saturation(state: ScalingState, window: MetricsWindow, pods: int, 
     return replace(state, saturated_tokens_per_pod=remembered, saturated=saturated)
 
 
-def scale_down_window_s(targets: ScalingTargets, state: ScalingState) -> float:
-    """The scale-down stabilisation window: the spec's, else as many pod starts as
-    SCALE_DOWN_WINDOW_STARTS (the slowest start of the policy's last scale-ups), within bounds."""
-    if targets.scale_down_stabilization_s is not None:
-        return targets.scale_down_stabilization_s
-    low, high = SCALE_DOWN_WINDOW_BOUNDS_S
-    return min(max(SCALE_DOWN_WINDOW_STARTS * state.bursts.start_s(targets.pod_start_s), low), high)
-
-
 def _record(state: ScalingState, now: float, raw: int, targets: ScalingTargets) -> ScalingState:
     """Add a raw recommendation to the history the stabilisation windows read."""
-    down = targets.scale_down_stabilization_s
-    # a derived window moves with the measured start: keep what its longest could read
-    down_horizon = SCALE_DOWN_WINDOW_BOUNDS_S[1] if down is None else down
-    horizon = max(targets.scale_up_stabilization_s, down_horizon)
+    horizon = max(targets.scale_up_stabilization_s, targets.scale_down_stabilization_s)
     history = tuple((t, r) for t, r in state.recommendations if now - t <= horizon) + ((now, raw),)
     since = state.history_since if state.history_since is not None else now
     return replace(state, recommendations=history, history_since=since)
@@ -493,21 +474,17 @@ def _stabilized(
     if raw < current:
         # Slow down: only to the highest recommendation of the whole down window, and only once
         # the history covers that window.
-        window = scale_down_window_s(targets, state)
-        if now - since < window:
-            note = f"{message}; scale-down window ({window:.0f}s) not yet observed"
-            return _hold(state, "Stabilizing", note)
-        period = SCALE_DOWN_PERIOD_SHARE * window
+        if now - since < targets.scale_down_stabilization_s:
+            return _hold(state, "Stabilizing", f"{message}; scale-down window not yet observed")
+        period = SCALE_DOWN_PERIOD_SHARE * targets.scale_down_stabilization_s
         if state.scaled_down_at is not None and now - state.scaled_down_at < period:
             return _hold(
                 state, "Stabilizing", f"{message}; scaled down {now - state.scaled_down_at:.0f}s ago"
             )
-        down_window = [r for t, r in history if now - t <= window]
+        down_window = [r for t, r in history if now - t <= targets.scale_down_stabilization_s]
         target = max(max(down_window), current - max(targets.max_scale_down_step, current // 2))
         if target >= current:
-            return _hold(
-                state, "Stabilizing", f"{message}; higher load within the scale-down window ({window:.0f}s)"
-            )
+            return _hold(state, "Stabilizing", f"{message}; higher load within the scale-down window")
         new_state = replace(state, current_replicas=target, scaled_down_at=now)
         return Decision("ScaleDown", target, reason, message, new_state)
 

@@ -35,8 +35,7 @@ from tandem.bench.autoscale.scalers import (
 )
 from tandem.bench.autoscale.sim import Run, Setup, simulate
 from tandem.bench.autoscale.trace import make_trace, shape
-from tandem.operator import policy
-from tandem.operator.policy import SCALE_DOWN_WINDOW_STARTS, ScalingTargets
+from tandem.operator.policy import ScalingTargets
 from tandem.operator.spec import parse_spec
 
 SLO_ATTAINMENT = 0.99
@@ -68,10 +67,9 @@ def _tandem(target: float | None, setup: Setup) -> Scaler:
         crd_defaults(setup),
         cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling,
         burst_headroom=setup.tandem_burst_headroom,
-        scale_down_stabilization_s=setup.tandem_scale_down_window_s,
     )
-    # a what-if of the policy's constant, in this process (a cell runs in one): set for every cell
-    policy.SCALE_DOWN_WINDOW_STARTS = setup.tandem_scale_down_window_starts or SCALE_DOWN_WINDOW_STARTS
+    if setup.tandem_scale_down_window_s is not None:
+        targets = replace(targets, scale_down_stabilization_s=setup.tandem_scale_down_window_s)
     if target is not None:
         targets = replace(targets, target_utilization=target)
     return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)
