@@ -140,10 +140,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)
     configs = {*ENGINE_CONFIGS, KernelConfig(tile=16), KernelConfig(tile=64, stages=2, new_after_loop=True),
-               KernelConfig(tile=64, single_split_direct=True),
-               # two KV heads a program (the token substituted into its tile, and after the loop)
-               KernelConfig(tile=16, kv_heads=2),
-               KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, kv_heads=2)}
+               KernelConfig(tile=64, single_split_direct=True)}
     outs = {}
     for splits in {1, step_sized, 32, Splits(1, 32), Splits(2, 5)}:
         for config in configs:

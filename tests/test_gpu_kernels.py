@@ -99,18 +99,14 @@ def _check_kernel(
     # every configuration the engine picks, and (bf16) a tile smaller than a block (tiles that
     # split blocks), a merge in one warp per program, merges of several heads per program (fewer
     # than a sequence's or not dividing them), the step's own token after the loop, and a
-    # one-split sequence's output written by its program, the merge skipping it, and two or four KV
-    # heads a program (the token substituted into its tile, and after the loop; the sweeps':
+    # one-split sequence's output written by its program, the merge skipping it (the sweeps':
     # bench/kernels/profile_gpu.py)
     extra = {KernelConfig(tile=16), KernelConfig(merge_warps=1), KernelConfig(merge_heads=4),
              KernelConfig(merge_heads=32, merge_warps=2),
              KernelConfig(tile=64, stages=2, new_after_loop=True),
              KernelConfig(tile=32, stages=3, new_after_loop=True),
              KernelConfig(tile=64, single_split_direct=True),
-             KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, merge_heads=4),
-             KernelConfig(tile=16, kv_heads=2),
-             KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, kv_heads=2),
-             KernelConfig(tile=32, stages=2, new_after_loop=True, kv_heads=4)}
+             KernelConfig(tile=64, stages=2, new_after_loop=True, single_split_direct=True, merge_heads=4)}
     configs = {*ENGINE_CONFIGS} | (extra if dtype == torch.bfloat16 else set())
     # and a split of other than the engine's tokens (the grid sweep's: bench/kernels/profile_gpu.py)
     for splits in {1, step_sized, table_sized, 32, Splits(1, 32), Splits(2, 5), Splits(2, 64, tokens=256)}:

@@ -217,17 +217,12 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
     KernelConfig(tile, stages, 4, new_after_loop=True) for tile in (32, 64) for stages in (1, 2, 3, 4)
 ] + [  # the new token after the loop in 1- and 2-warp programs (fewer or no cross-warp reductions)
     KernelConfig(tile, 2, warps, new_after_loop=True) for tile in (16, 32, 64) for warps in (1, 2)
-] + [  # two or four KV heads a program: each program's bytes times as many, one table read for them
-    KernelConfig(tile, stages, warps, new_after_loop=True, kv_heads=heads)
-    for heads, tile, stages, warps in itertools.product((2, 4), (32, 64), (1, 2, 3), (4, 8))
 ]
 
 
 # a mixed step's decode rows launch the kernel reading the cache only (no new K/V: the prompt
 # step's write kernel stored it), which compiles to fewer registers (`tandem bench kernel-resources`)
-CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)] + [
-    KernelConfig(tile, stages, warps, kv_heads=2)
-    for tile, stages, warps in itertools.product((32, 64), (1, 2), (4, 8))]
+CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
 # an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too
@@ -267,7 +262,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop, "kv_heads": config.kv_heads,
+                   "new_after_loop": config.new_after_loop,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -281,7 +276,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     reference = cache_only(chosen).float()
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
-               "warps": config.warps, "new_after_loop": config.new_after_loop, "kv_heads": config.kv_heads,
+               "warps": config.warps, "new_after_loop": config.new_after_loop,
                "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
@@ -651,11 +646,11 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
         shown += [r for r in step if r["chosen"] and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "KV heads", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r["kv_heads"], r["chosen"],
+                               r["warps"], r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

@@ -55,10 +55,8 @@ class KernelConfig:
     frees registers and lets Triton pipeline them); whether a sequence whose context takes one
     split, in a grid of several, gets its output from that split's program (the merge then skips
     it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
-    merge of one partial); the merge's warps per program and query heads per program (one
-    sequence's: more heads, fewer and larger programs); and how many KV heads one split program
-    reads (`kv_heads`: their rows side by side in a tile, one block-table read for them all;
-    where it does not divide the model's KV heads, one)."""
+    merge of one partial); and the merge's warps per program and query heads per program (one
+    sequence's: more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
@@ -67,7 +65,6 @@ class KernelConfig:
     merge_heads: int = 1
     new_after_loop: bool = False
     single_split_direct: bool = False
-    kv_heads: int = 1
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to

@@ -3,9 +3,6 @@
 Each program takes one (sequence, KV head, context split) and walks that split of the sequence's
 context one tile of tokens at a time (several cache blocks, found through the block table), for
 all the query heads that share the KV head (grouped-query attention reads each K/V tile once).
-A configuration may give a program several KV heads (`KernelConfig.kv_heads`): their rows side by
-side in one tile, each query row zero outside its own head's columns, so the same two products
-serve them all, with one block-table read and a wider row of K/V per token.
 A longer context gets more splits, within the grid's, so that few long sequences still keep every
 multiprocessor reading. In a decode step the kernel also writes the step's new K/V into the cache:
 one launch, not three; where the deferred model leaves the rotary embedding to it, it rotates Q and
@@ -58,17 +55,16 @@ def _tile_range(tokens, split, splits, TILE: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, cols, stride_tb, stride_ks, stride_kh,
+def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, stride_ks, stride_kh,
                BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, OFFSET_I64: tl.constexpr):
-    """One tile of a sequence's K and V from KV head `kvh` on, [TILE, columns] each (`cols`: each
-    column's offset in a slot past that head's: its dimensions, or several heads' side by side),
-    positions past `tokens` zero: a tile spans several cache blocks, each token finds its block
-    through the table. -> positions, which of them are live, K, V."""
+    """One tile of a sequence's K and V for one KV head, [TILE, head_dim] each, positions past
+    `tokens` zero: a tile spans several cache blocks, each token finds its block through the
+    table. -> positions, which of them are live, K, V."""
     pos = tile * TILE + t
     live = pos < tokens
     block = tl.load(table_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=live, other=0)
     slots = _slots(block, pos, BLOCK_SIZE, OFFSET_I64)
-    kv_off = slots[:, None] * stride_ks + kvh * stride_kh + cols[None, :]
+    kv_off = slots[:, None] * stride_ks + kvh * stride_kh + d[None, :]
     k = tl.load(k_ptr + kv_off, mask=live[:, None], other=0.0)
     v = tl.load(v_ptr + kv_off, mask=live[:, None], other=0.0)
     return pos, live, k, v
@@ -150,10 +146,9 @@ def _decode_split_kernel(
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    KV_HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1) * KV_HEADS  # this program's first KV head
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
     # each sequence's tiles are spread evenly over its splits, whatever its length
@@ -167,61 +162,43 @@ def _decode_split_kernel(
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, TILE)
     heads = kvh * GROUP + g
-    g_ok = g < GROUP * KV_HEADS
+    g_ok = g < GROUP
     new_pos = ctx_len - 1
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    # KV_HEADS > 1: the program's heads side by side, [TILE, KV_HEADS * HEAD_DIM] a tile; each query
-    # row holds its query in its own KV head's columns and zeros in the others', so one product
-    # gives every row its scores against its own head, and P.V its output in its head's columns
-    c = tl.arange(0, KV_HEADS * HEAD_DIM)
-    if KV_HEADS == 1:
-        dim = d
-        cols = d
-        col_head = 0  # each column's KV head past the first
-        q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
-    else:
-        dim = c % HEAD_DIM
-        col_head = c // HEAD_DIM
-        cols = col_head * stride_kh + dim  # each column's offset in a slot, past the first head's
-        own = col_head[None, :] == (g // GROUP)[:, None]
-        q = tl.load(q_rows + dim[None, :], mask=g_ok[:, None] & own, other=0.0)
+    q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
     if KV_FP8:  # the layer's scales (0-d tensors: set in place, read by captured graphs)
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     if ROTARY:  # Q (and below, the new K) rotated at the new token's position
         dtype = q_ptr.dtype.element_ty
-        cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, dim, HEAD_DIM, dtype)
-        if KV_HEADS == 1:
-            q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
-        else:
-            q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None] & own, other=0.0)
+        cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
+        q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
         q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
     if STORE_NEW:
         # the step's own K/V: one program writes it to the cache (no program reads that slot this
         # step) and uses it from registers: the program whose tiles hold its position substitutes
         # it into that tile; or (NEW_AFTER_LOOP) the last split, whose tiles may be none, takes its
         # score now and the token into its running softmax after its tiles
-        new_k_row = new_k_ptr + b * stride_nkb + (kvh + col_head) * stride_nkh
-        new_k = tl.load(new_k_row + dim)
+        new_k_row = new_k_ptr + b * stride_nkb + kvh * stride_nkh
+        new_k = tl.load(new_k_row + d)
         if ROTARY:  # with Q's cos and sin
             k_pair = tl.load(new_k_row + pair)
             new_k = new_k.to(tl.float32) * cos + sign * k_pair.to(tl.float32) * sin
             new_k = new_k.to(new_k_ptr.dtype.element_ty)  # the model's dtype, as its rotary's output
         if KV_FP8:
             new_k = quantize(new_k, k_scale, k_ptr.dtype.element_ty)
-            new_v = quantize(tl.load(new_v_ptr + b * stride_nvb + (kvh + col_head) * stride_nvh + dim),
-                             v_scale, v_ptr.dtype.element_ty)
+            new_v = quantize(tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d), v_scale,
+                              v_ptr.dtype.element_ty)
         else:
             new_k = new_k.to(k_ptr.dtype.element_ty)
-            new_v_row = new_v_ptr + b * stride_nvb + (kvh + col_head) * stride_nvh
-            new_v = tl.load(new_v_row + dim).to(v_ptr.dtype.element_ty)
+            new_v = tl.load(new_v_ptr + b * stride_nvb + kvh * stride_nvh + d).to(v_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:
             owner = split == splits - 1
         else:
             owner = (new_pos // TILE >= first_tile) & (new_pos // TILE < last_tile)
-        new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + cols
-        tl.store(k_ptr + new_off, new_k, mask=owner & (dim < HEAD_DIM))
-        tl.store(v_ptr + new_off, new_v, mask=owner & (dim < HEAD_DIM))
+        new_off = tl.load(slot_ptr + b).to(tl.int64) * stride_ks + kvh * stride_kh + d
+        tl.store(k_ptr + new_off, new_k, mask=owner & (d < HEAD_DIM))
+        tl.store(v_ptr + new_off, new_v, mask=owner & (d < HEAD_DIM))
         if KV_FP8:  # from here on, as the cached tiles are read
             new_k = dequantize(new_k, k_scale, q_ptr.dtype.element_ty)
             new_v = dequantize(new_v, v_scale, q_ptr.dtype.element_ty)
@@ -230,9 +207,9 @@ def _decode_split_kernel(
             s_new = tl.where(owner, s_new, float("-inf"))
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, KV_HEADS * HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for tile in tl.range(first_tile, last_tile):
-        pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, cols, stride_tb,
+        pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
         if KV_FP8:
             k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
@@ -252,9 +229,6 @@ def _decode_split_kernel(
         lsum = lsum * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
-    if KV_HEADS > 1:  # each row's output: its own head's columns
-        mine = tl.arange(0, KV_HEADS)[None, :, None] == (g // GROUP)[:, None, None]
-        acc = tl.sum(tl.where(mine, tl.reshape(acc, [GROUP_PAD, KV_HEADS, HEAD_DIM]), 0.0), axis=1)
     # one split for every sequence (no merge launch), or for this one (the merge skips it)
     if DIRECT or (SINGLE_SPLIT_DIRECT and splits == 1):
         out = acc / lsum[:, None]
@@ -358,8 +332,6 @@ def paged_decode_attention(
     assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
     config = config or kernel_config(b)
     group = h // kv_heads
-    # KV heads a program takes: the configuration's where it divides the model's
-    heads_per_program = config.kv_heads if kv_heads % config.kv_heads == 0 else 1
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
     num_splits = splits.most
@@ -374,7 +346,7 @@ def paged_decode_attention(
             new_k, new_v = new_k.contiguous(), new_v.contiguous()
     else:  # unused pointers
         new_k, new_v, slot_mapping = k_cache, v_cache, ctx_lens
-    _decode_split_kernel[(b, kv_heads // heads_per_program, num_splits)](
+    _decode_split_kernel[(b, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -412,7 +384,7 @@ def paged_decode_attention(
         DIRECT=num_splits == 1,
         SPLIT_TOKENS=splits.tokens,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group * heads_per_program)),
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
         TILE=config.tile,
@@ -424,7 +396,6 @@ def paged_decode_attention(
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
-        KV_HEADS=heads_per_program,
         num_warps=config.warps,
         num_stages=config.stages,
     )
