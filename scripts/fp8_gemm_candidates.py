@@ -16,7 +16,9 @@ call reading another copy of the weights, so none comes warm from the L2), again
   programs as a narrow layer has strips of output channels (cuBLASLt's 128 x 128 tiles give the 8B
   shape's O and down projections 64 programs for 132 SMs at 256 rows: docs/quantization.md).
 
-CUDA only: `python scripts/fp8_gemm_candidates.py [--rows 1,4,16,32] [--out gemm.json]`.
+CUDA only: `python scripts/fp8_gemm_candidates.py [--rows 1,4,16,32] [--out gemm.json]`;
+`--accuracy --rows 64,256`: each kernel's product against the exact one, and the swapped kernel with
+its FP8 accumulation promoted to float32 every 32 or 128 products.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def _w8a16_kernel(x_ptr, w_ptr, ones_ptr, w_scale_ptr, out_ptr, partial_ptr, arr
 
 @triton.jit
 def _swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    IMPRECISE: tl.constexpr = None):
     """out^T tile [BLOCK_N, BLOCK_M] = W tile . X tile^T: both operands K-contiguous as they lie."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,7 +100,7 @@ def _swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, st
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE)
     acc = acc * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[:, None]
     acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[None, :]
     out = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
@@ -149,8 +152,11 @@ SWAPPED_CONFIGS = [  # (BLOCK_N, BLOCK_K, warps, stages); BLOCK_M follows the ro
 
 
 def swapped(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-            config: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """xq [M, K] e4m3 (scales xs [M, 1]) @ (weight [N, K] e4m3 * weight_scale [1, N])^T -> [M, N]."""
+            config: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16,
+            imprecise: int | None = None) -> torch.Tensor:
+    """xq [M, K] e4m3 (scales xs [M, 1]) @ (weight [N, K] e4m3 * weight_scale [1, N])^T -> [M, N].
+    `imprecise`: Triton's max_num_imprecise_acc (products added in the FP8 MMA's own accumulator
+    before they are added into float32; None: Triton's default)."""
     block_n, block_k, warps, stages = config
     m, k = xq.shape
     n = weight.shape[0]
@@ -158,8 +164,47 @@ def swapped(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_sca
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     _swapped_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         xq, weight, xs, weight_scale, out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, IMPRECISE=imprecise, num_warps=warps,
+        num_stages=stages)
     return out
+
+
+def accuracy(rows: list[int]) -> dict:
+    """Each kernel's product against the exact one (float64 over the same e4m3 operands and scales), as
+    a relative norm, and the swapped kernel's time, with Triton's FP8 accumulation as it defaults and
+    promoted into float32 every 32 or 128 products."""
+    result: dict = {}
+    config = (64, 256, 4, 4)
+    for name, (n, k) in LAYERS.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        wq, ws = quantize_rows(w)
+        ws = ws.reshape(1, n).contiguous()
+        copies = max(2, -(-4 * 2**30 // (8 * n * k)))
+        fp8_weights = [wq.clone() for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_rows(x)
+            exact = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
+
+            def error(got: torch.Tensor, exact=exact) -> float:
+                return ((got.double() - exact).norm() / exact.norm()).item()
+
+            row = {"scaled_mm_rowwise": error(torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                               out_dtype=torch.float32)),
+                   "engine_kernel": error(fp8_gemm(xq, xs, wq, ws, torch.float32))}
+            for imprecise in (None, 128, 32):
+                key = f"swapped_imprecise_{imprecise}"
+                row[key] = error(swapped(xq, xs, wq, ws, config, torch.float32, imprecise))
+
+                def calls(q=(xq, xs, ws), imprecise=imprecise, weights=fp8_weights) -> None:
+                    for weight in weights:
+                        swapped(q[0], q[1], weight, q[2], config, imprecise=imprecise)
+                row[f"{key}_us"] = round(1e3 * do_bench_cudagraph(calls, rep=30, return_mode="median")
+                                         / len(fp8_weights), 2)
+            result[f"{name} {n}x{k}, {m} rows"] = row
+            print(f"{name} {n}x{k}, {m:3d} rows: " + ", ".join(f"{key} {v:.3g}" for key, v in row.items()),
+                  flush=True)
+    return result
 
 
 def w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: GemmConfig,
@@ -183,8 +228,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,16,32")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--accuracy", action="store_true",
+                    help="each kernel's distance from the exact product; the swapped kernel's accumulation")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.accuracy:
+        result = {"gpu": torch.cuda.get_device_name(),
+                  "accuracy": accuracy([int(r) for r in a.rows.split(",")])}
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = [GemmConfig(bn, bk, 4, 4, sk)
                for bn, bk, sk in itertools.product((32, 64), (128, 256), (1, 2, 4))]
