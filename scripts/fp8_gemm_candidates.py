@@ -11,10 +11,11 @@ call reading another copy of the weights, so none comes warm from the L2), again
   CUDA cores.
 - `torch._scaled_mm` row-wise (CUTLASS).
 - `tiled` (from 64 rows): the usual 2-D tiles, 64 or 128 rows a program.
-- `swapped` (from 64 rows): the product taken as W . X^T, the layer's output channels on the tensor
-  cores' wide side and the rows on their narrow side, so that a step of 64-256 rows gets as many
-  programs as a narrow layer has strips of output channels (cuBLASLt's 128 x 128 tiles give the 8B
-  shape's O and down projections 64 programs for 132 SMs at 256 rows: docs/quantization.md).
+- `swapped` (from 64 rows; the engine's from 33 rows, triton_fp8_gemm_swapped.py): the product
+  taken as W . X^T, the layer's output channels on the tensor cores' wide side and the rows on their
+  narrow side, so that a step of 64-256 rows gets as many programs as a narrow layer has strips of
+  output channels (cuBLASLt's 128 x 128 tiles give the 8B shape's O and down projections 64
+  programs for 132 SMs at 256 rows: docs/quantization.md).
 
 CUDA only: `python scripts/fp8_gemm_candidates.py [--rows 1,4,16,32] [--out gemm.json]`;
 `--accuracy --rows 64,256`: each kernel's product against the exact one, and the swapped kernel with
@@ -42,6 +43,7 @@ from tandem.service.engine.ops.triton_fp8_gemm import (
     default_config,
     fp8_gemm,
 )
+from tandem.service.engine.ops.triton_fp8_gemm_swapped import SwappedConfig, fp8_gemm_swapped
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -81,30 +83,6 @@ def _w8a16_kernel(x_ptr, w_ptr, ones_ptr, w_scale_ptr, out_ptr, partial_ptr, arr
         total, last = _sum_of_splits(acc, rm, rn, m_ok, n_ok, partial_ptr, arrivals_ptr, M, N, SPLIT_K)
         if last:
             _scale_and_store(total, rm, rn, m_ok, n_ok, ones_ptr, w_scale_ptr, out_ptr, stride_om)
-
-
-@triton.jit
-def _swapped_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    IMPRECISE: tl.constexpr = None):
-    """out^T tile [BLOCK_N, BLOCK_M] = W tile . X tile^T: both operands K-contiguous as they lie."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok, m_ok = rn < N, rm < M
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=IMPRECISE)
-    acc = acc * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[:, None]
-    acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[None, :]
-    out = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -154,19 +132,9 @@ SWAPPED_CONFIGS = [  # (BLOCK_N, BLOCK_K, warps, stages); BLOCK_M follows the ro
 def swapped(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             config: tuple[int, int, int, int], out_dtype: torch.dtype = torch.bfloat16,
             imprecise: int | None = None) -> torch.Tensor:
-    """xq [M, K] e4m3 (scales xs [M, 1]) @ (weight [N, K] e4m3 * weight_scale [1, N])^T -> [M, N].
-    `imprecise`: Triton's max_num_imprecise_acc (products added in the FP8 MMA's own accumulator
-    before they are added into float32; None: Triton's default)."""
-    block_n, block_k, warps, stages = config
-    m, k = xq.shape
-    n = weight.shape[0]
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    _swapped_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        xq, weight, xs, weight_scale, out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, IMPRECISE=imprecise, num_warps=warps,
-        num_stages=stages)
-    return out
+    """The engine's swapped kernel (triton_fp8_gemm_swapped.py) at `config`, (BLOCK_N, BLOCK_K, warps,
+    stages); `imprecise`: Triton's max_num_imprecise_acc (None: Triton's default)."""
+    return fp8_gemm_swapped(xq, xs, weight, weight_scale, out_dtype, SwappedConfig(*config, imprecise))
 
 
 def accuracy(rows: list[int]) -> dict:

@@ -1,7 +1,8 @@
-"""The small-row FP8 GEMM kernel on Triton's CPU interpreter, in float32 (the interpreter's bf16
-products are wrong: test_fp8_kv_cache.py says so): quantized rows times e4m3 weights, with and
-without split-K, against float32 references on the same e4m3 operands.
-`make test` runs this file with TRITON_INTERPRET=1; test_gpu_fp8_gemm.py covers the GPU."""
+"""The FP8 GEMM kernels of a decode step's rows (the few-row and the swapped one) on Triton's CPU
+interpreter, in float32 (the interpreter's bf16 products are wrong: test_fp8_kv_cache.py says so):
+quantized rows times e4m3 weights, with and without split-K, against float32 references on the
+same e4m3 operands. `make test` runs this file with TRITON_INTERPRET=1; test_gpu_fp8_gemm.py covers
+the GPU."""
 
 from __future__ import annotations
 
@@ -50,3 +51,18 @@ def test_a_scale_forgotten_would_show():
     for wrong in (unscaled, unscaled * xs, unscaled * ws):
         assert not torch.allclose(got, wrong, rtol=1e-2)
     torch.testing.assert_close(got, unscaled * xs * ws, rtol=1e-5, atol=1e-5 * unscaled.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [33, 130])
+def test_swapped_kernel_takes_rows_times_e4m3_weights(m):
+    """W . X^T, its output stored back as [rows, channels]; 130 rows take two row programs, 40 channels
+    a partial strip of 16, 272 a partial K step: every mask at work."""
+    from tandem.service.engine.ops.triton_fp8_gemm_swapped import SwappedConfig, fp8_gemm_swapped
+
+    torch.manual_seed(m)
+    wq, ws = _weights(40, 272)
+    xq, xs = quantize_rows(torch.randn(m, 272) * torch.linspace(0.1, 10.0, m)[:, None])
+    got = fp8_gemm_swapped(xq, xs, wq, ws, torch.float32, SwappedConfig(16, 128, 4, 1))
+    assert got.shape == (m, 40)
+    expected = (xq.float() * xs) @ (wq.float() * ws.t()).t()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

@@ -19,6 +19,7 @@ from tandem.service.engine.ops.fp8_linear import (
     FP8_MAX,
     Fp8Linear,
     compute_dtype,
+    gemm_kernel,
     quantize_linears,
     quantize_rows,
 )
@@ -68,6 +69,18 @@ def test_layers_of_a_bad_kind_are_refused():
         Fp8Linear(torch.zeros(16, 16), torch.ones(16), None)
     with pytest.raises(ValueError, match="weight scales"):
         Fp8Linear(torch.zeros(16, 16).to(FP8), torch.ones(8), None)
+
+
+def test_a_steps_rows_choose_the_gemm_kernel_by_row_count_and_layer_shape():
+    """Few rows to the few-row kernel, 33-128 to the swapped one, up to 256 the swapped one only for
+    layers no wider than deep (the 8B shape's O and down projections), more to torch._scaled_mm."""
+    qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+    for layer in (qkv, o, gate_up, down):
+        assert [gemm_kernel(m, *layer) for m in (1, 32, 33, 64, 128)] == ["few_rows"] * 2 + ["swapped"] * 3
+        assert gemm_kernel(257, *layer) == gemm_kernel(8192, *layer) == "scaled_mm"
+    assert [gemm_kernel(256, *layer) for layer in (qkv, o, gate_up, down)] == [
+        "scaled_mm", "swapped", "scaled_mm", "swapped"]
+    assert gemm_kernel(129, *qkv) == "scaled_mm" and gemm_kernel(129, *o) == "swapped"
 
 
 def _tiny(family: str = "llama") -> torch.nn.Module:

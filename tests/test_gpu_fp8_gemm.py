@@ -1,12 +1,13 @@
-"""The FP8 GEMM of a decode step's few rows (Triton) and the scaled-GEMM op's choice of kernel,
-against float32 references on the same e4m3 operands (on a GPU: -m gpu)."""
+"""The FP8 GEMMs of a decode step's rows (Triton: the few-row and the swapped kernel) and the
+scaled-GEMM op's choice of kernel, against float32 references on the same e4m3 operands (on a GPU:
+-m gpu)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.service.engine.ops.fp8_linear import SMALL_ROWS, Fp8Linear, quantize_rows, scaled_mm
+from tandem.service.engine.ops.fp8_linear import SMALL_ROWS, Fp8Linear, gemm_kernel, quantize_rows, scaled_mm
 
 pytestmark = pytest.mark.gpu
 
@@ -58,20 +59,54 @@ def test_split_k_gives_the_same_bits_every_launch(split_k):
     torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("m", [1, SMALL_ROWS, SMALL_ROWS + 1, 300])
-def test_op_gives_the_same_product_either_side_of_its_kernel_choice(m):
-    xq, xs, wq, ws = _operands(m, 4096, 4096)
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+# The swapped kernel's programs are the size of Hopper's FP8 wgmma, which adds products in an
+# accumulator of fewer bits than float32 until Triton promotes them (max_num_imprecise_acc):
+# its distance from the float32 product, as a share of the product's norm (docs/quantization.md
+# measures it; a wrong mask, index or scale is off by tens of percent)
+SWAPPED_ERROR = {None: 5e-3, 128: 1e-3, 32: 1e-3}
+# (block_n, block_k, warps, stages, imprecise_acc); None: the engine's default
+SWAPPED_CONFIGS = [None, (128, 128, 8, 4, None), (64, 128, 4, 3, None), (64, 256, 4, 4, 128),
+                   (64, 256, 4, 4, 32)]
+
+
+@pytest.mark.parametrize("m", [33, 64, 100, 128, 129, 256])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (48, 272), (28672, 4096)])
+@pytest.mark.parametrize("config", SWAPPED_CONFIGS)
+def test_swapped_kernel_matches_reference(m, n, k, config):
+    from tandem.service.engine.ops.triton_fp8_gemm_swapped import SwappedConfig, fp8_gemm_swapped
+
+    config = SwappedConfig(*config) if config else SwappedConfig()
+    xq, xs, wq, ws = _operands(m, n, k)
+    got = fp8_gemm_swapped(xq, xs, wq, ws, torch.float32, config)
+    assert _relative_error(got, _reference(xq, xs, wq, ws)) < SWAPPED_ERROR[config.imprecise_acc]
+    assert fp8_gemm_swapped(xq, xs, wq, ws, torch.bfloat16, config).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("m", [1, SMALL_ROWS, SMALL_ROWS + 1, 128, 129, 256, 257, 300])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (6144, 4096)])
+def test_op_gives_the_same_product_either_side_of_its_kernel_choices(m, n, k):
+    from tandem.service.engine.ops.triton_fp8_gemm_swapped import SwappedConfig
+
+    xq, xs, wq, ws = _operands(m, n, k)
     got = scaled_mm(xq, xs, wq, ws, torch.float32)
     expected = _reference(xq, xs, wq, ws)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
+    if gemm_kernel(m, n, k) == "swapped":
+        assert _relative_error(got, expected) < SWAPPED_ERROR[SwappedConfig().imprecise_acc]
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
 
 
-def test_layer_in_a_compiled_graph_and_a_cuda_graph():
+@pytest.mark.parametrize("m", [8, 64])  # the few-row kernel, the swapped one
+def test_layer_in_a_compiled_graph_and_a_cuda_graph(m):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4096, 6144, bias=False, device="cuda", dtype=torch.bfloat16)
     layer = Fp8Linear.quantize(lin)
     compiled = torch.compile(layer, dynamic=False)
-    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     eager = layer(x)
     torch.testing.assert_close(compiled(x), eager, rtol=2e-2, atol=2e-2)
     graph = torch.cuda.CUDAGraph()

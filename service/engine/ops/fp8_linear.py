@@ -7,9 +7,9 @@ the bf16 rate. The scheme is what published "FP8-dynamic" checkpoints hold (comp
 float-quantized weights, channel strategy; dynamic per-token activations), so a checkpoint's
 weights and a bf16 model quantized at load run the same layer. The activation's quantization is
 plain torch: torch.compile fuses it into the kernels around it, and CUDA graphs capture it.
-The GEMM: on CUDA a Triton kernel for a decode step's few rows (triton_fp8_gemm.py) and
-`torch._scaled_mm` for more; on the CPU `torch._scaled_mm`'s reference implementation (slow, for
-tests and accuracy runs).
+The GEMM: on CUDA Triton kernels for a decode step's rows (triton_fp8_gemm.py up to 32 rows,
+triton_fp8_gemm_swapped.py up to 128 or 256) and `torch._scaled_mm` for more; on the CPU
+`torch._scaled_mm`'s reference implementation (slow, for tests and accuracy runs).
 """
 
 from __future__ import annotations
@@ -37,10 +37,23 @@ def fits_fp8_gemm(linear: nn.Linear) -> bool:
     return linear.in_features % GEMM_MULTIPLE == 0 and linear.out_features % GEMM_MULTIPLE == 0
 
 
-# CUDA: up to this many rows (a decode step's batch) the Triton kernel, which streams the weights
-# once (one program's rows: triton_fp8_gemm.MAX_BLOCK_M); more rows go to torch._scaled_mm's tiled
-# kernels, as fast from 32 rows up (docs/quantization.md)
+# CUDA: up to SMALL_ROWS rows (a decode step's batch) the few-row kernel, which streams the
+# weights once (one program's rows: triton_fp8_gemm.MAX_BLOCK_M); up to SWAPPED_ROWS the swapped
+# kernel (triton_fp8_gemm_swapped.py), and up to SWAPPED_NARROW_ROWS for layers no wider than deep
+# (the O and down projections, whose few output tiles leave cuBLASLt's grid short of the SMs); more
+# rows to torch._scaled_mm's tiled kernels (docs/quantization.md measures each layer at 1-256 rows)
 SMALL_ROWS = 32
+SWAPPED_ROWS = 128
+SWAPPED_NARROW_ROWS = 256
+
+
+def gemm_kernel(m: int, n: int, k: int) -> str:
+    """The kernel an [m, k] x [n, k]^T FP8 product runs on CUDA: "few_rows", "swapped" or "scaled_mm"."""
+    if m <= SMALL_ROWS:
+        return "few_rows"
+    if m <= SWAPPED_ROWS or (m <= SWAPPED_NARROW_ROWS and n <= k):
+        return "swapped"
+    return "scaled_mm"
 
 
 @torch.library.custom_op("tandem::fp8_scaled_mm", mutates_args=())
@@ -53,10 +66,15 @@ def scaled_mm(
 ) -> torch.Tensor:
     """-> [M, N] = (x @ weight^T) * x_scale * weight_scale in `out_dtype`. An opaque op, so that the
     choice of kernel follows each call's row count, also in a graph compiled for any token count."""
-    if x.is_cuda and x.shape[0] <= SMALL_ROWS:
+    kernel = gemm_kernel(x.shape[0], *weight.shape) if x.is_cuda else "scaled_mm"
+    if kernel == "few_rows":
         from .triton_fp8_gemm import fp8_gemm
 
         return fp8_gemm(x, x_scale, weight, weight_scale, out_dtype)
+    if kernel == "swapped":
+        from .triton_fp8_gemm_swapped import fp8_gemm_swapped
+
+        return fp8_gemm_swapped(x, x_scale, weight, weight_scale, out_dtype)
     # weight.t(): the column-major [K, N] operand the scaled GEMM takes
     return torch._scaled_mm(x, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype)
 
