@@ -47,6 +47,13 @@ COST_PACKING = 0.1
 # At most one scale-down per this share of the scale-down window: as load falls after a burst,
 # the window's highest recommendation falls tick by tick, and each tick would be a decision.
 SCALE_DOWN_PERIOD_SHARE = 0.5
+# Without a scale-down window in the spec, the policy holds pods after the load falls for this many
+# pod starts (measured from its own scale-ups, else pod_start_s), within these bounds: a pod
+# released too early comes back only a start later, so the faster pods start the sooner spare ones
+# may go; below the HPA's 300 s the scaling events outgrow the calm target (docs/autoscaling.md,
+# "The scale-down window": 12 and 16 starts, 120-600 s and 300-600 s, on two sets of traces).
+SCALE_DOWN_WINDOW_STARTS = 16.0
+SCALE_DOWN_WINDOW_BOUNDS_S = (300.0, 600.0)
 # A queue's backlog is load to serve within this long, on top of the arrivals.
 BACKLOG_DRAIN_S = 60.0
 # Scale down only while p95 time to first token is at most this share of its target.
@@ -75,7 +82,9 @@ class ScalingTargets:
     target_utilization: float = 0.7
     scale_down_idle_fraction: float = 0.5
     scale_up_stabilization_s: float = 0.0
-    scale_down_stabilization_s: float = 600.0
+    # None: scale_down_window_starts pod starts, within SCALE_DOWN_WINDOW_BOUNDS_S (scale_down_window_s)
+    scale_down_stabilization_s: float | None = None
+    scale_down_window_starts: float = SCALE_DOWN_WINDOW_STARTS
     max_scale_up_step: int = 4
     max_scale_down_step: int = 2
     max_num_seqs: int = 256
@@ -311,9 +320,22 @@ def _remember_saturation(state: ScalingState, window: MetricsWindow, pods: int, 
     return replace(state, saturated_tokens_per_pod=remembered, saturated=saturated)
 
 
+def scale_down_window_s(targets: ScalingTargets, state: ScalingState) -> float:
+    """The scale-down stabilisation window: the spec's, else as many pod starts as
+    `scale_down_window_starts` (the slowest start of the policy's last scale-ups), within bounds."""
+    if targets.scale_down_stabilization_s is not None:
+        return targets.scale_down_stabilization_s
+    low, high = SCALE_DOWN_WINDOW_BOUNDS_S
+    starts = targets.scale_down_window_starts * state.bursts.start_s(targets.pod_start_s)
+    return min(max(starts, low), high)
+
+
 def _record(state: ScalingState, now: float, raw: int, targets: ScalingTargets) -> ScalingState:
     """Add a raw recommendation to the history the stabilisation windows read."""
-    horizon = max(targets.scale_up_stabilization_s, targets.scale_down_stabilization_s)
+    down = targets.scale_down_stabilization_s
+    # a derived window moves with the measured start: keep what its longest could read
+    down_horizon = SCALE_DOWN_WINDOW_BOUNDS_S[1] if down is None else down
+    horizon = max(targets.scale_up_stabilization_s, down_horizon)
     history = tuple((t, r) for t, r in state.recommendations if now - t <= horizon) + ((now, raw),)
     since = state.history_since if state.history_since is not None else now
     return replace(state, recommendations=history, history_since=since)
@@ -474,17 +496,21 @@ def _stabilized(
     if raw < current:
         # Slow down: only to the highest recommendation of the whole down window, and only once
         # the history covers that window.
-        if now - since < targets.scale_down_stabilization_s:
-            return _hold(state, "Stabilizing", f"{message}; scale-down window not yet observed")
-        period = SCALE_DOWN_PERIOD_SHARE * targets.scale_down_stabilization_s
+        window = scale_down_window_s(targets, state)
+        if now - since < window:
+            note = f"{message}; scale-down window ({window:.0f}s) not yet observed"
+            return _hold(state, "Stabilizing", note)
+        period = SCALE_DOWN_PERIOD_SHARE * window
         if state.scaled_down_at is not None and now - state.scaled_down_at < period:
             return _hold(
                 state, "Stabilizing", f"{message}; scaled down {now - state.scaled_down_at:.0f}s ago"
             )
-        down_window = [r for t, r in history if now - t <= targets.scale_down_stabilization_s]
+        down_window = [r for t, r in history if now - t <= window]
         target = max(max(down_window), current - max(targets.max_scale_down_step, current // 2))
         if target >= current:
-            return _hold(state, "Stabilizing", f"{message}; higher load within the scale-down window")
+            return _hold(
+                state, "Stabilizing", f"{message}; higher load within the scale-down window ({window:.0f}s)"
+            )
         new_state = replace(state, current_replicas=target, scaled_down_at=now)
         return Decision("ScaleDown", target, reason, message, new_state)
 

@@ -210,19 +210,24 @@ def test_tandem_runs_with_the_crd_defaults():
     assert targets.cost_ceiling_usd_per_mtok == defaults.cost_ceiling_per_million_tokens_usd
     assert targets.scale_down_idle_fraction == defaults.scale_down_idle_fraction
     assert (targets.min_replicas, targets.max_replicas) == (2, 24)
-    assert targets.scale_down_stabilization_s == defaults.scale_down_stabilization_seconds
+    # unset in the CRD: the window follows the measured start
+    assert targets.scale_down_stabilization_s is None is defaults.scale_down_stabilization_seconds
 
 
-def test_the_scale_down_window_what_if_reaches_tandem_and_only_in_one_cell_runs():
+def test_the_scale_down_window_what_ifs_reach_tandem_and_only_in_one_cell_runs():
     from tandem.bench.autoscale import compare
+    from tandem.operator import policy
 
-    scaler = fair.BY_NAME["tandem_default"].make(None, Setup(tandem_scale_down_window_s=300.0))
-    assert scaler.targets.scale_down_stabilization_s == 300.0
-    default = fair.BY_NAME["tandem_default"].make(None, Setup())
-    assert default.targets.scale_down_stabilization_s == Scaling().scale_down_stabilization_seconds
+    scaler = fair.BY_NAME["tandem_default"].make(None, Setup(tandem_scale_down_window_s=600.0))
+    assert scaler.targets.scale_down_stabilization_s == 600.0
+    scaler = fair.BY_NAME["tandem_default"].make(None, Setup(tandem_scale_down_window_starts=8.0))
+    assert scaler.targets.scale_down_window_starts == 8.0
+    scaler = fair.BY_NAME["tandem_default"].make(None, Setup())  # the policy's own
+    assert scaler.targets.scale_down_window_starts == policy.SCALE_DOWN_WINDOW_STARTS == 16.0
+    assert scaler.targets.scale_down_stabilization_s is None
     with pytest.raises(SystemExit):
         compare.parse_args(["--scale-down-window-s", "600"])
-    assert compare.parse_args(["--one", "tandem_default", "--scale-down-window-s", "300"]).one
+    assert compare.parse_args(["--one", "tandem_default", "--scale-down-window-starts", "8"]).one
 
 
 def test_choose_takes_the_cheapest_target_within_the_slo():

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tandem.operator.policy import Decision, MetricsWindow, ScalingState, ScalingTargets, decide
+from tandem.operator.bursts import Bursts
+from tandem.operator.policy import (
+    SCALE_DOWN_WINDOW_BOUNDS_S,
+    SCALE_DOWN_WINDOW_STARTS,
+    Decision,
+    MetricsWindow,
+    ScalingState,
+    ScalingTargets,
+    decide,
+    scale_down_window_s,
+)
 
 TARGETS = ScalingTargets(
     min_replicas=1,
@@ -364,3 +374,27 @@ def test_a_cost_ceiling_packs_the_pods_a_little_and_says_when_it_cannot():
     d = run(capacity_window(4, 0.55, cost_per_mtok_usd=0.3), state(4), targets=targets)
     # at the target 4 pods are needed (4 x 0.55 / 0.7 = 3.1); packed to 0.77, 3 carry it
     assert (d.action, d.replicas, d.reason) == ("ScaleDown", 3, "CostAboveCeiling")
+
+
+def test_an_unset_scale_down_window_is_sixteen_measured_pod_starts_within_bounds():
+    """Unset in the spec, the window follows the pods' measured start (16 of them, 300-600 s): pods
+    that start fast may go sooner, never within the HPA's 300 s; before any start is measured, the
+    spec's pod start counts."""
+    derived = replace(TARGETS, scale_down_stabilization_s=None, pod_start_s=120.0)
+    assert SCALE_DOWN_WINDOW_STARTS == 16 and SCALE_DOWN_WINDOW_BOUNDS_S == (300.0, 600.0)
+    assert scale_down_window_s(derived, state()) == 600.0  # 16 x 120 s, at the upper bound
+    measured = [(24.0, 384.0), (30.0, 480.0), (5.0, 300.0), (15.0, 300.0), (45.0, 600.0)]
+    for start, expected in measured:
+        s = replace(state(), bursts=Bursts(starts=(start,)))
+        assert scale_down_window_s(derived, s) == expected
+        assert scale_down_window_s(TARGETS, s) == 300.0  # a window in the spec is the window
+    # the decisions follow it: pods that started in 24 s scale down once 384 s of quiet are seen
+    quiet = window(pods=4, requests_running=4.0, idle_fraction=0.9, kv_cache_usage=0.01)
+    s = replace(state(4, since=None), bursts=Bursts(starts=(24.0,)))
+    d = run(quiet, s, now=1000.0, targets=derived)
+    assert (d.action, d.reason) == ("Hold", "Stabilizing")
+    assert "(384s)" in d.message
+    d = run(replace(quiet, observed_at=1380.0), d.state, now=1380.0, targets=derived)
+    assert d.action == "Hold"
+    d = run(replace(quiet, observed_at=1385.0), d.state, now=1385.0, targets=derived)
+    assert d.action == "ScaleDown" and d.replicas == 2

@@ -56,7 +56,7 @@ def targets_st(draw: st.DrawFn) -> ScalingTargets:
         target_utilization=draw(st.floats(0.1, 1.0)),
         scale_down_idle_fraction=draw(st.floats(0.0, 1.0)),
         scale_up_stabilization_s=draw(st.sampled_from([0.0, 30.0, 120.0])),
-        scale_down_stabilization_s=draw(st.sampled_from([0.0, 60.0, 600.0])),
+        scale_down_stabilization_s=draw(st.sampled_from([0.0, 60.0, 600.0, None])),
         max_scale_up_step=draw(st.integers(1, 10)),
         max_scale_down_step=draw(st.integers(1, 10)),
         max_num_seqs=draw(st.integers(1, 512)),

@@ -117,10 +117,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--no-burst-headroom", action="store_true", help="Tandem with scaling.burstHeadroom off"
     )
     parser.add_argument("--scale-down-window-s", type=float, default=None,
-                        help="with --one: Tandem's scaling.scaleDownStabilizationSeconds (default 600)")
+                        help="with --one: Tandem's scaling.scaleDownStabilizationSeconds (unset: derived)")
+    parser.add_argument("--scale-down-window-starts", type=float, default=None,
+                        help="with --one: pod starts in a derived scale-down window (default: the policy's)")
     args = parser.parse_args(argv)
-    if args.scale_down_window_s is not None and not args.one:
-        parser.error("--scale-down-window-s is for --one runs (the comparison runs the CRD's defaults)")
+    window_options = args.scale_down_window_s is not None or args.scale_down_window_starts is not None
+    if window_options and not args.one:
+        parser.error("--scale-down-window-* are for --one runs (the comparison runs the CRD's defaults)")
     if args.cost_ceiling is not None and not args.one:
         parser.error("--cost-ceiling is for --one runs (the comparison runs the CRD's defaults)")
     if args.one and args.target is None and BY_NAME[args.one].grid:
@@ -134,7 +137,8 @@ def one_cell(args: argparse.Namespace, setup: Setup) -> int:
         cell = Cell(args.one, args.target, args.shape, args.seed, args.hours, start_s=start)
         _, run = run_cell(cell, setup)
         extra = {"tandem_cost_ceiling": args.cost_ceiling, "calibration": setup.pod.name,
-                 "tandem_scale_down_window_s": args.scale_down_window_s}
+                 "tandem_scale_down_window_s": args.scale_down_window_s,
+                 "tandem_scale_down_window_starts": args.scale_down_window_starts}
         print(json.dumps({"cell": asdict(cell), **extra, **run.summary}))
     return 0
 
@@ -156,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity_bias=args.capacity_bias,
         tandem_burst_headroom=not args.no_burst_headroom,
         tandem_scale_down_window_s=args.scale_down_window_s,
+        tandem_scale_down_window_starts=args.scale_down_window_starts,
     )
     if args.one:
         return one_cell(args, setup)

@@ -67,9 +67,10 @@ def _tandem(target: float | None, setup: Setup) -> Scaler:
         crd_defaults(setup),
         cost_ceiling_usd_per_mtok=setup.tandem_cost_ceiling,
         burst_headroom=setup.tandem_burst_headroom,
+        scale_down_stabilization_s=setup.tandem_scale_down_window_s,
     )
-    if setup.tandem_scale_down_window_s is not None:
-        targets = replace(targets, scale_down_stabilization_s=setup.tandem_scale_down_window_s)
+    if setup.tandem_scale_down_window_starts is not None:
+        targets = replace(targets, scale_down_window_starts=setup.tandem_scale_down_window_starts)
     if target is not None:
         targets = replace(targets, target_utilization=target)
     return TandemScaler(targets, setup.price_per_gpu_hour * setup.gpus_per_pod)
