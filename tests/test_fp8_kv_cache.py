@@ -172,9 +172,8 @@ def test_the_decode_op_attends_over_the_dequantized_cache(layout, dtype):
 # cannot run the store of the step's own K/V; test_gpu_fp8_kv.py covers all of them on a GPU.
 
 
-@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_the_decode_kernel_reads_an_fp8_cache(splits, heads_first):
+def test_the_decode_kernel_reads_an_fp8_cache(splits):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("run with TRITON_INTERPRET=1 (Triton reads it when it is first imported)")
@@ -189,7 +188,7 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits, heads_first):
     ref = decode_attention(q[0].transpose(0, 1), dequantize(cache.k[layer][slots_of], ks, torch.float32),
                            dequantize(cache.v[layer][slots_of], vs, torch.float32), mask, scale)
     out = paged_decode_attention(q[0].transpose(0, 1), cache.k[layer], cache.v[layer], table, lens, block,
-                                 scale, splits, config=KernelConfig(tile=32, heads_first=heads_first),
+                                 scale, splits, config=KernelConfig(tile=32),
                                  kv_scales=(ks, vs))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -214,18 +213,15 @@ def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():
     keys, values = dequantize(k[slots_of], ks, torch.float32), dequantize(v[slots_of], vs, torch.float32)
     ref = decode_attention(q, keys, values, live, scale)
     one = Splits(1, 1)
-    # each mode, tile and grid order once (warps and stages are the compiler's, not the interpreter's)
-    shapes = {(p.mode, p.tile, p.heads_first): p for p in parts(kv_fp8=True)}
-    assert {"dequant", "full", "fma"} <= {mode for mode, _, _ in shapes}
-    assert ("full", 64, True) in shapes
-    for (mode, tile, heads_first), part in shapes.items():
+    # each mode and tile once (warps and stages are the compiler's, not the interpreter's)
+    shapes = {(p.mode, p.tile): p for p in parts(kv_fp8=True)}
+    assert {"dequant", "full", "fma"} <= {mode for mode, _ in shapes}
+    for (mode, tile), part in shapes.items():
         if mode in WHOLE_LOOP:
             out = run_part(part, q, k, v, table, lens, block, scale, one, kv_scales=(ks, vs))[:, :, 0]
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
-                                       msg=f"{mode}, tile {tile}, heads first {heads_first}")
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=f"{mode}, tile {tile}")
     sums = ((keys + values) * live[:, :, None, None]).sum(1).repeat_interleave(q.shape[1] // k.shape[1], 1)
-    dequant = run_part(shapes["dequant", 32, False], q, k, v, table, lens, block, scale, one,
-                       kv_scales=(ks, vs))
+    dequant = run_part(shapes["dequant", 32], q, k, v, table, lens, block, scale, one, kv_scales=(ks, vs))
     torch.testing.assert_close(dequant[:, :, 0], sums, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="e4m3 cache"):
-        run_part(shapes["dequant", 32, False], q, k, v, table, lens, block, scale, one)
+        run_part(shapes["dequant", 32], q, k, v, table, lens, block, scale, one)

@@ -34,7 +34,6 @@ from tandem.service.engine.ops.decode_grid import Splits
 from tandem.service.engine.ops.triton_decode import (
     _attend_tile,
     _load_tile,
-    _sequence_and_head,
     _splits_of,
     _tile_range,
 )
@@ -77,9 +76,9 @@ def _anatomy_kernel(
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):
-    b, kvh = _sequence_and_head(HEADS_FIRST)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
     splits = _splits_of(ctx_len, least_splits, num_splits, SPLIT_TOKENS)
@@ -147,14 +146,12 @@ def _anatomy_kernel(
 class Part:
     """One configuration of the anatomy kernel: what it does (MODES), its tile, warps, and
     Triton's software-pipeline stages of the tile loop (the K/V of the next tiles loaded into
-    shared memory while the math runs on this one), and the grid's order (`heads_first`: one
-    sequence's KV heads launched together, as the engine's KernelConfig may ask)."""
+    shared memory while the math runs on this one)."""
 
     mode: str
     tile: int
     warps: int
     stages: int = 1
-    heads_first: bool = False
 
 
 def group_pad(mode: str, group: int) -> int:
@@ -183,8 +180,7 @@ def launch(
     kv_heads = k_cache.shape[1]
     group = h // kv_heads
     out = torch.zeros(b, h, splits.most, d, dtype=torch.float32, device=q.device)
-    grid = (kv_heads, b, splits.most) if part.heads_first else (b, kv_heads, splits.most)
-    kernel = _anatomy_kernel[grid](
+    kernel = _anatomy_kernel[(b, kv_heads, splits.most)](
         q,
         k_cache,
         v_cache,
@@ -212,7 +208,6 @@ def launch(
         TILE=part.tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=kv_scales is not None,
-        HEADS_FIRST=part.heads_first,
         num_warps=part.warps,
         num_stages=part.stages,
     )
@@ -248,8 +243,7 @@ def parts(kv_fp8: bool = False) -> list[Part]:
     engine runs; `fma` holds a [heads, tile, head_dim] product in registers, so its tiles are
     narrower. Then the loads and the whole loops software-pipelined, 2 to 4 stages deep. `kv_fp8`:
     over an e4m3 cache, its dequantization among the parts, and the loops 128-token tiles deep too
-    (an e4m3 tile takes half a bf16 one's shared memory). Last, the loads and the whole loop with
-    the grid in the other order."""
+    (an e4m3 tile takes half a bf16 one's shared memory)."""
     out = []
     for mode in (m for m in MODES if kv_fp8 or m not in FP8_ONLY):
         tiles = (16, 32) if mode == "fma" else (32, 64, 128)
@@ -259,7 +253,4 @@ def parts(kv_fp8: bool = False) -> list[Part]:
     for mode in pipelined:
         out += [Part(mode, tile, warps, stages)
                 for stages in (2, 3, 4) for tile in tiles for warps in (4, 8)]
-    # the loads and the whole loop with one sequence's KV heads launched together
-    out += [Part(mode, tile, 4, stages, heads_first=True)
-            for mode in ("read", "full") for tile in tiles[1:] for stages in (1, 2, 3)]
     return out

@@ -48,7 +48,6 @@ from tandem.service.contract import Request, SamplingParams
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_grid import (
-    ENGINE_CONFIGS,
     MAX_SPLITS,
     SPLIT_TOKENS,
     KernelConfig,
@@ -230,11 +229,6 @@ CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for sta
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
 
 
-def heads_first(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
-    """Each of `configs` with one sequence's KV heads launched together."""
-    return [dataclasses.replace(c, heads_first=True) for c in configs]
-
-
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
                         layouts: tuple[str, ...] = ("NHD",), kv_fp8: bool = False) -> list[dict]:
     """The split-K kernel alone on one layer's cache (writing the step's new K/V, as in a decode
@@ -257,11 +251,9 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
     chosen = kernel_config(batch)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
-    configs = FP8_KERNEL_CONFIGS if kv_fp8 else KERNEL_CONFIGS
-    # the grid's order tried on the engine's configurations (and an e4m3 cache's 128-token tiles)
-    wide = [c for c in configs if kv_fp8 and c.tile == 128 and c.new_after_loop]
-    configs = configs + heads_first([*ENGINE_CONFIGS, *wide])
-    cache_only_configs = CACHE_ONLY_CONFIGS + heads_first(CACHE_ONLY_CONFIGS)
+    configs, cache_only_configs = KERNEL_CONFIGS, CACHE_ONLY_CONFIGS
+    if kv_fp8:
+        configs = FP8_KERNEL_CONFIGS
     rows = []
     for layout, (k, v) in d.caches.items():
         def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
@@ -270,7 +262,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop, "heads_first": config.heads_first,
+                   "new_after_loop": config.new_after_loop,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -285,8 +277,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
-               "heads_first": config.heads_first, "least": step_splits.least, "most": step_splits.most,
-               "chosen": config == chosen}
+               "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
 
@@ -427,8 +418,7 @@ def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidt
                          "of_bandwidth": round(nbytes / seconds / bandwidth, 3), "max_diff": 0.0})
         for part in parts(kv_fp8):
             row = {"layout": layout, "mode": part.mode, "tile": part.tile, "warps": part.warps,
-                   "stages": part.stages, "heads_first": part.heads_first, "least": splits.least,
-                   "most": splits.most}
+                   "stages": part.stages, "least": splits.least, "most": splits.most}
 
             def call(part=part, k=k, v=v, splits=splits) -> torch.Tensor:
                 return run_part(part, q, k, v, table, lens, block, 0.1, splits, kv_scales=scales)
@@ -452,7 +442,7 @@ def fastest_parts(rows: list[dict]) -> list[dict]:
     the order they ran."""
     best: dict[tuple[str, str, bool], dict] = {}
     for r in rows:
-        key = (r["layout"], r["mode"], r["stages"] > 1, r.get("heads_first", False))
+        key = (r["layout"], r["mode"], r["stages"] > 1)
         if "us" in r and (key not in best or r["us"] < best[key]["us"]):
             best[key] = r
     return list(best.values())
@@ -656,11 +646,11 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
         shown += [r for r in step if r["chosen"] and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "heads first", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r.get("heads_first", False), r["chosen"],
+                               r["warps"], r["new_after_loop"], r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:
@@ -687,11 +677,10 @@ def anatomy_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: flo
         sweeps.save()
         print(f"decode kernel anatomy, batch {batch}, contexts {kind}: each part's fastest configuration, "
               "in one stage and pipelined")
-        headers = ["layout", "part", "tile", "warps", "stages", "heads first", "splits", "us (layer)",
-                   "of bandwidth", "max diff", "registers", "shared KiB", "resident per SM"]
+        headers = ["layout", "part", "tile", "warps", "stages", "splits", "us (layer)", "of bandwidth",
+                   "max diff", "registers", "shared KiB", "resident per SM"]
         print(markdown_table(headers, [
-            [r["layout"], r["mode"], r["tile"], r["warps"], r["stages"], r.get("heads_first", False),
-             f"{r['least']}-{r['most']}", r["us"],
+            [r["layout"], r["mode"], r["tile"], r["warps"], r["stages"], f"{r['least']}-{r['most']}", r["us"],
              f"{r['of_bandwidth']:.0%}", "-" if r["max_diff"] is None else f"{r['max_diff']:.2g}",
              r.get("registers", "-"), round(r["shared_bytes"] / 1024, 1) if "shared_bytes" in r else "-",
              r.get("resident_per_sm", "-")]

@@ -55,9 +55,8 @@ class KernelConfig:
     frees registers and lets Triton pipeline them); whether a sequence whose context takes one
     split, in a grid of several, gets its output from that split's program (the merge then skips
     it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
-    merge of one partial); the merge's warps per program and query heads per program (one
-    sequence's: more heads, fewer and larger programs); and the grid's order: sequences first, or
-    (`heads_first`) one sequence's KV heads launched together (they share each cache slot)."""
+    merge of one partial); and the merge's warps per program and query heads per program (one
+    sequence's: more heads, fewer and larger programs)."""
 
     tile: int = 32
     stages: int = 1
@@ -66,7 +65,6 @@ class KernelConfig:
     merge_heads: int = 1
     new_after_loop: bool = False
     single_split_direct: bool = False
-    heads_first: bool = False
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to

@@ -39,16 +39,6 @@ def _slots(block, pos, BLOCK_SIZE: tl.constexpr, OFFSET_I64: tl.constexpr):
 
 
 @triton.jit
-def _sequence_and_head(HEADS_FIRST: tl.constexpr):
-    """This program's sequence and KV head: the grid's first dimension is the sequences, or
-    (HEADS_FIRST) the KV heads, so that the programs launched together read one sequence's heads,
-    which lie side by side in each cache slot."""
-    if HEADS_FIRST:
-        return tl.program_id(1), tl.program_id(0)
-    return tl.program_id(0), tl.program_id(1)
-
-
-@triton.jit
 def _splits_of(ctx_len, least, most, SPLIT_TOKENS: tl.constexpr):
     """Splits of one sequence's context: one per SPLIT_TOKENS tokens, within [least, most]."""
     return tl.minimum(tl.maximum(tl.cdiv(ctx_len, SPLIT_TOKENS), least), most)
@@ -156,9 +146,9 @@ def _decode_split_kernel(
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):
-    b, kvh = _sequence_and_head(HEADS_FIRST)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(lens_ptr + b)
     # each sequence's tiles are spread evenly over its splits, whatever its length
@@ -356,8 +346,7 @@ def paged_decode_attention(
             new_k, new_v = new_k.contiguous(), new_v.contiguous()
     else:  # unused pointers
         new_k, new_v, slot_mapping = k_cache, v_cache, ctx_lens
-    grid = (kv_heads, b, num_splits) if config.heads_first else (b, kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(b, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -407,7 +396,6 @@ def paged_decode_attention(
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
-        HEADS_FIRST=config.heads_first,
         num_warps=config.warps,
         num_stages=config.stages,
     )
