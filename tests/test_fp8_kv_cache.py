@@ -225,3 +225,9 @@ def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():
     torch.testing.assert_close(dequant[:, :, 0], sums, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="e4m3 cache"):
         run_part(shapes["dequant", 32], q, k, v, table, lens, block, scale, one)
+    # `words` reads the same bytes four to a 32-bit element
+    words = [w.view(torch.int32)[slots_of].double() for w in (k, v)]
+    word_sums = ((words[0] + words[1]) * live[:, :, None, None]).sum(1).repeat_interleave(
+        q.shape[1] // k.shape[1], 1)
+    out = run_part(shapes["words", 32], q, k, v, table, lens, block, scale, one, kv_scales=(ks, vs))
+    torch.testing.assert_close(out[:, :, 0, :k.shape[-1] // 4].double(), word_sums, atol=0, rtol=1e-5)

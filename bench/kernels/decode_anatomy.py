@@ -8,6 +8,8 @@ lookups) and does only the part of the work its MODE names:
   reaches with no math to wait for;
 - `contiguous`: the same loads with each sequence's slots in one run (no table read): what the
   table's dependent load costs;
+- `words`: the `read` loads with the cache taken as 32-bit words (four e4m3 or two bf16 values an
+  element): what the loads cost per element the kernel handles rather than per byte;
 - `dequant` (an e4m3 cache only): the loads and each tile dequantized to the query's dtype as the
   engine's loop does it (float32, times the layer's scale): what the conversion costs;
 - `scores`: the loads, Q.K^T (tl.dot) and the running max;
@@ -39,11 +41,11 @@ from tandem.service.engine.ops.triton_decode import (
 )
 from tandem.service.engine.ops.triton_fp8 import dequantize
 
-MODES = ("read", "contiguous", "dequant", "scores", "softmax", "full", "fma")
+MODES = ("read", "contiguous", "words", "dequant", "scores", "softmax", "full", "fma")
 WHOLE_LOOP = ("full", "fma")  # the modes that compute attention
 FP8_ONLY = ("dequant",)  # the modes that time an e4m3 cache's own work
 # the kernel's MODE values (globals a Triton kernel reads must be constexpr)
-READ, CONTIGUOUS, DEQUANT, SCORES, SOFTMAX, FULL, FMA = (tl.constexpr(i) for i in range(len(MODES)))
+READ, CONTIGUOUS, WORDS, DEQUANT, SCORES, SOFTMAX, FULL, FMA = (tl.constexpr(i) for i in range(len(MODES)))
 
 
 @triton.jit(do_not_specialize=["least_splits", "num_splits"])
@@ -180,6 +182,10 @@ def launch(
     kv_heads = k_cache.shape[1]
     group = h // kv_heads
     out = torch.zeros(b, h, splits.most, d, dtype=torch.float32, device=q.device)
+    head_dim = d
+    if part.mode == "words":  # the same bytes, a 32-bit word an element (the output's first columns)
+        k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
+        head_dim = k_cache.shape[-1]
     kernel = _anatomy_kernel[(b, kv_heads, splits.most)](
         q,
         k_cache,
@@ -203,7 +209,7 @@ def launch(
         SPLIT_TOKENS=splits.tokens,
         GROUP=group,
         GROUP_PAD=group_pad(part.mode, group),
-        HEAD_DIM=d,
+        HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=part.tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -248,7 +254,7 @@ def parts(kv_fp8: bool = False) -> list[Part]:
     for mode in (m for m in MODES if kv_fp8 or m not in FP8_ONLY):
         tiles = (16, 32) if mode == "fma" else (32, 64, 128)
         out += [Part(mode, tile, warps) for tile in tiles for warps in (4, 8)]
-    pipelined = ("read", "dequant", "full") if kv_fp8 else ("read", "full")
+    pipelined = ("read", "words", "dequant", "full") if kv_fp8 else ("read", "words", "full")
     tiles = (32, 64, 128) if kv_fp8 else (32, 64)
     for mode in pipelined:
         out += [Part(mode, tile, warps, stages)
