@@ -18,6 +18,7 @@ from tandem.service.engine.ops.fp8_linear import (
     FP8,
     FP8_MAX,
     Fp8Linear,
+    compile_gemm_variants,
     compute_dtype,
     gemm_kernel,
     quantize_linears,
@@ -81,6 +82,15 @@ def test_a_steps_rows_choose_the_gemm_kernel_by_row_count_and_layer_shape():
     assert [gemm_kernel(256, *layer) for layer in (qkv, o, gate_up, down)] == [
         "scaled_mm", "swapped", "scaled_mm", "swapped"]
     assert gemm_kernel(129, *qkv) == "scaled_mm" and gemm_kernel(129, *o) == "swapped"
+
+
+def test_the_warm_up_runs_no_gemm_for_layers_off_cuda():
+    """`compile_gemm_variants` runs each CUDA layer shape at every Triton row count
+    (test_gpu_fp8_gemm.py); a CPU model's layers take torch._scaled_mm's reference, which compiles
+    nothing, so the engine's warm-up runs none of them."""
+    model = _tiny()
+    assert quantize_linears(model) > 0
+    assert compile_gemm_variants(model) == 0
 
 
 def _tiny(family: str = "llama") -> torch.nn.Module:

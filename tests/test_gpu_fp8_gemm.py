@@ -118,3 +118,27 @@ def test_layer_in_a_compiled_graph_and_a_cuda_graph(m):
         static.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(out, layer(static), rtol=2e-2, atol=2e-2)
+
+
+def test_the_warm_up_compiles_every_variant_a_step_may_launch():
+    """`compile_gemm_variants` (the engine's warm-up): afterwards the FP8 layers at any row count, up
+    to past the Triton kernels' last, compile no Triton variant (an eager mixed step may bring any
+    row count; one compiled while serving is a step that waits for the compiler)."""
+    from torch import nn
+
+    from tandem.service.engine.ops.fp8_linear import SWAPPED_NARROW_ROWS, compile_gemm_variants
+    from tandem.service.engine.ops.triton_variants import compiled_variants
+
+    def layer(n: int, k: int) -> Fp8Linear:
+        return Fp8Linear.quantize(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+
+    # a wide layer (n > k: the swapped kernel up to 128 rows) and a narrow one (up to 256)
+    model = nn.Sequential(nn.Embedding(8, 256, device="cuda", dtype=torch.bfloat16), layer(512, 256),
+                          layer(256, 512))
+    assert compile_gemm_variants(model) == 128 + 256
+    before = compiled_variants()
+    for linear in model[1:]:
+        for rows in range(1, SWAPPED_NARROW_ROWS + 2):
+            linear(torch.randn(rows, linear.in_features, device="cuda", dtype=torch.bfloat16))
+    assert compiled_variants() == before
+

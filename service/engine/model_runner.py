@@ -31,6 +31,7 @@ from .forward import forward_and_sample, forward_logits
 from .kv_offload import KVOffload
 from .ops.decode_op import num_sms
 from .ops.deferred_rotary import defer_rotary
+from .ops.fp8_linear import compile_gemm_variants
 from .ops.kv_cache import KVCache
 from .sampler import PromptLogprobs, SampleOutput, mask_logits, sample
 from .scheduler import BlockMoves, ScheduledChunk, SchedulerOutput
@@ -164,8 +165,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.decode_forward, cache, self.slots, self.rotary)
 
     def capture_graphs(self) -> dict[str, float]:
-        """Capture the decode graphs and compile the mixed steps' decode kernels (warm-up time,
-        before the server reports SERVING). -> seconds of compiling and of capturing."""
+        """Capture the decode graphs and compile the mixed steps' decode kernels and the FP8 GEMMs'
+        variants (warm-up time, before the server reports SERVING). -> seconds of compiling and of
+        capturing."""
         start = time.perf_counter()
         if self.decode_kernel is not None:
             from .ops.triton_decode import compile_step_variants
@@ -175,6 +177,7 @@ class ModelRunner:
             scales = (cache.k_scale[0], cache.v_scale[0]) if cache.quantized else None
             compile_step_variants(cache.k[0], cache.v[0], self.block_size, heads, self.slots[0].max_blocks,
                                   cache.dtype, scales)
+        compile_gemm_variants(self.model)  # the FP8 layers' Triton GEMMs (CUDA) at every row count
         seconds = {"compile": time.perf_counter() - start, "graph_capture": 0.0}
         if self.graphs is not None:
             self.graphs.capture()

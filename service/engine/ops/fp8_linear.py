@@ -156,6 +156,28 @@ def quantize_linears(model: nn.Module) -> int:
     return done
 
 
+@torch.no_grad()
+def compile_gemm_variants(model: nn.Module) -> int:
+    """Compile, before serving, every variant of the Triton GEMMs a step of `model` may launch: each
+    FP8 layer shape on CUDA at every row count a Triton kernel takes (`gemm_kernel`; Triton compiles
+    again per block of rows and per class of the row count, and an eager mixed step may bring any
+    of them). -> products run."""
+    layers: dict[tuple[int, int], Fp8Linear] = {}
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and module.weight.is_cuda:
+            layers.setdefault((module.out_features, module.in_features), module)
+    dtype = compute_dtype(model)
+    runs = 0
+    for (n, k), layer in layers.items():
+        for rows in range(1, SWAPPED_NARROW_ROWS + 1):
+            if gemm_kernel(rows, n, k) == "scaled_mm":
+                continue
+            x = torch.zeros(rows, k, dtype=FP8, device=layer.weight.device)
+            scaled_mm(x, torch.ones(rows, 1, device=x.device), layer.weight, layer.weight_scale, dtype)
+            runs += 1
+    return runs
+
+
 def compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype the model computes in: its input embedding's (FP8 layers hold e4m3 weights)."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

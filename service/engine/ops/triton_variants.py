@@ -9,9 +9,14 @@ from __future__ import annotations
 
 
 def compiled_variants() -> int:
-    """Variants of the decode, merge and K/V-write kernels compiled so far, over every device."""
+    """Variants of the decode, merge and K/V-write kernels and of the FP8 GEMM and quantization
+    kernels compiled so far, over every device."""
     from .triton_decode import _decode_split_kernel, _merge_kernel
+    from .triton_fp8_gemm import _fp8_gemm_kernel
+    from .triton_fp8_gemm_swapped import _fp8_gemm_swapped_kernel
     from .triton_kv_write import _write_step_kv_kernel
+    from .triton_silu_mul_quant import _silu_mul_quant_kernel
 
-    kernels = (_decode_split_kernel, _merge_kernel, _write_step_kv_kernel)
+    kernels = (_decode_split_kernel, _merge_kernel, _write_step_kv_kernel, _fp8_gemm_kernel,
+               _fp8_gemm_swapped_kernel, _silu_mul_quant_kernel)
     return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
