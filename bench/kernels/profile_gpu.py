@@ -249,7 +249,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     table, lens, q, new_kv, scales = d.table, d.lens, d.q, d.new_kv, d.kv_scales
     sms = num_sms(q.device.index or 0)
     splits = num_splits_for(batch, shape.num_kv_heads, sms, longest=width * block)
-    chosen = kernel_config(batch)
+    chosen = kernel_config(batch, kv_fp8)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
     configs, cache_only_configs = KERNEL_CONFIGS, CACHE_ONLY_CONFIGS
     if kv_fp8:
@@ -348,7 +348,7 @@ def decode_grid_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: 
         grids[f"engine, {tokens} tokens per split"] = num_splits_for(
             batch, shape.num_kv_heads, sms, width * block, tokens=tokens, cap=128)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * k.element_size()
-    chosen = kernel_config(batch)
+    chosen = kernel_config(batch, kv_fp8)
     # the engine's grid with its merge in fewer warps per program (more programs resident at once)
     runs = {name: (splits, chosen) for name, splits in grids.items()}
     for warps in (1, 2):
@@ -402,7 +402,7 @@ def decode_anatomy_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidt
     splits = num_splits_for(batch, shape.num_kv_heads, num_sms(q.device.index or 0), longest=max(lens_host))
     one = Splits(1, 1)
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
-    chosen = kernel_config(batch)
+    chosen = kernel_config(batch, kv_fp8)
     rows = []
     for layout, (k, v) in d.caches.items():
         reference = paged_decode_attention(q, k, v, table, lens, block, 0.1, one, kv_scales=scales).float()

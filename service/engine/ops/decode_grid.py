@@ -75,8 +75,10 @@ ONE_STAGE = KernelConfig(tile=64, stages=1, new_after_loop=True, merge_heads=4)
 ENGINE_CONFIGS = (PIPELINED, ONE_STAGE)  # every configuration `kernel_config` picks (GPU tests run each)
 
 
-def kernel_config(batch: int) -> KernelConfig:
+def kernel_config(batch: int, kv_fp8: bool = False) -> KernelConfig:
     """The configuration for a step of `batch` sequences: fixed per captured graph. Two pipeline
-    stages, but one from 9 to 63 sequences, where one stage measured faster at 32 x 1,024
-    (bench/profile_gpu.py --attention and --attention-grid; docs/benchmarks.md)."""
-    return ONE_STAGE if 8 < batch < 64 else PIPELINED
+    stages, but one from 9 to 63 sequences, where one stage measured faster at 32 x 1,024, and over
+    an e4m3 cache (`kv_fp8`) below 64 sequences, where it also measured faster at 4 and 8 long
+    contexts (bench/profile_gpu.py --attention and --attention-grid; docs/benchmarks.md,
+    docs/quantization.md)."""
+    return ONE_STAGE if batch < 64 and (kv_fp8 or batch > 8) else PIPELINED

@@ -330,7 +330,7 @@ def paged_decode_attention(
     kv_heads = k_cache.shape[1]
     fp8 = kv_scales is not None
     assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
-    config = config or kernel_config(b)
+    config = config or kernel_config(b, fp8)
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
