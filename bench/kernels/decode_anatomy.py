@@ -127,7 +127,7 @@ def _anatomy_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
             m = m_new
         elif MODE == FULL:  # the engine's step
-            m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
+            m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, 1.0, DOT_PRECISION, False)
         else:  # the parts without P.V: V still read (added up), so its load is not dropped
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
             s = tl.where(live[None, :], s, float("-inf"))

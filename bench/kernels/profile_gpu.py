@@ -48,6 +48,7 @@ from tandem.service.contract import Request, SamplingParams
 from tandem.service.engine.config import EngineConfig
 from tandem.service.engine.core_builder import build_core
 from tandem.service.engine.ops.decode_grid import (
+    ENGINE_CONFIGS,
     MAX_SPLITS,
     SPLIT_TOKENS,
     KernelConfig,
@@ -225,8 +226,13 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
-# an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too
+# an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and P.V on the
+# FP8 tensor cores in the engine's configurations and those
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
+FP8_KERNEL_CONFIGS += [dataclasses.replace(c, pv_fp8=True) for c in (
+    *ENGINE_CONFIGS, *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1))]
+FP8_CACHE_ONLY_CONFIGS = [*CACHE_ONLY_CONFIGS,
+                          *(dataclasses.replace(c, pv_fp8=True) for c in CACHE_ONLY_CONFIGS)]
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -253,7 +259,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     nbytes = 2 * sum(lens_host) * shape.num_kv_heads * shape.head_dim * d.caches["NHD"][0].element_size()
     configs, cache_only_configs = KERNEL_CONFIGS, CACHE_ONLY_CONFIGS
     if kv_fp8:
-        configs = FP8_KERNEL_CONFIGS
+        configs, cache_only_configs = FP8_KERNEL_CONFIGS, FP8_CACHE_ONLY_CONFIGS
     rows = []
     for layout, (k, v) in d.caches.items():
         def run(config: KernelConfig, k=k, v=v) -> torch.Tensor:
@@ -262,7 +268,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop,
+                   "new_after_loop": config.new_after_loop, "pv_fp8": config.pv_fp8,
                    "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -276,7 +282,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     reference = cache_only(chosen).float()
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
-               "warps": config.warps, "new_after_loop": config.new_after_loop,
+               "warps": config.warps, "new_after_loop": config.new_after_loop, "pv_fp8": config.pv_fp8,
                "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
@@ -644,13 +650,13 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
               "and the cache-only launch (a mixed step's decode rows)")
         step = [r for r in ok if "launch" not in r]
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
-        shown += [r for r in step if r["chosen"] and r not in shown]
+        shown += [r for r in step if (r["chosen"] or r.get("pv_fp8")) and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "P.V in FP8", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r["chosen"],
+                               r["warps"], r["new_after_loop"], r.get("pv_fp8", False), r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

@@ -56,7 +56,8 @@ class KernelConfig:
     split, in a grid of several, gets its output from that split's program (the merge then skips
     it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
     merge of one partial); and the merge's warps per program and query heads per program (one
-    sequence's: more heads, fewer and larger programs)."""
+    sequence's: more heads, fewer and larger programs); and, over an e4m3 cache, whether P.V runs
+    on the FP8 tensor cores (`pv_fp8`: V's tiles as stored, the probabilities rounded to e4m3)."""
 
     tile: int = 32
     stages: int = 1
@@ -65,6 +66,7 @@ class KernelConfig:
     merge_heads: int = 1
     new_after_loop: bool = False
     single_split_direct: bool = False
+    pv_fp8: bool = False
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to

@@ -13,6 +13,8 @@ table's width, so it can be captured in a CUDA graph.
 An FP8 cache (KV_FP8) is read tile by tile into float32, times the layer's scale, then the query's
 dtype for the matrix products; the step's new K/V are quantized as they are stored, and the program
 that uses them from registers uses them as stored, round-tripped (kv_quant.py has the arithmetic).
+A configuration may instead take P.V on the FP8 tensor cores (PV_FP8): V's tiles as stored, the
+probabilities rounded to e4m3 (what that costs in accuracy: scripts/fp8_attention_products.py).
 """
 
 from __future__ import annotations
@@ -71,17 +73,28 @@ def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, s
 
 
 @triton.jit
-def _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION: tl.constexpr,
+                 PV_FP8: tl.constexpr):
     """One tile of K and V [TILE, head_dim] into the query heads' running softmax: the scores
-    Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc."""
+    Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc.
+    PV_FP8: V as an e4m3 cache stores it (`v_scale` its scale) and the probabilities (<= 1) times
+    P_FP8 in e4m3, their product on the FP8 tensor cores; their sum stays float32."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     lsum = lsum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+    if PV_FP8:
+        pv = tl.dot((p * P_FP8).to(v.dtype), v, out_dtype=tl.float32) * (v_scale / P_FP8)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+    acc = acc * alpha[:, None] + pv
     return m_new, lsum, acc
+
+
+# the probabilities' scale into e4m3 (PV_FP8): the largest, 1, to e4m3's largest value
+P_FP8 = tl.constexpr(448.0)
 
 
 # Triton compiles a variant per value class of its integer arguments (1, a multiple of 16, other):
@@ -146,6 +159,7 @@ def _decode_split_kernel(
     NEW_AFTER_LOOP: tl.constexpr,
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -166,6 +180,7 @@ def _decode_split_kernel(
     new_pos = ctx_len - 1
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
+    v_scale = 1.0
     if KV_FP8:  # the layer's scales (0-d tensors: set in place, read by captured graphs)
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
@@ -213,12 +228,13 @@ def _decode_split_kernel(
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
         if KV_FP8:
             k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
-            v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
+            if not PV_FP8:  # else V's tiles go to the tensor cores as stored
+                v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
-        m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, DOT_PRECISION)
+        m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION, PV_FP8)
     if STORE_NEW and NEW_AFTER_LOOP:
         # the new token after the cached context's tiles (an empty split stays empty: no exp of
         # -inf minus -inf)
@@ -331,6 +347,8 @@ def paged_decode_attention(
     fp8 = kv_scales is not None
     assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
     config = config or kernel_config(b, fp8)
+    # e4m3 products need e4m3 tiles, and the step's own token taken after the loop (in float32)
+    assert not config.pv_fp8 or (fp8 and (new_kv is None or config.new_after_loop)), config
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
@@ -396,6 +414,7 @@ def paged_decode_attention(
         NEW_AFTER_LOOP=config.new_after_loop,
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
+        PV_FP8=config.pv_fp8,
         num_warps=config.warps,
         num_stages=config.stages,
     )
