@@ -193,16 +193,18 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("qk", "pv"), [(False, True), (True, False), (True, True)], ids=["pv", "qk", "both"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_the_decode_kernels_fp8_pv_product_is_within_the_probabilities_rounding(splits):
-    """`pv_fp8` (P.V on the FP8 tensor cores): V as stored, each probability rounded to e4m3, so
-    the output is attention over the dequantized cache within that rounding (2^-4 of each term,
-    2^-10 / 448 of it in e4m3's subnormal range; here twice that: the interpreter's float32 to e4m3
-    may land a whole step off; test_gpu_fp8_kv.py holds a GPU to the rounding's own bound), and not
-    the unrounded product."""
+def test_the_decode_kernels_fp8_products_are_within_their_operands_rounding(splits, qk, pv):
+    """`qk_fp8` / `pv_fp8` (Q.K^T / P.V on the FP8 tensor cores): K / V as stored, each query row /
+    probability rounded to e4m3, so the output is attention over the dequantized cache within
+    that rounding (`fp8_products_bound`; here at a whole e4m3 step, 2^-3: the interpreter's float32
+    to e4m3 may land a step off; test_gpu_fp8_kv.py holds a GPU to the rounding's own 2^-4), and
+    not the unrounded product."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("run with TRITON_INTERPRET=1 (Triton reads it when it is first imported)")
+    from tandem.service.engine.ops.attention_ref import fp8_products_bound
     from tandem.service.engine.ops.decode_grid import KernelConfig
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
@@ -216,13 +218,10 @@ def test_the_decode_kernels_fp8_pv_product_is_within_the_probabilities_rounding(
     values = dequantize(cache.v[layer][slots_of], vs, torch.float32)
     ref = decode_attention(q, keys, values, mask, scale)
     out = paged_decode_attention(q, cache.k[layer], cache.v[layer], table, lens, block, scale, splits,
-                                 config=KernelConfig(tile=32, pv_fp8=True), kv_scales=(ks, vs))
-    weighted = decode_attention(q, keys, values.abs(), mask, scale)  # sum of p |v| over sum of p
-    group = q.shape[1] // values.shape[2]
-    every = (values.abs() * mask[:, :, None, None]).sum(1).repeat_interleave(group, 1)
-    bound = 2 * (2**-4 * weighted + 2**-10 / 448 * every) + 1e-6
+                                 config=KernelConfig(tile=32, qk_fp8=qk, pv_fp8=pv), kv_scales=(ks, vs))
+    bound = fp8_products_bound(q, keys, values, mask, scale, qk, pv, step=2**-3) + 1e-6
     assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() - bound).max()
-    assert (out - ref).abs().max() > 1e-4  # the probabilities were rounded
+    assert (out - ref).abs().max() > 1e-4  # the operands were rounded
 
 
 def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():

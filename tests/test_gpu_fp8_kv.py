@@ -13,9 +13,10 @@ from engine_harness import Arrival, make_core, run
 from transformers import AutoModelForCausalLM
 
 from tandem.service.contract import SamplingParams
-from tandem.service.engine.ops.attention_ref import decode_attention
+from tandem.service.engine.ops.attention_ref import decode_attention, fp8_products_bound
 from tandem.service.engine.ops.decode_grid import ENGINE_CONFIGS, KernelConfig, Splits, num_splits_for
 from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
+from tandem.service.engine.ops.fp8_linear import quantize_rows
 from tandem.service.engine.ops.kv_quant import FP8, as_bytes, dequantize, quantize, select, write
 
 pytestmark = pytest.mark.gpu
@@ -139,16 +140,23 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
     live = pos[None, :] < lens[:, None]
     ref = decode_attention(ref_q.float(), keys, values, live, scale)
     tol = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2}[dtype] * (2 if rotary else 1)
-    # P.V on the FP8 tensor cores (pv_fp8) rounds each probability to e4m3: within 2^-4 of each
-    # term, 2^-10 / 448 of it in e4m3's subnormal range
-    weighted = decode_attention(ref_q.float(), keys, values.abs(), live, scale)
-    every = (values.abs() * live[:, :, None, None]).sum(1).repeat_interleave(heads // kv_heads, 1)
-    rounding = 2**-4 * weighted + 2**-10 / 448 * every
+
+    def fp8_products(config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The products on the FP8 tensor cores: attention with the query rounded per row as the
+        kernel rounds it (qk_fp8), and the bound of the probabilities' rounding (pv_fp8)."""
+        q_taken = ref_q.float()
+        if config.qk_fp8:
+            q8, q_scale = quantize_rows(q_taken)
+            q_taken = q8.float() * q_scale
+        want = decode_attention(q_taken, keys, values, live, scale)
+        return want, fp8_products_bound(q_taken, keys, values, live, scale, qk=False, pv=config.pv_fp8)
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)
     configs = {*ENGINE_CONFIGS, KernelConfig(tile=16), KernelConfig(tile=64, stages=2, new_after_loop=True),
                KernelConfig(tile=64, single_split_direct=True),
-               *(dataclasses.replace(c, pv_fp8=True) for c in ENGINE_CONFIGS)}
+               *(dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in ENGINE_CONFIGS
+                 for pv, qk in ((True, False), (False, True), (True, True)))}
     outs = {}
     for splits in {1, step_sized, 32, Splits(1, 32), Splits(2, 5)}:
         for config in configs:
@@ -156,8 +164,9 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
             out = paged_decode_attention(q, k_run, v_run, table, lens, block_size, scale, splits,
                                          (new_k, new_v, new_slots), spec, config=config, kv_scales=(ks, vs))
             assert out.dtype == dtype
-            if config.pv_fp8:
-                excess = ((out.float() - ref).abs() - rounding - tol * ref.abs().max()).max().item()
+            if config.pv_fp8 or config.qk_fp8:
+                want, rounding = fp8_products(config)
+                excess = ((out.float() - want).abs() - rounding - tol * want.abs().max()).max().item()
                 assert excess <= 0, f"splits={splits}, {config}: beyond the rounding by {excess}"
             else:
                 err = ((out.float() - ref).abs().max() / ref.abs().max()).item()

@@ -226,13 +226,24 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
-# an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and P.V on the
-# FP8 tensor cores in the engine's configurations and those
+def fp8_products(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
+    """Each of `configs` with P.V, Q.K^T and both on the FP8 tensor cores."""
+    return [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in configs
+            for pv, qk in ((True, False), (False, True), (True, True))]
+
+
+# an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and the products
+# on the FP8 tensor cores in the engine's configurations and those
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
-FP8_KERNEL_CONFIGS += [dataclasses.replace(c, pv_fp8=True) for c in (
-    *ENGINE_CONFIGS, *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1))]
-FP8_CACHE_ONLY_CONFIGS = [*CACHE_ONLY_CONFIGS,
-                          *(dataclasses.replace(c, pv_fp8=True) for c in CACHE_ONLY_CONFIGS)]
+FP8_KERNEL_CONFIGS += fp8_products([*ENGINE_CONFIGS,
+                                    *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])
+FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + fp8_products(CACHE_ONLY_CONFIGS)
+
+
+def products_of(config: KernelConfig) -> str:
+    """Which of a configuration's products run on the FP8 tensor cores."""
+    return {(False, False): "-", (True, False): "P.V", (False, True): "Q.K^T", (True, True): "both"}[
+        config.pv_fp8, config.qk_fp8]
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -268,8 +279,9 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop, "pv_fp8": config.pv_fp8,
-                   "least": splits.least, "most": splits.most, "chosen": layout == "NHD" and config == chosen}
+                   "new_after_loop": config.new_after_loop,
+                   "fp8_products": products_of(config), "least": splits.least, "most": splits.most,
+                   "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
     # a mixed step's grid: every split of its longest context (the host knows it)
@@ -282,8 +294,9 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     reference = cache_only(chosen).float()
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
-               "warps": config.warps, "new_after_loop": config.new_after_loop, "pv_fp8": config.pv_fp8,
-               "least": step_splits.least, "most": step_splits.most, "chosen": config == chosen}
+               "warps": config.warps, "new_after_loop": config.new_after_loop,
+               "fp8_products": products_of(config), "least": step_splits.least, "most": step_splits.most,
+               "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
 
@@ -650,13 +663,13 @@ def attention_sweeps(a: argparse.Namespace, model: torch.nn.Module, bandwidth: f
               "and the cache-only launch (a mixed step's decode rows)")
         step = [r for r in ok if "launch" not in r]
         shown = [r for layout in ("NHD", "HND") for r in [r for r in step if r["layout"] == layout][:6]]
-        shown += [r for r in step if (r["chosen"] or r.get("pv_fp8")) and r not in shown]
+        shown += [r for r in step if (r["chosen"] or r.get("fp8_products", "-") != "-") and r not in shown]
         shown += [r for r in ok if "launch" in r]
-        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "P.V in FP8", "chosen",
+        headers = ["layout", "launch", "tile", "stages", "warps", "new after loop", "FP8 products", "chosen",
                    "us (layer)", "of bandwidth", "max diff"]
         print(markdown_table(headers,
                              [[r["layout"], r.get("launch", "decode step"), r["tile"], r["stages"],
-                               r["warps"], r["new_after_loop"], r.get("pv_fp8", False), r["chosen"],
+                               r["warps"], r["new_after_loop"], r.get("fp8_products", "-"), r["chosen"],
                                r["us"], f"{r['of_bandwidth']:.0%}", f"{r['max_diff']:.2g}"] for r in shown]))
         failed = [r for r in rows if "error" in r]
         if failed:

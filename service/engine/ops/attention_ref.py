@@ -41,6 +41,29 @@ def decode_attention(
     return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)
 
 
+def fp8_products_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                       qk: bool, pv: bool, step: float = 2**-4) -> torch.Tensor:
+    """How far decode attention with its products on FP8 tensor cores may fall from
+    `decode_attention`'s, per output element ([B, H, D]; the arguments as there, K/V dequantized).
+    The query rounded to e4m3 (`qk`: each value within `step` of itself) moves each score by at most
+    d = step * sum |q| |k| * scale, so each probability's share by a factor within e^(+-2d); each
+    probability rounded to e4m3 (`pv`: within `step` of itself, or step / 64 / 448 of the largest
+    in e4m3's subnormal range) moves the output by that share of each |v|."""
+    b, h, d = q.shape
+    kv_heads = k.shape[2]
+    weighted = decode_attention(q, k, v.abs(), mask, scale)  # each output's sum of shares times |v|
+    grow = torch.ones(b, h, 1, dtype=weighted.dtype, device=weighted.device)
+    if qk:
+        qg = q.abs().reshape(b, kv_heads, h // kv_heads, d)
+        shifts = torch.matmul(qg, k.abs().permute(0, 2, 3, 1)) * abs(scale) * step  # [B, Hkv, G, L]
+        grow = torch.exp(2 * shifts.masked_fill(~mask[:, None, None, :], 0).amax(-1).reshape(b, h, 1))
+    bound = (grow - 1) * weighted
+    if pv:
+        every = (v.abs() * mask[:, :, None, None]).sum(1).repeat_interleave(h // kv_heads, 1)
+        bound = bound + grow * (step * weighted + step / 64 / 448 * every)
+    return bound
+
+
 def gathered_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor,
     block_size: int, scale: float | None, k_scale: torch.Tensor | None = None,

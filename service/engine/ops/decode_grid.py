@@ -57,7 +57,8 @@ class KernelConfig:
     it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
     merge of one partial); and the merge's warps per program and query heads per program (one
     sequence's: more heads, fewer and larger programs); and, over an e4m3 cache, whether P.V runs
-    on the FP8 tensor cores (`pv_fp8`: V's tiles as stored, the probabilities rounded to e4m3)."""
+    on the FP8 tensor cores (`pv_fp8`: V's tiles as stored, the probabilities rounded to e4m3) and
+    Q.K^T (`qk_fp8`: K's tiles as stored, each query row rounded to e4m3)."""
 
     tile: int = 32
     stages: int = 1
@@ -67,6 +68,7 @@ class KernelConfig:
     new_after_loop: bool = False
     single_split_direct: bool = False
     pv_fp8: bool = False
+    qk_fp8: bool = False
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to

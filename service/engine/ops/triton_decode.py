@@ -13,8 +13,9 @@ table's width, so it can be captured in a CUDA graph.
 An FP8 cache (KV_FP8) is read tile by tile into float32, times the layer's scale, then the query's
 dtype for the matrix products; the step's new K/V are quantized as they are stored, and the program
 that uses them from registers uses them as stored, round-tripped (kv_quant.py has the arithmetic).
-A configuration may instead take P.V on the FP8 tensor cores (PV_FP8): V's tiles as stored, the
-probabilities rounded to e4m3 (what that costs in accuracy: scripts/fp8_attention_products.py).
+A configuration may instead take P.V on the FP8 tensor cores (PV_FP8: V's tiles as stored, the
+probabilities rounded to e4m3) and Q.K^T (QK_FP8: K's tiles as stored, each query row rounded to
+e4m3); what that costs in accuracy: scripts/fp8_attention_products.py.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, s
 
 @triton.jit
 def _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION: tl.constexpr,
-                 PV_FP8: tl.constexpr):
+                 PV_FP8: tl.constexpr, QK_FP8: tl.constexpr = False):
     """One tile of K and V [TILE, head_dim] into the query heads' running softmax: the scores
     Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc.
     PV_FP8: V as an e4m3 cache stores it (`v_scale` its scale) and the probabilities (<= 1) times
-    P_FP8 in e4m3, their product on the FP8 tensor cores; their sum stays float32."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+    P_FP8 in e4m3, their product on the FP8 tensor cores; their sum stays float32. QK_FP8: q in
+    e4m3 and K as stored, `scale` [GROUP_PAD, 1] the product's scale per query row."""
+    if QK_FP8:
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
@@ -160,6 +165,7 @@ def _decode_split_kernel(
     SINGLE_SPLIT_DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
+    QK_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -189,6 +195,12 @@ def _decode_split_kernel(
         cos, sin, pair, sign = rotary_cos_sin(inv_freq_ptr, rope_scaling, new_pos, d, HEAD_DIM, dtype)
         q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None], other=0.0)
         q = (q.to(tl.float32) * cos + sign * q_pair.to(tl.float32) * sin).to(dtype)
+    q_tiles, tile_scale, q_f32 = q, scale, q.to(tl.float32)
+    if QK_FP8:  # each query row scaled to e4m3's range, the product's scale per row
+        q_scale = tl.maximum(tl.max(tl.abs(q_f32), axis=1), 1e-30) / P_FP8
+        q_tiles = quantize(q_f32, q_scale[:, None], k_ptr.dtype.element_ty)
+        tile_scale = (q_scale * k_scale * scale)[:, None]
+        q_f32 = q_tiles.to(tl.float32) * q_scale[:, None]  # the step's own token: the same query
     if STORE_NEW:
         # the step's own K/V: one program writes it to the cache (no program reads that slot this
         # step) and uses it from registers: the program whose tiles hold its position substitutes
@@ -218,7 +230,7 @@ def _decode_split_kernel(
             new_k = dequantize(new_k, k_scale, q_ptr.dtype.element_ty)
             new_v = dequantize(new_v, v_scale, q_ptr.dtype.element_ty)
         if NEW_AFTER_LOOP:  # -inf outside the owner: the token is taken once
-            s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], axis=1) * scale
+            s_new = tl.sum(q_f32 * new_k.to(tl.float32)[None, :], axis=1) * scale
             s_new = tl.where(owner, s_new, float("-inf"))
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([GROUP_PAD], tl.float32)
@@ -227,14 +239,16 @@ def _decode_split_kernel(
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
         if KV_FP8:
-            k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
-            if not PV_FP8:  # else V's tiles go to the tensor cores as stored
+            if not QK_FP8:  # else K's tiles go to the tensor cores as stored
+                k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
+            if not PV_FP8:  # and V's
                 v = dequantize(v, v_scale, q_ptr.dtype.element_ty)
         if STORE_NEW and not NEW_AFTER_LOOP:  # the new token's slot is written this step: from registers
             is_new = (pos == new_pos)[:, None]
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
-        m, lsum, acc = _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION, PV_FP8)
+        m, lsum, acc = _attend_tile(q_tiles, k, v, live, m, lsum, acc, tile_scale, v_scale, DOT_PRECISION,
+                                    PV_FP8, QK_FP8)
     if STORE_NEW and NEW_AFTER_LOOP:
         # the new token after the cached context's tiles (an empty split stays empty: no exp of
         # -inf minus -inf)
@@ -348,7 +362,8 @@ def paged_decode_attention(
     assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
     config = config or kernel_config(b, fp8)
     # e4m3 products need e4m3 tiles, and the step's own token taken after the loop (in float32)
-    assert not config.pv_fp8 or (fp8 and (new_kv is None or config.new_after_loop)), config
+    fp8_products = config.pv_fp8 or config.qk_fp8
+    assert not fp8_products or (fp8 and (new_kv is None or config.new_after_loop)), config
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
@@ -415,6 +430,7 @@ def paged_decode_attention(
         SINGLE_SPLIT_DIRECT=config.single_split_direct,
         KV_FP8=fp8,
         PV_FP8=config.pv_fp8,
+        QK_FP8=config.qk_fp8,
         num_warps=config.warps,
         num_stages=config.stages,
     )
