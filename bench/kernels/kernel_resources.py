@@ -100,7 +100,8 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
     constexprs = dict(DIRECT=launch.direct, SPLIT_TOKENS=SPLIT_TOKENS, GROUP=4, GROUP_PAD=16, HEAD_DIM=128,
                       BLOCK_SIZE=16, TILE=config.tile, STORE_NEW=launch.store_new, ROTARY=launch.rotary,
                       DOT_PRECISION="tf32", OFFSET_I64=False, NEW_AFTER_LOOP=config.new_after_loop,
-                      SINGLE_SPLIT_DIRECT=config.single_split_direct, KV_FP8=False)
+                      SINGLE_SPLIT_DIRECT=config.single_split_direct, KV_FP8=False,
+                      PV_FP8=config.pv_fp8, QK_FP8=config.qk_fp8)
     signature = {name: "constexpr" if name in constexprs else POINTERS.get(name) or FLOATS.get(name) or "i32"
                  for name in kernel.arg_names}
     aligned = [name for name, kind in signature.items()

@@ -186,7 +186,7 @@ def _decode_split_kernel(
     new_pos = ctx_len - 1
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None], other=0.0)
-    v_scale = 1.0
+    k_scale, v_scale = 1.0, 1.0
     if KV_FP8:  # the layer's scales (0-d tensors: set in place, read by captured graphs)
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
