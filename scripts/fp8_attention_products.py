@@ -15,18 +15,17 @@ to e4m3 at scale 1.0 (the engine's default) in every variant but the first. CPU:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 
+from tandem.bench.accuracy.data import corpus_text
+from tandem.bench.accuracy.perplexity import through_model
 from tandem.service.engine.ops.e4m3 import FP8, FP8_MAX
 from tandem.service.engine.ops.kv_quant import round_trip
 from tandem.service.models.loader import load_model
 
-CORPUS = Path(__file__).resolve().parents[1] / "bench" / "accuracy" / "corpus.txt"
 WINDOW = 1024
 
 
@@ -74,22 +73,10 @@ class Fp8ProductsAttention:
         return out.to(module.o_proj.weight.dtype).transpose(1, 2).contiguous(), None
 
 
-def perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
-    nll, scored = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], WINDOW):
-            window = ids[:, start : start + WINDOW]
-            if window.shape[1] < 2:
-                continue
-            nll += model(window, labels=window).loss.item() * (window.shape[1] - 1)
-            scored += window.shape[1] - 1
-    return math.exp(nll / scored)
-
-
 def main() -> None:
     loaded = load_model(None, None, torch.device("cpu"), dtype="bfloat16")
     model = loaded.model
-    ids = loaded.tokenizer(CORPUS.read_text(), return_tensors="pt").input_ids
+    ids = loaded.tokenizer(corpus_text()).input_ids
     attention = Fp8ProductsAttention()
     AttentionInterface.register("fp8_products", attention)
     model.set_attn_implementation("fp8_products")
@@ -100,11 +87,11 @@ def main() -> None:
         "e4m3 K/V, e4m3 probabilities (P.V on FP8 tensor cores)": Products(p8=True),
         "e4m3 K/V, e4m3 query and probabilities (both)": Products(q8=True, p8=True),
     }
-    print(f"{ids.shape[1]} tokens in windows of {WINDOW}")
+    print(f"{len(ids)} tokens in windows of {WINDOW}")
     base = None
     for name, products in variants.items():
         attention.products = products
-        ppl = perplexity(model, ids)
+        ppl = through_model(model, ids, WINDOW).perplexity
         base = base or ppl
         print(f"{name}: perplexity {ppl:.3f}, {100 * (ppl / base - 1):+.2f}% of the first", flush=True)
 

@@ -11,18 +11,17 @@ that would fall below e4m3's normal range or above 448. CPU: `python scripts/fp8
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tandem.bench.accuracy.data import corpus_text
+from tandem.bench.accuracy.perplexity import through_model
 from tandem.service.engine.ops.kv_quant import round_trip
 from tandem.service.models.loader import load_model
 
-CORPUS = Path(__file__).resolve().parents[1] / "bench" / "accuracy" / "corpus.txt"
 WINDOW = 1024
 FP8_MAX = 448.0
 Scales = Callable[[int, torch.Tensor, str], torch.Tensor | None]  # (layer, K or V, "k"/"v") -> scale
@@ -48,26 +47,15 @@ class KvRounding:
         return sdpa_attention_forward(module, q, rounded[0], rounded[1], mask, **kw)
 
 
-def perplexity(model: torch.nn.Module, ids: torch.Tensor) -> float:
-    nll, scored = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, ids.shape[1], WINDOW):
-            window = ids[:, start : start + WINDOW]
-            if window.shape[1] < 2:
-                continue
-            nll += model(window, labels=window).loss.item() * (window.shape[1] - 1)
-            scored += window.shape[1] - 1
-    return math.exp(nll / scored)
-
-
 def main() -> None:
     loaded = load_model(None, None, torch.device("cpu"), dtype="bfloat16")
     model = loaded.model
-    ids = loaded.tokenizer(CORPUS.read_text(), return_tensors="pt").input_ids
+    ids = loaded.tokenizer(corpus_text()).input_ids
     rounding = KvRounding()
     AttentionInterface.register("kv_rounding", rounding)
     model.set_attn_implementation("kv_rounding")
-    base = perplexity(model, ids)  # K/V as they are; records every layer's largest K and V
+    # K/V as they are; records every layer's largest K and V
+    base = through_model(model, ids, WINDOW).perplexity
     amax = dict(rounding.amax)
     variants: dict[str, Scales] = {
         "every scale 1.0": lambda layer, x, which: torch.tensor(1.0),
@@ -76,12 +64,12 @@ def main() -> None:
             x.abs().amax(dim=(0, 2, 3), keepdim=True).float().clamp(min=1e-12) / FP8_MAX
         ),
     }
-    print(f"{ids.shape[1]} tokens; bf16 K/V: perplexity {base:.3f}")
+    print(f"{len(ids)} tokens; bf16 K/V: perplexity {base:.3f}")
     largest = max(amax.values())
     print(f"largest |K| or |V| in any layer: {largest:.2f} (e4m3's largest: {FP8_MAX:.0f})")
     for name, scales in variants.items():
         rounding.scales = scales
-        ppl = perplexity(model, ids)
+        ppl = through_model(model, ids, WINDOW).perplexity
         print(f"FP8 K/V, {name}: perplexity {ppl:.3f}, {100 * (ppl / base - 1):+.2f}%")
 
 

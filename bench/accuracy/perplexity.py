@@ -56,3 +56,19 @@ def measure(core: EngineCore, ids: list[int], window: int) -> Perplexity:
         result.tokens += len(scored)
         result.windows += 1
     return result
+
+
+def through_model(model: object, ids: list[int], window: int) -> Perplexity:
+    """Score `ids` window by window through a transformers model's own forward (each window from
+    scratch, no engine): what the scripts that swap the model's attention function compare."""
+    import torch
+
+    result = Perplexity(0, 0, 0.0)
+    with torch.no_grad():
+        for tokens in windows(ids, window):
+            batch = torch.tensor([tokens])
+            result.nll += model(batch, labels=batch).loss.item() * (len(tokens) - 1)
+            result.tokens += len(tokens) - 1
+            result.windows += 1
+    return result
+
