@@ -1,9 +1,9 @@
-"""What the decode kernel's matrix products on the FP8 tensor cores would cost in accuracy
+"""What the decode kernel's matrix products with e4m3 operands would cost in accuracy
 (docs/quantization.md, "Why 32 x 1,024 misses 1.7x").
 
 Over an FP8 cache the decode kernel converts every e4m3 element of K and V to the query's dtype
-before its two matrix products; on Hopper's FP8 tensor cores the tiles would go in as stored, but
-the other operands must be e4m3 too: the query (scaled per token and head to e4m3's range) for
+before its two matrix products; taken with e4m3 operands the tiles would go in as stored, but the
+other operands must be e4m3 too: the query (scaled per token and head to e4m3's range) for
 Q.K^T, and the softmax's probabilities (exp(s - max) <= 1, times 448) for P.V, the sum that
 normalises them kept in float32. This script computes attention that way on the embedded
 SmolLM2-135M-Instruct in bf16 through transformers' forward, every query of every window as a
@@ -83,8 +83,8 @@ def main() -> None:
     variants = {
         "bf16 K/V, products in bf16": Products(kv8=False),
         "e4m3 K/V, products in bf16 (the engine's kernel)": Products(),
-        "e4m3 K/V, e4m3 query (Q.K^T on FP8 tensor cores)": Products(q8=True),
-        "e4m3 K/V, e4m3 probabilities (P.V on FP8 tensor cores)": Products(p8=True),
+        "e4m3 K/V, e4m3 query (Q.K^T in e4m3)": Products(q8=True),
+        "e4m3 K/V, e4m3 probabilities (P.V in e4m3)": Products(p8=True),
         "e4m3 K/V, e4m3 query and probabilities (both)": Products(q8=True, p8=True),
     }
     print(f"{len(ids)} tokens in windows of {WINDOW}")

@@ -196,7 +196,7 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits):
 @pytest.mark.parametrize(("qk", "pv"), [(False, True), (True, False), (True, True)], ids=["pv", "qk", "both"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_decode_kernels_fp8_products_are_within_their_operands_rounding(splits, qk, pv):
-    """`qk_fp8` / `pv_fp8` (Q.K^T / P.V on the FP8 tensor cores): K / V as stored, each query row /
+    """`qk_fp8` / `pv_fp8` (Q.K^T / P.V with e4m3 operands): K / V as stored, each query row /
     probability rounded to e4m3, so the output is attention over the dequantized cache within
     that rounding (`fp8_products_bound`; here at a whole e4m3 step, 2^-3: the interpreter's float32
     to e4m3 may land a step off; test_gpu_fp8_kv.py holds a GPU to the rounding's own 2^-4), and

@@ -142,7 +142,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
     tol = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2}[dtype] * (2 if rotary else 1)
 
     def fp8_products(config: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """The products on the FP8 tensor cores: attention with the query rounded per row as the
+        """The products with e4m3 operands: attention with the query rounded per row as the
         kernel rounds it (qk_fp8), and the bound of the probabilities' rounding (pv_fp8)."""
         q_taken = ref_q.float()
         if config.qk_fp8:

@@ -227,13 +227,13 @@ CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for sta
 
 
 def fp8_products(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
-    """Each of `configs` with P.V, Q.K^T and both on the FP8 tensor cores."""
+    """Each of `configs` with P.V, Q.K^T and both taking e4m3 operands."""
     return [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in configs
             for pv, qk in ((True, False), (False, True), (True, True))]
 
 
 # an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and the products
-# on the FP8 tensor cores in the engine's configurations and those
+# with e4m3 operands in the engine's configurations and those
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
 FP8_KERNEL_CONFIGS += fp8_products([*ENGINE_CONFIGS,
                                     *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])
@@ -241,7 +241,7 @@ FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + fp8_products(CACHE_ONLY_CONFIGS)
 
 
 def products_of(config: KernelConfig) -> str:
-    """Which of a configuration's products run on the FP8 tensor cores."""
+    """Which of a configuration's products take e4m3 operands."""
     return {(False, False): "-", (True, False): "P.V", (False, True): "Q.K^T", (True, True): "both"}[
         config.pv_fp8, config.qk_fp8]
 

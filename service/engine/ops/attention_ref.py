@@ -43,7 +43,7 @@ def decode_attention(
 
 def fp8_products_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                        qk: bool, pv: bool, step: float = 2**-4) -> torch.Tensor:
-    """How far decode attention with its products on FP8 tensor cores may fall from
+    """How far decode attention with e4m3 operands in its products may fall from
     `decode_attention`'s, per output element ([B, H, D]; the arguments as there, K/V dequantized).
     The query rounded to e4m3 (`qk`: each value within `step` of itself) moves each score by at most
     d = step * sum |q| |k| * scale, so each probability's share by a factor within e^(+-2d); each

@@ -56,8 +56,8 @@ class KernelConfig:
     split, in a grid of several, gets its output from that split's program (the merge then skips
     it: a captured step's grid is sized by its table, so short contexts would otherwise pay a
     merge of one partial); and the merge's warps per program and query heads per program (one
-    sequence's: more heads, fewer and larger programs); and, over an e4m3 cache, whether P.V runs
-    on the FP8 tensor cores (`pv_fp8`: V's tiles as stored, the probabilities rounded to e4m3) and
+    sequence's: more heads, fewer and larger programs); and, over an e4m3 cache, whether P.V takes
+    e4m3 operands (`pv_fp8`: V's tiles as stored, the probabilities rounded to e4m3) and
     Q.K^T (`qk_fp8`: K's tiles as stored, each query row rounded to e4m3)."""
 
     tile: int = 32

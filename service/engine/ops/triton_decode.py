@@ -13,9 +13,11 @@ table's width, so it can be captured in a CUDA graph.
 An FP8 cache (KV_FP8) is read tile by tile into float32, times the layer's scale, then the query's
 dtype for the matrix products; the step's new K/V are quantized as they are stored, and the program
 that uses them from registers uses them as stored, round-tripped (kv_quant.py has the arithmetic).
-A configuration may instead take P.V on the FP8 tensor cores (PV_FP8: V's tiles as stored, the
+A configuration may instead take P.V with e4m3 operands (PV_FP8: V's tiles as stored, the
 probabilities rounded to e4m3) and Q.K^T (QK_FP8: K's tiles as stored, each query row rounded to
-e4m3); what that costs in accuracy: scripts/fp8_attention_products.py.
+e4m3): the tiles reach shared memory as stored, and the tensor cores take them widened to float16 in
+the registers that feed them (sm_90's FP8 matrix instructions take 64 rows, a program holds 16);
+what the rounding costs in accuracy: scripts/fp8_attention_products.py.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION: tl.
     """One tile of K and V [TILE, head_dim] into the query heads' running softmax: the scores
     Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc.
     PV_FP8: V as an e4m3 cache stores it (`v_scale` its scale) and the probabilities (<= 1) times
-    P_FP8 in e4m3, their product on the FP8 tensor cores; their sum stays float32. QK_FP8: q in
+    P_FP8 in e4m3, their product taken with e4m3 operands; their sum stays float32. QK_FP8: q in
     e4m3 and K as stored, `scale` [GROUP_PAD, 1] the product's scale per query row."""
     if QK_FP8:
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
