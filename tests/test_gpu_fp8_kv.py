@@ -3,7 +3,6 @@ float32 reference over the dequantized cache, and engines whose paths over an FP
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -14,7 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from tandem.service.contract import SamplingParams
 from tandem.service.engine.ops.attention_ref import decode_attention, fp8_products_bound
-from tandem.service.engine.ops.decode_grid import ENGINE_CONFIGS, KernelConfig, Splits, num_splits_for
+from tandem.service.engine.ops.decode_grid import (
+    ENGINE_CONFIGS,
+    KernelConfig,
+    Splits,
+    num_splits_for,
+    with_fp8_products,
+)
 from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 from tandem.service.engine.ops.fp8_linear import quantize_rows
 from tandem.service.engine.ops.kv_quant import FP8, as_bytes, dequantize, quantize, select, write
@@ -155,8 +160,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)
     configs = {*ENGINE_CONFIGS, KernelConfig(tile=16), KernelConfig(tile=64, stages=2, new_after_loop=True),
                KernelConfig(tile=64, single_split_direct=True),
-               *(dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in ENGINE_CONFIGS
-                 for pv, qk in ((True, False), (False, True), (True, True)))}
+               *with_fp8_products(ENGINE_CONFIGS)}
     outs = {}
     for splits in {1, step_sized, 32, Splits(1, 32), Splits(2, 5)}:
         for config in configs:

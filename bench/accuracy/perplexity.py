@@ -71,4 +71,3 @@ def through_model(model: object, ids: list[int], window: int) -> Perplexity:
             result.tokens += len(tokens) - 1
             result.windows += 1
     return result
-

@@ -29,7 +29,12 @@ from pathlib import Path
 
 from tandem.bench.common import markdown_table, need_modules
 from tandem.bench.record import ResultFile, machine, versions
-from tandem.service.engine.ops.decode_grid import ENGINE_CONFIGS, SPLIT_TOKENS, KernelConfig
+from tandem.service.engine.ops.decode_grid import (
+    ENGINE_CONFIGS,
+    SPLIT_TOKENS,
+    KernelConfig,
+    with_fp8_products,
+)
 
 # what the multiprocessors of sm_90 (H100, H200) hold: registers, threads, shared memory, programs
 SM90 = {"registers": 65536, "threads": 2048, "shared": 233472, "programs": 32}
@@ -135,8 +140,7 @@ CONFIGS = [KernelConfig(tile, stages, 4, new_after_loop=after)
     KernelConfig(tile, stages, 4, new_after_loop=after, single_split_direct=True)
     for tile, stages, after in ((64, 1, False), (32, 1, False), (64, 2, True), (32, 2, True))]
 # over an e4m3 cache: the engine's configurations, and each with P.V, Q.K^T and both on e4m3 operands
-FP8_CONFIGS = [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in ENGINE_CONFIGS
-               for pv, qk in ((False, False), (True, False), (False, True), (True, True))]
+FP8_CONFIGS = [*ENGINE_CONFIGS, *with_fp8_products(ENGINE_CONFIGS)]
 
 
 def sass_path(folder: str | None, config: KernelConfig, launch: Launch) -> Path | None:

@@ -56,6 +56,7 @@ from tandem.service.engine.ops.decode_grid import (
     kernel_config,
     least_splits,
     num_splits_for,
+    with_fp8_products,
 )
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.deferred_rotary import defer_rotary, model_family
@@ -226,18 +227,12 @@ KERNEL_CONFIGS = [  # 128-token tiles overflow shared memory past one stage
 CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for stages in (1, 2, 3)]
 
 
-def fp8_products(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
-    """Each of `configs` with P.V, Q.K^T and both taking e4m3 operands."""
-    return [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in configs
-            for pv, qk in ((True, False), (False, True), (True, True))]
-
-
 # an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and the products
 # with e4m3 operands in the engine's configurations and those
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
-FP8_KERNEL_CONFIGS += fp8_products([*ENGINE_CONFIGS,
-                                    *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])
-FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + fp8_products(CACHE_ONLY_CONFIGS)
+FP8_KERNEL_CONFIGS += with_fp8_products([*ENGINE_CONFIGS,
+                                         *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])
+FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + with_fp8_products(CACHE_ONLY_CONFIGS)
 
 
 def products_of(config: KernelConfig) -> str:

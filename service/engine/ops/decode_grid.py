@@ -4,6 +4,8 @@ from the kernel (triton_decode.py), so the rules are tested on hosts without Tri
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SPLIT_TOKENS = 512  # context tokens per split, past the fewest splits: the best count on the H200
@@ -77,6 +79,13 @@ class KernelConfig:
 PIPELINED = KernelConfig(tile=64, stages=2, new_after_loop=True, merge_heads=4, single_split_direct=True)
 ONE_STAGE = KernelConfig(tile=64, stages=1, new_after_loop=True, merge_heads=4)
 ENGINE_CONFIGS = (PIPELINED, ONE_STAGE)  # every configuration `kernel_config` picks (GPU tests run each)
+
+
+def with_fp8_products(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
+    """Each of `configs` with P.V, Q.K^T and both taking e4m3 operands (an e4m3 cache's variants,
+    which the sweeps and tests run beside the configuration as it is)."""
+    return [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in configs
+            for pv, qk in ((True, False), (False, True), (True, True))]
 
 
 def kernel_config(batch: int, kv_fp8: bool = False) -> KernelConfig:
