@@ -106,15 +106,15 @@ def test_tandem_bench_kernel_resources_compiles_or_says_what_it_needs(tmp_path):
 
 def test_kernel_resources_compiles_the_decode_kernel_over_an_e4m3_cache():
     """`kernel-resources --kv-cache-dtype fp8`: the kernel over an e4m3 cache, its products on e4m3
-    operands too, compiles for sm_90 without a device."""
+    or float16 operands too, compiles for sm_90 without a device."""
     pytest.importorskip("triton")
     from tandem.bench.kernels.kernel_resources import FP8_CONFIGS, LAUNCHES, compiled
 
-    assert {(c.pv_fp8, c.qk_fp8) for c in FP8_CONFIGS} == {(False, False), (True, False), (False, True),
-                                                             (True, True)}
-    both = next(c for c in FP8_CONFIGS if c.pv_fp8 and c.qk_fp8 and c.stages == 1)
-    r = compiled(both, LAUNCHES["decode step, with a merge"], 90, kv_fp8=True)
-    assert r.registers > 0 and r.resident() >= 1
+    assert {c.products for c in FP8_CONFIGS} == {"-", "P.V", "Q.K^T", "both", "float16"}
+    for products in ("both", "float16"):
+        config = next(c for c in FP8_CONFIGS if c.products == products and c.stages == 1)
+        r = compiled(config, LAUNCHES["decode step, with a merge"], 90, kv_fp8=True)
+        assert r.registers > 0 and r.resident() >= 1
 
 
 def test_gemm_floor_counts_every_gemm_weight_once():

@@ -224,6 +224,32 @@ def test_the_decode_kernels_fp8_products_are_within_their_operands_rounding(spli
     assert (out - ref).abs().max() > 1e-4  # the operands were rounded
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_decode_kernels_float16_products_attend_over_the_dequantized_cache(splits):
+    """`f16_products`: K and V widened from e4m3 unscaled, the query and probabilities in float16,
+    the scales applied after the products: attention over the dequantized cache within float16's
+    rounding of the query and the probabilities (a scale left out or applied twice is far off)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run with TRITON_INTERPRET=1 (Triton reads it when it is first imported)")
+    from tandem.service.engine.ops.decode_grid import KernelConfig
+    from tandem.service.engine.ops.triton_decode import paged_decode_attention
+
+    cache, args, _, _ = _decode_case("NHD", torch.float32)
+    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
+    q = q[0].transpose(0, 1)
+    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
+    assert ks != 1 and vs != 1
+    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
+    mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
+    keys = dequantize(cache.k[layer][slots_of], ks, torch.float32)
+    values = dequantize(cache.v[layer][slots_of], vs, torch.float32)
+    ref = decode_attention(q, keys, values, mask, scale)
+    out = paged_decode_attention(q, cache.k[layer], cache.v[layer], table, lens, block, scale, splits,
+                                 config=KernelConfig(tile=32, f16_products=True), kv_scales=(ks, vs))
+    torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=0)
+
+
 def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():
     """The profile's anatomy kernel (bench/kernels/decode_anatomy.py) over an e4m3 cache: its
     whole-loop parts attend over the dequantized context (what the engine's kernel computes), and

@@ -8,7 +8,8 @@ kernel (a merge or none; the step's own K/V written, rotated), what one program 
 programs one multiprocessor keeps resident: the K/V reads it can have in flight. The arguments are
 typed and aligned as the engine launches them on the 8B shape (bf16, 4 query heads per KV head,
 head_dim 128, 16-token blocks). `--kv-cache-dtype fp8`: over an e4m3 cache, the engine's
-configurations with and without their products taking e4m3 operands (`pv_fp8`, `qk_fp8`).
+configurations with and without their products taking e4m3 (`pv_fp8`, `qk_fp8`) or float16
+(`f16_products`) operands.
 
     tandem bench kernel-resources [--arch 90] [--kv-cache-dtype auto|fp8] [--out PATH] [--sass DIR]
 """
@@ -33,7 +34,7 @@ from tandem.service.engine.ops.decode_grid import (
     ENGINE_CONFIGS,
     SPLIT_TOKENS,
     KernelConfig,
-    with_fp8_products,
+    product_variants,
 )
 
 # what the multiprocessors of sm_90 (H100, H200) hold: registers, threads, shared memory, programs
@@ -111,7 +112,8 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
                       BLOCK_SIZE=16, TILE=config.tile, STORE_NEW=launch.store_new, ROTARY=launch.rotary,
                       DOT_PRECISION="tf32", OFFSET_I64=False, NEW_AFTER_LOOP=config.new_after_loop,
                       SINGLE_SPLIT_DIRECT=config.single_split_direct, KV_FP8=kv_fp8,
-                      PV_FP8=config.pv_fp8, QK_FP8=config.qk_fp8)
+                      PV_FP8=config.pv_fp8, QK_FP8=config.qk_fp8,
+                      F16_PRODUCTS=config.f16_products)
     pointers = FP8_POINTERS if kv_fp8 else POINTERS
     signature = {name: "constexpr" if name in constexprs else pointers.get(name) or FLOATS.get(name) or "i32"
                  for name in kernel.arg_names}
@@ -140,7 +142,8 @@ CONFIGS = [KernelConfig(tile, stages, 4, new_after_loop=after)
     KernelConfig(tile, stages, 4, new_after_loop=after, single_split_direct=True)
     for tile, stages, after in ((64, 1, False), (32, 1, False), (64, 2, True), (32, 2, True))]
 # over an e4m3 cache: the engine's configurations, and each with P.V, Q.K^T and both on e4m3 operands
-FP8_CONFIGS = [*ENGINE_CONFIGS, *with_fp8_products(ENGINE_CONFIGS)]
+# and with both on float16 ones
+FP8_CONFIGS = [*ENGINE_CONFIGS, *product_variants(ENGINE_CONFIGS)]
 
 
 def sass_path(folder: str | None, config: KernelConfig, launch: Launch) -> Path | None:
@@ -148,7 +151,8 @@ def sass_path(folder: str | None, config: KernelConfig, launch: Launch) -> Path 
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     stem = (f"tile{config.tile}_stages{config.stages}_after{config.new_after_loop:d}"
-            f"_direct{config.single_split_direct:d}_pv{config.pv_fp8:d}_qk{config.qk_fp8:d}_{launch_name(launch)}")
+            f"_direct{config.single_split_direct:d}_pv{config.pv_fp8:d}_qk{config.qk_fp8:d}_f16{config.f16_products:d}"
+            f"_{launch_name(launch)}")
     return Path(folder) / f"{stem}.sass"
 
 
@@ -162,8 +166,8 @@ def report_rows(arch: int, sass: str | None, kv_fp8: bool = False) -> list[dict]
             if launch.direct and config.single_split_direct:
                 continue  # the same kernel as without: every sequence has one split
             r = compiled(config, launch, arch, sass_path(sass, config, launch), kv_fp8)
-            rows.append({**dataclasses.asdict(config), "launch": name, **dataclasses.asdict(r),
-                         "resident_per_sm": r.resident()})
+            rows.append({**dataclasses.asdict(config), "products": config.products, "launch": name,
+                         **dataclasses.asdict(r), "resident_per_sm": r.resident()})
     return rows
 
 
@@ -185,10 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result_file = ResultFile("kernel-resources", argv, "cpu", shape, a.out)
     rows = report_rows(a.arch, a.sass, kv_fp8)
     print(markdown_table(
-        ["tile", "stages", "warps", "new after loop", "one split direct", "e4m3 P.V", "e4m3 Q.K^T", "launch",
+        ["tile", "stages", "warps", "new after loop", "one split direct", "products", "launch",
          "registers", "shared KiB", "resident per SM"],
-        [[r["tile"], r["stages"], r["warps"], r["new_after_loop"], r["single_split_direct"], r["pv_fp8"],
-          r["qk_fp8"], r["launch"],
+        [[r["tile"], r["stages"], r["warps"], r["new_after_loop"], r["single_split_direct"], r["products"],
+          r["launch"],
           r["registers"], round(r["shared"] / 1024, 1), r["resident_per_sm"]] for r in rows]))
     env = {**machine(), **versions("torch", "triton"), "compiled_for": f"sm_{a.arch}",
            "kv_cache_dtype": a.kv_cache_dtype}

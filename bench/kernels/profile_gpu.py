@@ -56,7 +56,7 @@ from tandem.service.engine.ops.decode_grid import (
     kernel_config,
     least_splits,
     num_splits_for,
-    with_fp8_products,
+    product_variants,
 )
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.deferred_rotary import defer_rotary, model_family
@@ -230,15 +230,9 @@ CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for sta
 # an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and the products
 # with e4m3 operands in the engine's configurations and those
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
-FP8_KERNEL_CONFIGS += with_fp8_products([*ENGINE_CONFIGS,
+FP8_KERNEL_CONFIGS += product_variants([*ENGINE_CONFIGS,
                                          *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])
-FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + with_fp8_products(CACHE_ONLY_CONFIGS)
-
-
-def products_of(config: KernelConfig) -> str:
-    """Which of a configuration's products take e4m3 operands."""
-    return {(False, False): "-", (True, False): "P.V", (False, True): "Q.K^T", (True, True): "both"}[
-        config.pv_fp8, config.qk_fp8]
+FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + product_variants(CACHE_ONLY_CONFIGS)
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -275,7 +269,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
                    "new_after_loop": config.new_after_loop,
-                   "fp8_products": products_of(config), "least": splits.least, "most": splits.most,
+                   "fp8_products": config.products, "least": splits.least, "most": splits.most,
                    "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -290,7 +284,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
-               "fp8_products": products_of(config), "least": step_splits.least, "most": step_splits.most,
+               "fp8_products": config.products, "least": step_splits.least, "most": step_splits.most,
                "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows

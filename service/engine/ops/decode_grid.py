@@ -60,7 +60,10 @@ class KernelConfig:
     merge of one partial); and the merge's warps per program and query heads per program (one
     sequence's: more heads, fewer and larger programs); and, over an e4m3 cache, whether P.V takes
     e4m3 operands (`pv_fp8`: V's tiles as stored, the probabilities rounded to e4m3) and
-    Q.K^T (`qk_fp8`: K's tiles as stored, each query row rounded to e4m3)."""
+    Q.K^T (`qk_fp8`: K's tiles as stored, each query row rounded to e4m3), or both products take
+    float16 operands (`f16_products`: K's and V's tiles widened from e4m3, which float16 holds
+    exactly, the query and the probabilities in float16, the scales applied to the products'
+    float32 results) instead of the tiles dequantized into the query's dtype."""
 
     tile: int = 32
     stages: int = 1
@@ -71,6 +74,16 @@ class KernelConfig:
     single_split_direct: bool = False
     pv_fp8: bool = False
     qk_fp8: bool = False
+    f16_products: bool = False
+
+    @property
+    def products(self) -> str:
+        """Which products take other operands than the dequantized tiles: "-", "P.V", "Q.K^T",
+        "both" (e4m3) or "float16"."""
+        if self.f16_products:
+            return "float16"
+        return {(False, False): "-", (True, False): "P.V", (False, True): "Q.K^T", (True, True): "both"}[
+            self.pv_fp8, self.qk_fp8]
 
 
 # The step's own token after the loop (fewer registers: more programs resident, loads free to
@@ -81,11 +94,12 @@ ONE_STAGE = KernelConfig(tile=64, stages=1, new_after_loop=True, merge_heads=4)
 ENGINE_CONFIGS = (PIPELINED, ONE_STAGE)  # every configuration `kernel_config` picks (GPU tests run each)
 
 
-def with_fp8_products(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
-    """Each of `configs` with P.V, Q.K^T and both taking e4m3 operands (an e4m3 cache's variants,
-    which the sweeps and tests run beside the configuration as it is)."""
-    return [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk) for c in configs
-            for pv, qk in ((True, False), (False, True), (True, True))]
+def product_variants(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
+    """Each of `configs` with P.V, Q.K^T and both taking e4m3 operands, and with both taking float16
+    ones (an e4m3 cache's variants, which the sweeps and tests run beside the configuration as it is)."""
+    return [dataclasses.replace(c, pv_fp8=pv, qk_fp8=qk, f16_products=f16) for c in configs
+            for pv, qk, f16 in ((True, False, False), (False, True, False), (True, True, False),
+                                (False, False, True))]
 
 
 def kernel_config(batch: int, kv_fp8: bool = False) -> KernelConfig:

@@ -17,7 +17,10 @@ A configuration may instead take P.V with e4m3 operands (PV_FP8: V's tiles as st
 probabilities rounded to e4m3) and Q.K^T (QK_FP8: K's tiles as stored, each query row rounded to
 e4m3): the tiles reach shared memory as stored, and the tensor cores take them widened to float16 in
 the registers that feed them (sm_90's FP8 matrix instructions take 64 rows, a program holds 16);
-what the rounding costs in accuracy: scripts/fp8_attention_products.py.
+what the rounding costs in accuracy: scripts/fp8_attention_products.py. Or both products take
+float16 operands (F16_PRODUCTS): the tiles widened from e4m3 (exact) with no scale, the query and
+probabilities in float16, the scales applied to the products' float32 results: one conversion per
+two elements where dequantizing takes one each to float32, a multiply and one to the query's dtype.
 """
 
 from __future__ import annotations
@@ -77,12 +80,13 @@ def _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, tokens, t, d, stride_tb, s
 
 @triton.jit
 def _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION: tl.constexpr,
-                 PV_FP8: tl.constexpr, QK_FP8: tl.constexpr = False):
+                 PV_FP8: tl.constexpr, QK_FP8: tl.constexpr = False, SCALE_PV: tl.constexpr = False):
     """One tile of K and V [TILE, head_dim] into the query heads' running softmax: the scores
     Q.K^T [GROUP_PAD, TILE] (positions not `live` left out), then P.V into `acc`. -> m, lsum, acc.
     PV_FP8: V as an e4m3 cache stores it (`v_scale` its scale) and the probabilities (<= 1) times
     P_FP8 in e4m3, their product taken with e4m3 operands; their sum stays float32. QK_FP8: q in
-    e4m3 and K as stored, `scale` [GROUP_PAD, 1] the product's scale per query row."""
+    e4m3 and K as stored, `scale` [GROUP_PAD, 1] the product's scale per query row. SCALE_PV: V
+    unscaled (widened from e4m3), P.V times `v_scale`."""
     if QK_FP8:
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
     else:
@@ -96,6 +100,8 @@ def _attend_tile(q, k, v, live, m, lsum, acc, scale, v_scale, DOT_PRECISION: tl.
         pv = tl.dot((p * P_FP8).to(v.dtype), v, out_dtype=tl.float32) * (v_scale / P_FP8)
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        if SCALE_PV:
+            pv = pv * v_scale
     acc = acc * alpha[:, None] + pv
     return m_new, lsum, acc
 
@@ -168,6 +174,7 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
     QK_FP8: tl.constexpr,
+    F16_PRODUCTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -203,6 +210,9 @@ def _decode_split_kernel(
         q_tiles = quantize(q_f32, q_scale[:, None], k_ptr.dtype.element_ty)
         tile_scale = (q_scale * k_scale * scale)[:, None]
         q_f32 = q_tiles.to(tl.float32) * q_scale[:, None]  # the step's own token: the same query
+    if F16_PRODUCTS:  # the tiles unscaled: K's scale joins the scores'
+        q_tiles = q.to(tl.float16)
+        tile_scale = scale * k_scale
     if STORE_NEW:
         # the step's own K/V: one program writes it to the cache (no program reads that slot this
         # step) and uses it from registers: the program whose tiles hold its position substitutes
@@ -240,7 +250,10 @@ def _decode_split_kernel(
     for tile in tl.range(first_tile, last_tile):
         pos, live, k, v = _load_tile(k_ptr, v_ptr, table_ptr, b, kvh, tile, cached, t, d, stride_tb,
                                      stride_ks, stride_kh, BLOCK_SIZE, TILE, OFFSET_I64)
-        if KV_FP8:
+        if F16_PRODUCTS:  # e4m3 in float16 exactly, the scales after the products
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        elif KV_FP8:
             if not QK_FP8:  # else K's tiles go to the tensor cores as stored
                 k = dequantize(k, k_scale, q_ptr.dtype.element_ty)
             if not PV_FP8:  # and V's
@@ -250,7 +263,7 @@ def _decode_split_kernel(
             k = tl.where(is_new, new_k[None, :], k)
             v = tl.where(is_new, new_v[None, :], v)
         m, lsum, acc = _attend_tile(q_tiles, k, v, live, m, lsum, acc, tile_scale, v_scale, DOT_PRECISION,
-                                    PV_FP8, QK_FP8)
+                                    PV_FP8, QK_FP8, F16_PRODUCTS)
     if STORE_NEW and NEW_AFTER_LOOP:
         # the new token after the cached context's tiles (an empty split stays empty: no exp of
         # -inf minus -inf)
@@ -363,9 +376,11 @@ def paged_decode_attention(
     fp8 = kv_scales is not None
     assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
     config = config or kernel_config(b, fp8)
-    # e4m3 products need e4m3 tiles, and the step's own token taken after the loop (in float32)
-    fp8_products = config.pv_fp8 or config.qk_fp8
-    assert not fp8_products or (fp8 and (new_kv is None or config.new_after_loop)), config
+    # e4m3 or float16 products need e4m3 tiles, and the step's own token taken after the loop
+    # (in float32); float16 ones take both products
+    other_products = config.pv_fp8 or config.qk_fp8 or config.f16_products
+    assert not other_products or (fp8 and (new_kv is None or config.new_after_loop)), config
+    assert not (config.f16_products and (config.pv_fp8 or config.qk_fp8)), config
     group = h // kv_heads
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     splits = num_splits if isinstance(num_splits, Splits) else Splits(num_splits, num_splits)
@@ -433,6 +448,7 @@ def paged_decode_attention(
         KV_FP8=fp8,
         PV_FP8=config.pv_fp8,
         QK_FP8=config.qk_fp8,
+        F16_PRODUCTS=config.f16_products,
         num_warps=config.warps,
         num_stages=config.stages,
     )
