@@ -8,8 +8,10 @@ Q.K^T, and the softmax's probabilities (exp(s - max) <= 1, times 448) for P.V, t
 normalises them kept in float32. This script computes attention that way on the embedded
 SmolLM2-135M-Instruct in bf16 through transformers' forward, every query of every window as a
 decode step's (perplexity of the accuracy benchmark's corpus in windows of 1,024 tokens), against
-the same attention with the products in bf16 as the engine's kernel takes them. K and V are rounded
-to e4m3 at scale 1.0 (the engine's default) in every variant but the first. CPU:
+the same attention with the products in bf16 as the engine's kernel takes them, and with them in
+float16 (K and V widened from e4m3, which float16 holds exactly; the query and the probabilities
+rounded to float16). K and V are rounded to e4m3 at scale 1.0 (the engine's default) in every
+variant but the first. CPU:
 `python scripts/fp8_attention_products.py`.
 """
 
@@ -32,12 +34,13 @@ WINDOW = 1024
 @dataclass
 class Products:
     """How one attention call rounds its operands: K/V to e4m3 (as an FP8 cache stores them), the
-    query to e4m3 per token and head, the probabilities to e4m3 (else each to bf16, as the
-    engine's kernel takes them)."""
+    query to e4m3 per token and head, the probabilities to e4m3 (else each to `wide`: bf16 as the
+    engine's kernel takes them, or float16)."""
 
     kv8: bool = True
     q8: bool = False
     p8: bool = False
+    wide: torch.dtype = torch.bfloat16
 
 
 def e4m3_rows(x: torch.Tensor) -> torch.Tensor:
@@ -61,14 +64,14 @@ class Fp8ProductsAttention:
             k, v = round_trip(k, torch.tensor(1.0)), round_trip(v, torch.tensor(1.0))
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-        q = e4m3_rows(q.float()) if how.q8 else q.to(torch.bfloat16).float()
+        q = e4m3_rows(q.float()) if how.q8 else q.to(how.wide).float()
         scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
         length = scores.shape[-1]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         total = p.sum(dim=-1, keepdim=True)  # float32, from the unrounded probabilities
-        p = (p * FP8_MAX).to(FP8).float() / FP8_MAX if how.p8 else p.to(torch.bfloat16).float()
+        p = (p * FP8_MAX).to(FP8).float() / FP8_MAX if how.p8 else p.to(how.wide).float()
         out = (p @ v) / total
         return out.to(module.o_proj.weight.dtype).transpose(1, 2).contiguous(), None
 
@@ -86,6 +89,7 @@ def main() -> None:
         "e4m3 K/V, e4m3 query (Q.K^T in e4m3)": Products(q8=True),
         "e4m3 K/V, e4m3 probabilities (P.V in e4m3)": Products(p8=True),
         "e4m3 K/V, e4m3 query and probabilities (both)": Products(q8=True, p8=True),
+        "e4m3 K/V, products in float16": Products(wide=torch.float16),
     }
     print(f"{len(ids)} tokens in windows of {WINDOW}")
     base = None
