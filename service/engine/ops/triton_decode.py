@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_grid import ENGINE_CONFIGS, MAX_SPLITS, KernelConfig, Splits, kernel_config, num_splits_for
+from .decode_grid import MAX_SPLITS, KernelConfig, Splits, engine_configs, kernel_config, num_splits_for
 from .deferred_rotary import DeferredRotary
 from .kv_quant import is_fp8
 from .triton_fp8 import dequantize, quantize
@@ -479,7 +479,7 @@ def compile_step_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, block_si
     lens = torch.ones(1, dtype=torch.int32, device=dev)
     # one count per power of two the merge pads to (SPLITS_PAD)
     split_counts = sorted({min(2**i, MAX_SPLITS) for i in range((MAX_SPLITS - 1).bit_length() + 1)})
-    for config in ENGINE_CONFIGS:
+    for config in engine_configs(kv_scales is not None):
         for splits in split_counts:
             paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, 1.0, splits, config=config,
                                    kv_scales=kv_scales)
