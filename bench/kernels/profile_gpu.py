@@ -228,11 +228,12 @@ CACHE_ONLY_CONFIGS = [KernelConfig(tile, stages, 4) for tile in (32, 64) for sta
 
 
 # an e4m3 tile takes half a bf16 one's shared memory: 128-token tiles pipeline too; and the products
-# with e4m3 operands in the engine's configurations and those
+# with e4m3 or float16 operands in the bf16 engine's configurations (those too) and those
 FP8_KERNEL_CONFIGS = KERNEL_CONFIGS + [KernelConfig(128, stages, 4, new_after_loop=True) for stages in (2, 3)]
-FP8_KERNEL_CONFIGS += product_variants([*ENGINE_CONFIGS,
-                                         *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])
-FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + product_variants(CACHE_ONLY_CONFIGS)
+FP8_KERNEL_CONFIGS += [*ENGINE_CONFIGS, *product_variants([
+    *ENGINE_CONFIGS, *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])]
+FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + product_variants(CACHE_ONLY_CONFIGS) + [
+    *ENGINE_CONFIGS, *product_variants(ENGINE_CONFIGS)]
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -269,6 +270,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         for config in with_engines(configs, chosen):
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
                    "new_after_loop": config.new_after_loop,
+                   "single_split_direct": config.single_split_direct, "merge_heads": config.merge_heads,
                    "fp8_products": config.products, "least": splits.least, "most": splits.most,
                    "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
@@ -284,6 +286,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
+               "single_split_direct": config.single_split_direct, "merge_heads": config.merge_heads,
                "fp8_products": config.products, "least": step_splits.least, "most": step_splits.most,
                "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
