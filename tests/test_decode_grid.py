@@ -36,14 +36,17 @@ def test_grid_holds_every_split_of_the_longest_context():
 def test_every_configuration_the_engine_picks_is_among_those_tested():
     """`kernel_config` picks only from `engine_configs` (each of which test_gpu_kernels.py's
     `_check_kernel` and test_gpu_fp8_kv.py run): one pipeline stage from 9 to 63 sequences, two
-    elsewhere; over an e4m3 cache one stage below 64 sequences, the products in float16; the step's
-    own token after the loop everywhere."""
+    elsewhere; over an e4m3 cache one stage below 64 sequences, but a decode step's (its own K/V
+    stored) two stages and float16 products at every size; the step's own token after the loop
+    everywhere."""
     for kv_fp8 in (False, True):
-        picks = {kernel_config(batch, kv_fp8) for batch in range(1, 513)}
-        assert picks == set(engine_configs(kv_fp8))
-        assert {config.f16_products for config in picks} == {kv_fp8}
+        for store_new in (False, True):
+            picks = {kernel_config(batch, kv_fp8, store_new) for batch in range(1, 513)}
+            assert picks == set(engine_configs(kv_fp8, store_new))
+            assert {config.f16_products for config in picks} == {kv_fp8 and store_new}
+            assert all(config.new_after_loop for config in picks)
     assert {kernel_config(batch).stages for batch in (9, 32, 63)} == {1}
     assert {kernel_config(batch).stages for batch in (1, 8, 64, 256)} == {2}
-    assert {kernel_config(batch, kv_fp8=True).stages for batch in (1, 8, 9, 63)} == {1}
-    assert {kernel_config(batch, kv_fp8=True).stages for batch in (64, 256)} == {2}
-    assert all(config.new_after_loop for config in (*engine_configs(False), *engine_configs(True)))
+    assert {kernel_config(batch, True, store_new=False).stages for batch in (1, 8, 9, 63)} == {1}
+    assert {kernel_config(batch, True, store_new=False).stages for batch in (64, 256)} == {2}
+    assert {kernel_config(batch, kv_fp8=True).stages for batch in (1, 8, 32, 256)} == {2}

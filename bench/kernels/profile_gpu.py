@@ -282,6 +282,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         return paged_decode_attention(q, k, v, table, lens, block, 0.1, step_splits, config=config,
                                       kv_scales=scales)
 
+    chosen = kernel_config(batch, kv_fp8, store_new=False)
     reference = cache_only(chosen).float()
     for config in with_engines(cache_only_configs, chosen):
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,

@@ -375,7 +375,7 @@ def paged_decode_attention(
     kv_heads = k_cache.shape[1]
     fp8 = kv_scales is not None
     assert fp8 == is_fp8(k_cache.dtype) == is_fp8(v_cache.dtype), "an FP8 cache comes with its scales"
-    config = config or kernel_config(b, fp8)
+    config = config or kernel_config(b, fp8, store_new=new_kv is not None)
     # e4m3 or float16 products need e4m3 tiles, and the step's own token taken after the loop
     # (in float32); float16 ones take both products
     other_products = config.pv_fp8 or config.qk_fp8 or config.f16_products
@@ -448,7 +448,8 @@ def paged_decode_attention(
         KV_FP8=fp8,
         PV_FP8=config.pv_fp8,
         QK_FP8=config.qk_fp8,
-        F16_PRODUCTS=config.f16_products,
+        # a float32 model's queries keep their precision (its tests' references are exact)
+        F16_PRODUCTS=config.f16_products and q.dtype != torch.float32,
         num_warps=config.warps,
         num_stages=config.stages,
     )
@@ -479,7 +480,7 @@ def compile_step_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, block_si
     lens = torch.ones(1, dtype=torch.int32, device=dev)
     # one count per power of two the merge pads to (SPLITS_PAD)
     split_counts = sorted({min(2**i, MAX_SPLITS) for i in range((MAX_SPLITS - 1).bit_length() + 1)})
-    for config in engine_configs(kv_scales is not None):
+    for config in engine_configs(kv_scales is not None, store_new=False):
         for splits in split_counts:
             paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, 1.0, splits, config=config,
                                    kv_scales=kv_scales)
