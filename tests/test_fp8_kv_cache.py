@@ -237,17 +237,19 @@ def test_the_decode_kernels_float16_products_attend_over_the_dequantized_cache(s
 
     cache, args, _, _ = _decode_case("NHD", torch.float32)
     q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
-    q = q[0].transpose(0, 1)
+    q = q[0].transpose(0, 1).to(torch.bfloat16)  # a float32 model's queries keep float32 products
     ks, vs = cache.k_scale[layer], cache.v_scale[layer]
     assert ks != 1 and vs != 1
     slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
     mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
     keys = dequantize(cache.k[layer][slots_of], ks, torch.float32)
     values = dequantize(cache.v[layer][slots_of], vs, torch.float32)
-    ref = decode_attention(q, keys, values, mask, scale)
+    ref = decode_attention(q.float(), keys, values, mask, scale)
     out = paged_decode_attention(q, cache.k[layer], cache.v[layer], table, lens, block, scale, splits,
                                  config=KernelConfig(tile=32, f16_products=True), kv_scales=(ks, vs))
-    torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=0)
+    assert out.dtype == torch.bfloat16
+    # float16's rounding of the probabilities, and the output's to bf16 (2^-9 of its largest)
+    torch.testing.assert_close(out.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=0)
 
 
 def test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine():
