@@ -34,6 +34,7 @@ test: setup
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests/test_fp8_gemm_interpreted.py \
 		tests/test_fp8_kv_cache.py::test_the_decode_kernel_reads_an_fp8_cache \
 		tests/test_fp8_kv_cache.py::test_the_decode_kernels_fp8_products_are_within_their_operands_rounding \
+		tests/test_fp8_kv_cache.py::test_the_decode_kernels_float16_products_attend_over_the_dequantized_cache \
 		tests/test_fp8_kv_cache.py::test_the_decode_anatomys_parts_read_an_fp8_cache_as_the_engine \
 		tests/test_fp8_mlp.py::test_the_kernel_quantizes_the_rows_product
 
