@@ -106,7 +106,7 @@ def test_tandem_bench_kernel_resources_compiles_or_says_what_it_needs(tmp_path):
 
 def test_kernel_resources_compiles_the_decode_kernel_over_an_e4m3_cache():
     """`kernel-resources --kv-cache-dtype fp8`: the kernel over an e4m3 cache, its products on e4m3
-    or float16 operands too, compiles for sm_90 without a device."""
+    or float16 operands too, and held to fewer registers, compiles for sm_90 without a device."""
     pytest.importorskip("triton")
     from tandem.bench.kernels.kernel_resources import FP8_CONFIGS, LAUNCHES, compiled
 
@@ -115,6 +115,10 @@ def test_kernel_resources_compiles_the_decode_kernel_over_an_e4m3_cache():
         config = next(c for c in FP8_CONFIGS if c.products == products and c.stages == 1)
         r = compiled(config, LAUNCHES["decode step, with a merge"], 90, kv_fp8=True)
         assert r.registers > 0 and r.resident() >= 1
+    # held to 128 registers a thread, the decode step's kernel keeps four programs resident
+    capped = next(c for c in FP8_CONFIGS if c.max_registers)
+    r = compiled(capped, LAUNCHES["decode step, with a merge"], 90, kv_fp8=True)
+    assert r.registers <= capped.max_registers == 128 and r.resident() == 4
 
 
 def test_gemm_floor_counts_every_gemm_weight_once():

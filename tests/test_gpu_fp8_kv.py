@@ -20,6 +20,7 @@ from tandem.service.engine.ops.decode_grid import (
     engine_configs,
     num_splits_for,
     product_variants,
+    register_capped,
 )
 from tandem.service.engine.ops.deferred_rotary import DeferredRotary, rotate
 from tandem.service.engine.ops.fp8_linear import quantize_rows
@@ -161,7 +162,7 @@ def test_decode_kernel_over_an_fp8_cache_matches_the_dequantized_reference(
     step_sized = num_splits_for(batch, kv_heads, sms, longest=max_len)
     configs = {*ENGINE_CONFIGS, KernelConfig(tile=16), KernelConfig(tile=64, stages=2, new_after_loop=True),
                KernelConfig(tile=64, single_split_direct=True),
-               *product_variants(ENGINE_CONFIGS)}
+               *product_variants(ENGINE_CONFIGS), *register_capped(engine_configs(kv_fp8=True))}
     outs = {}
     for splits in {1, step_sized, 32, Splits(1, 32), Splits(2, 5)}:
         for config in configs:

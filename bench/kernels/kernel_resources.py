@@ -32,9 +32,11 @@ from tandem.bench.common import markdown_table, need_modules
 from tandem.bench.record import ResultFile, machine, versions
 from tandem.service.engine.ops.decode_grid import (
     ENGINE_CONFIGS,
+    FP8_DECODE_STEP,
     SPLIT_TOKENS,
     KernelConfig,
     product_variants,
+    register_capped,
 )
 
 # what the multiprocessors of sm_90 (H100, H200) hold: registers, threads, shared memory, programs
@@ -122,7 +124,8 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                             target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": config.warps, "num_stages": config.stages})
+                            options={"num_warps": config.warps, "num_stages": config.stages,
+                                     **({"maxnreg": config.max_registers} if config.max_registers else {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(binary.asm["cubin"])
         cubin.flush()
@@ -142,8 +145,8 @@ CONFIGS = [KernelConfig(tile, stages, 4, new_after_loop=after)
     KernelConfig(tile, stages, 4, new_after_loop=after, single_split_direct=True)
     for tile, stages, after in ((64, 1, False), (32, 1, False), (64, 2, True), (32, 2, True))]
 # over an e4m3 cache: the engine's configurations, and each with P.V, Q.K^T and both on e4m3 operands
-# and with both on float16 ones
-FP8_CONFIGS = [*ENGINE_CONFIGS, *product_variants(ENGINE_CONFIGS)]
+# and with both on float16 ones; the decode step's held to 128 registers
+FP8_CONFIGS = [*ENGINE_CONFIGS, *product_variants(ENGINE_CONFIGS), *register_capped([FP8_DECODE_STEP])]
 
 
 def sass_path(folder: str | None, config: KernelConfig, launch: Launch) -> Path | None:
@@ -151,8 +154,8 @@ def sass_path(folder: str | None, config: KernelConfig, launch: Launch) -> Path 
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     stem = (f"tile{config.tile}_stages{config.stages}_after{config.new_after_loop:d}"
-            f"_direct{config.single_split_direct:d}_pv{config.pv_fp8:d}_qk{config.qk_fp8:d}_f16{config.f16_products:d}"
-            f"_{launch_name(launch)}")
+            f"_direct{config.single_split_direct:d}_pv{config.pv_fp8:d}_qk{config.qk_fp8:d}"
+            f"_f16{config.f16_products:d}_maxreg{config.max_registers or 0}_{launch_name(launch)}")
     return Path(folder) / f"{stem}.sass"
 
 
@@ -189,10 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result_file = ResultFile("kernel-resources", argv, "cpu", shape, a.out)
     rows = report_rows(a.arch, a.sass, kv_fp8)
     print(markdown_table(
-        ["tile", "stages", "warps", "new after loop", "one split direct", "products", "launch",
-         "registers", "shared KiB", "resident per SM"],
+        ["tile", "stages", "warps", "new after loop", "one split direct", "products", "max registers",
+         "launch", "registers", "shared KiB", "resident per SM"],
         [[r["tile"], r["stages"], r["warps"], r["new_after_loop"], r["single_split_direct"], r["products"],
-          r["launch"],
+          r["max_registers"] or "-", r["launch"],
           r["registers"], round(r["shared"] / 1024, 1), r["resident_per_sm"]] for r in rows]))
     env = {**machine(), **versions("torch", "triton"), "compiled_for": f"sm_{a.arch}",
            "kv_cache_dtype": a.kv_cache_dtype}

@@ -57,6 +57,7 @@ from tandem.service.engine.ops.decode_grid import (
     least_splits,
     num_splits_for,
     product_variants,
+    register_capped,
 )
 from tandem.service.engine.ops.decode_op import num_sms
 from tandem.service.engine.ops.deferred_rotary import defer_rotary, model_family
@@ -234,6 +235,10 @@ FP8_KERNEL_CONFIGS += [*ENGINE_CONFIGS, *product_variants([
     *ENGINE_CONFIGS, *(c for c in FP8_KERNEL_CONFIGS if c.tile == 128 and c.stages > 1)])]
 FP8_CACHE_ONLY_CONFIGS = CACHE_ONLY_CONFIGS + product_variants(CACHE_ONLY_CONFIGS) + [
     *ENGINE_CONFIGS, *product_variants(ENGINE_CONFIGS)]
+# the float16 products held to four programs resident (the compiler's choice holds three)
+FP8_KERNEL_CONFIGS += register_capped([c for c in FP8_KERNEL_CONFIGS if c.f16_products and c.tile == 64])
+FP8_CACHE_ONLY_CONFIGS += register_capped(
+    [c for c in FP8_CACHE_ONLY_CONFIGS if c.f16_products and c.tile == 64 and c.stages < 3])
 
 
 def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth: float,
@@ -271,6 +276,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
             row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
                    "new_after_loop": config.new_after_loop,
                    "single_split_direct": config.single_split_direct, "merge_heads": config.merge_heads,
+                   "max_registers": config.max_registers,
                    "fp8_products": config.products, "least": splits.least, "most": splits.most,
                    "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
@@ -288,7 +294,8 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
         row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
                "warps": config.warps, "new_after_loop": config.new_after_loop,
                "single_split_direct": config.single_split_direct, "merge_heads": config.merge_heads,
-               "fp8_products": config.products, "least": step_splits.least, "most": step_splits.most,
+               "max_registers": config.max_registers, "fp8_products": config.products,
+               "least": step_splits.least, "most": step_splits.most,
                "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows

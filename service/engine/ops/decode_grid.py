@@ -63,7 +63,9 @@ class KernelConfig:
     Q.K^T (`qk_fp8`: K's tiles as stored, each query row rounded to e4m3), or both products take
     float16 operands (`f16_products`: K's and V's tiles widened from e4m3, which float16 holds
     exactly, the query and the probabilities in float16, the scales applied to the products'
-    float32 results) instead of the tiles dequantized into the query's dtype."""
+    float32 results) instead of the tiles dequantized into the query's dtype; and the most registers a
+    thread may hold (`max_registers`, ptxas' limit: more programs resident, what does not fit
+    spilled), the compiler's choice where None."""
 
     tile: int = 32
     stages: int = 1
@@ -75,6 +77,7 @@ class KernelConfig:
     pv_fp8: bool = False
     qk_fp8: bool = False
     f16_products: bool = False
+    max_registers: int | None = None
 
     @property
     def products(self) -> str:
@@ -100,6 +103,12 @@ FP8_DECODE_STEP = dataclasses.replace(PIPELINED, f16_products=True)
 def engine_configs(kv_fp8: bool = False, store_new: bool = True) -> tuple[KernelConfig, ...]:
     """Every configuration `kernel_config` picks for a launch of this kind (GPU tests run each)."""
     return (FP8_DECODE_STEP,) if kv_fp8 and store_new else ENGINE_CONFIGS
+
+
+def register_capped(configs: Sequence[KernelConfig], most: int = 128) -> list[KernelConfig]:
+    """Each of `configs` held to `most` registers a thread (four 4-warp programs resident on sm_90
+    where the compiler's choice holds three)."""
+    return [dataclasses.replace(c, max_registers=most) for c in configs]
 
 
 def product_variants(configs: Sequence[KernelConfig]) -> list[KernelConfig]:

@@ -452,6 +452,7 @@ def paged_decode_attention(
         F16_PRODUCTS=config.f16_products and q.dtype != torch.float32,
         num_warps=config.warps,
         num_stages=config.stages,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     if num_splits == 1:  # the split kernel wrote the output itself
         return out
