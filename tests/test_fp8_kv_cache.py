@@ -4,6 +4,7 @@ the decode op over it, and (where Triton is installed) the CUDA kernels run by T
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -172,6 +173,36 @@ def test_the_decode_op_attends_over_the_dequantized_cache(layout, dtype):
 # cannot run the store of the step's own K/V; test_gpu_fp8_kv.py covers all of them on a GPU.
 
 
+class _ReadCase(NamedTuple):
+    """`_decode_case` as the kernel reads it (no new K/V): its query rows [B, H, D], the layer's scales,
+    its context dequantized to float32 and the mask of its live positions."""
+
+    q: torch.Tensor
+    ks: torch.Tensor
+    vs: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    scale: float
+    kernel_args: tuple  # the cache's K and V, block table, lengths and block size
+
+    def attention(self, q: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 attention of `q` (the case's own by default) over the dequantized context."""
+        return decode_attention(self.q if q is None else q, self.keys, self.values, self.mask, self.scale)
+
+
+def _read_case() -> _ReadCase:
+    cache, args, _, _ = _decode_case("NHD", torch.float32)
+    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
+    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
+    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
+    mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
+    keys = dequantize(cache.k[layer][slots_of], ks, torch.float32)
+    values = dequantize(cache.v[layer][slots_of], vs, torch.float32)
+    return _ReadCase(q[0].transpose(0, 1), ks, vs, keys, values, mask, scale,
+                     (cache.k[layer], cache.v[layer], table, lens, block))
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_decode_kernel_reads_an_fp8_cache(splits):
     pytest.importorskip("triton")
@@ -180,17 +211,10 @@ def test_the_decode_kernel_reads_an_fp8_cache(splits):
     from tandem.service.engine.ops.decode_grid import KernelConfig
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
-    cache, args, _, _ = _decode_case("NHD", torch.float32)
-    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
-    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
-    mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
-    ref = decode_attention(q[0].transpose(0, 1), dequantize(cache.k[layer][slots_of], ks, torch.float32),
-                           dequantize(cache.v[layer][slots_of], vs, torch.float32), mask, scale)
-    out = paged_decode_attention(q[0].transpose(0, 1), cache.k[layer], cache.v[layer], table, lens, block,
-                                 scale, splits, config=KernelConfig(tile=32),
-                                 kv_scales=(ks, vs))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    c = _read_case()
+    out = paged_decode_attention(c.q, *c.kernel_args, c.scale, splits, config=KernelConfig(tile=32),
+                                 kv_scales=(c.ks, c.vs))
+    torch.testing.assert_close(out, c.attention(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("qk", "pv"), [(False, True), (True, False), (True, True)], ids=["pv", "qk", "both"])
@@ -208,18 +232,11 @@ def test_the_decode_kernels_fp8_products_are_within_their_operands_rounding(spli
     from tandem.service.engine.ops.decode_grid import KernelConfig
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
-    cache, args, _, _ = _decode_case("NHD", torch.float32)
-    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
-    q = q[0].transpose(0, 1)
-    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
-    mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
-    keys = dequantize(cache.k[layer][slots_of], ks, torch.float32)
-    values = dequantize(cache.v[layer][slots_of], vs, torch.float32)
-    ref = decode_attention(q, keys, values, mask, scale)
-    out = paged_decode_attention(q, cache.k[layer], cache.v[layer], table, lens, block, scale, splits,
-                                 config=KernelConfig(tile=32, qk_fp8=qk, pv_fp8=pv), kv_scales=(ks, vs))
-    bound = fp8_products_bound(q, keys, values, mask, scale, qk, pv, step=2**-3) + 1e-6
+    c = _read_case()
+    ref = c.attention()
+    out = paged_decode_attention(c.q, *c.kernel_args, c.scale, splits,
+                                 config=KernelConfig(tile=32, qk_fp8=qk, pv_fp8=pv), kv_scales=(c.ks, c.vs))
+    bound = fp8_products_bound(c.q, c.keys, c.values, c.mask, c.scale, qk, pv, step=2**-3) + 1e-6
     assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() - bound).max()
     assert (out - ref).abs().max() > 1e-4  # the operands were rounded
 
@@ -235,18 +252,12 @@ def test_the_decode_kernels_float16_products_attend_over_the_dequantized_cache(s
     from tandem.service.engine.ops.decode_grid import KernelConfig
     from tandem.service.engine.ops.triton_decode import paged_decode_attention
 
-    cache, args, _, _ = _decode_case("NHD", torch.float32)
-    q, _, _, _, _, layer, _, table, lens, block, scale, _ = args
-    q = q[0].transpose(0, 1).to(torch.bfloat16)  # a float32 model's queries keep float32 products
-    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    assert ks != 1 and vs != 1
-    slots_of = (table[:, :, None].long() * block + torch.arange(block)).view(len(lens), -1)
-    mask = torch.arange(slots_of.shape[1])[None, :] < lens[:, None]
-    keys = dequantize(cache.k[layer][slots_of], ks, torch.float32)
-    values = dequantize(cache.v[layer][slots_of], vs, torch.float32)
-    ref = decode_attention(q.float(), keys, values, mask, scale)
-    out = paged_decode_attention(q, cache.k[layer], cache.v[layer], table, lens, block, scale, splits,
-                                 config=KernelConfig(tile=32, f16_products=True), kv_scales=(ks, vs))
+    c = _read_case()
+    q = c.q.to(torch.bfloat16)  # a float32 model's queries keep float32 products
+    assert c.ks != 1 and c.vs != 1
+    ref = c.attention(q.float())
+    out = paged_decode_attention(q, *c.kernel_args, c.scale, splits,
+                                 config=KernelConfig(tile=32, f16_products=True), kv_scales=(c.ks, c.vs))
     assert out.dtype == torch.bfloat16
     # float16's rounding of the probabilities, and the output's to bf16 (2^-9 of its largest)
     torch.testing.assert_close(out.float(), ref, atol=4e-3 * ref.abs().max().item(), rtol=0)
