@@ -124,8 +124,7 @@ def compiled(config: KernelConfig, launch: Launch, arch: int, sass: Path | None 
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                             target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": config.warps, "num_stages": config.stages,
-                                     **({"maxnreg": config.max_registers} if config.max_registers else {})})
+                            options=config.launch_options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(binary.asm["cubin"])
         cubin.flush()

@@ -80,6 +80,14 @@ class KernelConfig:
     max_registers: int | None = None
 
     @property
+    def launch_options(self) -> dict[str, int]:
+        """What Triton compiles the split kernel with: warps, pipeline stages and the register cap."""
+        options = {"num_warps": self.warps, "num_stages": self.stages}
+        if self.max_registers:
+            options["maxnreg"] = self.max_registers
+        return options
+
+    @property
     def products(self) -> str:
         """Which products take other operands than the dequantized tiles: "-", "P.V", "Q.K^T",
         "both" (e4m3) or "float16"."""

@@ -450,9 +450,7 @@ def paged_decode_attention(
         QK_FP8=config.qk_fp8,
         # a float32 model's queries keep their precision (its tests' references are exact)
         F16_PRODUCTS=config.f16_products and q.dtype != torch.float32,
-        num_warps=config.warps,
-        num_stages=config.stages,
-        **({"maxnreg": config.max_registers} if config.max_registers else {}),
+        **config.launch_options,
     )
     if num_splits == 1:  # the split kernel wrote the output itself
         return out
