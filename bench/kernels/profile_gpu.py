@@ -273,11 +273,7 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
                                           kv_scales=scales)
         reference = run(chosen).float()
         for config in with_engines(configs, chosen):
-            row = {"layout": layout, "tile": config.tile, "stages": config.stages, "warps": config.warps,
-                   "new_after_loop": config.new_after_loop,
-                   "single_split_direct": config.single_split_direct, "merge_heads": config.merge_heads,
-                   "max_registers": config.max_registers,
-                   "fp8_products": config.products, "least": splits.least, "most": splits.most,
+            row = {"layout": layout, **sweep_fields(config), "least": splits.least, "most": splits.most,
                    "chosen": layout == "NHD" and config == chosen}
             rows.append(timed_row(row, lambda config=config: run(config), reference, nbytes, bandwidth))
     k, v = d.caches["NHD"]
@@ -291,14 +287,18 @@ def decode_kernel_sweep(model: torch.nn.Module, batch: int, kind: str, bandwidth
     chosen = kernel_config(batch, kv_fp8, store_new=False)
     reference = cache_only(chosen).float()
     for config in with_engines(cache_only_configs, chosen):
-        row = {"layout": "NHD", "launch": "cache only", "tile": config.tile, "stages": config.stages,
-               "warps": config.warps, "new_after_loop": config.new_after_loop,
-               "single_split_direct": config.single_split_direct, "merge_heads": config.merge_heads,
-               "max_registers": config.max_registers, "fp8_products": config.products,
-               "least": step_splits.least, "most": step_splits.most,
-               "chosen": config == chosen}
+        row = {"layout": "NHD", "launch": "cache only", **sweep_fields(config), "least": step_splits.least,
+               "most": step_splits.most, "chosen": config == chosen}
         rows.append(timed_row(row, lambda config=config: cache_only(config), reference, nbytes, bandwidth))
     return rows
+
+
+def sweep_fields(config: KernelConfig) -> dict:
+    """What a sweep's row records of the configuration it timed."""
+    return {"tile": config.tile, "stages": config.stages, "warps": config.warps,
+            "new_after_loop": config.new_after_loop, "single_split_direct": config.single_split_direct,
+            "merge_heads": config.merge_heads, "max_registers": config.max_registers,
+            "fp8_products": config.products}
 
 
 def with_engines(configs: list[KernelConfig], chosen: KernelConfig) -> list[KernelConfig]:
