@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from tandem.bench.autoscale.scalers import (
 )
 from tandem.bench.autoscale.sim import Setup, simulate
 from tandem.bench.autoscale.trace import SHAPES, TraceConfig, make_trace, shape
+from tandem.operator.bursts import Bursts
 from tandem.operator.policy import ScalingTargets, decide
 from tandem.operator.spec import Scaling
 
@@ -212,6 +214,30 @@ def test_tandem_runs_with_the_crd_defaults():
     assert (targets.min_replicas, targets.max_replicas) == (2, 24)
     # unset in the CRD: the window follows the measured start
     assert targets.scale_down_stabilization_s is None is defaults.scale_down_stabilization_seconds
+
+
+def test_tandem_begins_the_day_with_what_it_learned_the_day_before():
+    """An operator that ran yesterday keeps what it learned in status.learnedBursts: the simulated
+    Tandem begins each trace with what it learned over another trace of the same shape, the
+    baselines with nothing."""
+    setup = Setup(cold_start_s=45.0)
+    assert setup.tandem_day_before  # the comparison's default
+    cell = fair.Cell("tandem_default", None, "decode_heavy", 9, 2.0, start_s=45.0)
+    scaler = fair.BY_NAME["tandem_default"].make(None, setup)
+    fair.remember_the_day_before(scaler, cell, setup)
+    assert scaler.clock_offset_s == 7200.0  # today's second 0 follows yesterday's last
+    assert max(h["ratio"] for h in scaler.learned_status["hourlyGrowth"]) > 1.2
+    run(scaler, rate_rps=5.0, seconds=20)  # one decision, at today's second 15
+    assert scaler.state.bursts.loads[-1][0] == 7215.0
+    assert scaler.state.bursts.growth == Bursts.from_status(scaler.learned_status, 7215.0).growth
+    assert scaler.state.bursts.factor(7215.0) > 1.2  # the headroom is known from the day's start
+    fresh = fair.BY_NAME["tandem_default"].make(None, setup)
+    run(fresh, rate_rps=5.0, seconds=20)
+    assert fresh.learned_status is None and fresh.state.bursts.factor(15.0) == 1.0
+    # the day before is Tandem's alone: a baseline's cell is the same with it or without
+    hpa = fair.Cell("hpa_capacity", 0.7, "decode_heavy", 9, 1.0, start_s=45.0)
+    with_it = fair.run_cell(hpa, setup)[1].summary
+    assert with_it == fair.run_cell(hpa, replace(setup, tandem_day_before=False))[1].summary
 
 
 def test_the_scale_down_window_what_ifs_reach_tandem_and_only_in_one_cell_runs():

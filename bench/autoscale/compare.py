@@ -116,6 +116,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--no-burst-headroom", action="store_true", help="Tandem with scaling.burstHeadroom off"
     )
+    parser.add_argument(
+        "--no-day-before", action="store_true",
+        help="Tandem begins each trace with nothing learned (default: with what it learned over "
+        "another day of the same shape, as status.learnedBursts keeps it)",
+    )
     parser.add_argument("--scale-down-window-s", type=float, default=None,
                         help="with --one: Tandem's scaling.scaleDownStabilizationSeconds (unset: derived)")
     parser.add_argument("--scale-down-window-starts", type=float, default=None,
@@ -137,6 +142,7 @@ def one_cell(args: argparse.Namespace, setup: Setup) -> int:
         cell = Cell(args.one, args.target, args.shape, args.seed, args.hours, start_s=start)
         _, run = run_cell(cell, setup)
         extra = {"tandem_cost_ceiling": args.cost_ceiling, "calibration": setup.pod.name,
+                 "tandem_day_before": setup.tandem_day_before,
                  "tandem_scale_down_window_s": args.scale_down_window_s,
                  "tandem_scale_down_window_starts": args.scale_down_window_starts}
         print(json.dumps({"cell": asdict(cell), **extra, **run.summary}))
@@ -159,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tandem_cost_ceiling=args.cost_ceiling,
         capacity_bias=args.capacity_bias,
         tandem_burst_headroom=not args.no_burst_headroom,
+        tandem_day_before=not args.no_day_before,
         tandem_scale_down_window_s=args.scale_down_window_s,
         tandem_scale_down_window_starts=args.scale_down_window_starts,
     )

@@ -6,7 +6,9 @@ Method (at each pod start time, on its own):
    seed); the cheapest target that keeps >= 99% of minutes within the TTFT SLO is its target
    (if none does, the one with the most minutes within). Tandem's CRD defaults are not tuned.
    (With tuning per shape, each shape's sweep runs on that shape, at the same seed.)
-2. Cells: every scaler at that target, on every shape and seed.
+2. Cells: every scaler at that target, on every shape and seed. Tandem begins each trace with what
+   it learned over the day before (another trace of the same shape, seed + 1000, replayed first and
+   kept as the operator keeps it, in status.learnedBursts); the other scalers learn nothing.
 3. Verdict per shape and seed: Tandem (CRD defaults) meets the target when its minutes within
    the SLO are >= 99%, its scaling events <= 3 an hour, and its cost per million tokens <= that of
    the cheapest fair baseline that keeps >= 99% of minutes within the SLO. The naive HPA on GPU
@@ -152,12 +154,30 @@ class Cell:
     start_s: float | None = None  # the pods' start (None: the setup's)
 
 
+# The day before a trace of seed s is the trace of seed s + DAY_BEFORE_SEED (the same shape): another
+# day of the same traffic, none of the compared seeds
+DAY_BEFORE_SEED = 1000
+
+
 def run_cell(cell: Cell, setup: Setup) -> tuple[Cell, Run]:
     if cell.start_s is not None:
         setup = replace(setup, cold_start_s=cell.start_s)
     trace = make_trace(shape(cell.shape, cell.hours, cell.seed))
     scaler = BY_NAME[cell.contender].make(cell.target, setup)
+    if isinstance(scaler, TandemScaler) and setup.tandem_day_before:
+        remember_the_day_before(scaler, cell, setup)
     return cell, simulate(trace, scaler, setup, series=cell.series)
+
+
+def remember_the_day_before(scaler: TandemScaler, cell: Cell, setup: Setup) -> None:
+    """Start `scaler` with what the same policy learned over the day before (status.learnedBursts,
+    as the operator keeps it): an operator that ran yesterday knows its bursts and its pods' start."""
+    before = make_trace(shape(cell.shape, cell.hours, cell.seed + DAY_BEFORE_SEED))
+    yesterday = BY_NAME[cell.contender].make(cell.target, setup)
+    assert isinstance(yesterday, TandemScaler)
+    simulate(before, yesterday, setup)
+    if yesterday.state is not None:
+        scaler.remember(yesterday.state.bursts.as_status(), float(before.seconds))
 
 
 def run_cells(cells: list[Cell], setup: Setup, jobs: int, log: bool = False) -> dict[Cell, Run]:

@@ -32,6 +32,7 @@ from tandem.bench.autoscale.hpa import (
     pods_metric_replicas,
 )
 from tandem.bench.autoscale.pods import TTFT_BUCKETS, Snapshot
+from tandem.operator.bursts import Bursts
 from tandem.operator.histogram import histogram_quantile
 from tandem.operator.policy import MetricsWindow, ScalingState, ScalingTargets, batch_fill, decide
 
@@ -63,6 +64,15 @@ class TandemScaler(Scaler):
         self.window_s = window_s
         self.state: ScalingState | None = None
         self.last_reasons: list[str] = []
+        # what an operator that ran before kept in status.learnedBursts, and where the day's
+        # clock stands on its clock (the trace's seconds count from 0 each day)
+        self.learned_status: dict | None = None
+        self.clock_offset_s = 0.0
+
+    def remember(self, status: dict, day_s: float) -> None:
+        """Begin as an operator that wrote `status` (status.learnedBursts) `day_s` before this
+        trace's second 0: the policy takes it back as the operator does on its first decision."""
+        self.learned_status, self.clock_offset_s = status, day_s
 
     def window(self, history: deque[Snapshot]) -> MetricsWindow | None:
         # The operator only sees pods that are ready now; seconds before they were ready count as
@@ -86,7 +96,7 @@ class TandemScaler(Scaler):
         # pods ready a scrape interval ago: the operator's rates count pods with two scrapes
         counted = min(s.ready for s in recent[-int(self.interval_s) - 1 :])
         return MetricsWindow(
-            observed_at=recent[-1].time,
+            observed_at=recent[-1].time + self.clock_offset_s,
             pods=ready,
             requests_running=sum(s.running for s in seen) / len(seen),
             requests_waiting=sum(s.waiting for s in seen) / len(seen),
@@ -104,8 +114,9 @@ class TandemScaler(Scaler):
 
     def __call__(self, now: float, replicas: int, history: deque[Snapshot]) -> int:
         ready = history[-1].ready
-        if self.state is None:
-            self.state = ScalingState(replicas, ready)
+        now += self.clock_offset_s
+        if self.state is None:  # the operator's first decision (scaler._first_state)
+            self.state = ScalingState(replicas, ready, bursts=Bursts.from_status(self.learned_status, now))
         self.state = replace(self.state, current_replicas=replicas, ready_replicas=ready)
         d = decide(self.window(history), self.targets, self.state, now, stale_after_s=60)
         self.state = d.state

@@ -33,6 +33,10 @@ class Setup:
     # 0.83 of what 256 streams reached: docs/autoscaling.md)
     capacity_bias: float = 1.0
     tandem_burst_headroom: bool = True  # Tandem's scaling.burstHeadroom (the CRD's default: on)
+    # Tandem begins the day with what its operator learned the day before and kept in the
+    # ModelServer's status.learnedBursts (another day of the same shape, replayed first), as an
+    # operator that has run a day does; False: it begins with nothing learned
+    tandem_day_before: bool = True
     # Tandem's scaling.scaleDownStabilizationSeconds (None, the CRD's default: derived from the
     # measured start) and, for a derived window, how many starts (None: the policy's own)
     tandem_scale_down_window_s: float | None = None
