@@ -64,8 +64,8 @@ class TandemScaler(Scaler):
         self.window_s = window_s
         self.state: ScalingState | None = None
         self.last_reasons: list[str] = []
-        # what an operator that ran before kept in status.learnedBursts, and where the day's
-        # clock stands on its clock (the trace's seconds count from 0 each day)
+        # what an operator that ran before kept in status.learnedBursts, and how long before this
+        # trace's second 0 its clock began (every trace counts its seconds from 0)
         self.learned_status: dict | None = None
         self.clock_offset_s = 0.0
 
