@@ -79,16 +79,20 @@ class Bursts:
         return self
 
     def observed(self, now: float, load: float, start_s: float) -> Bursts:
-        """Add a load sample, and its growth over the samples one start before, when there are
-        some. A growth counts once two samples in a row show it: one scrape is noise, not a burst
-        (a pod just ready, a second's worth of fluctuation)."""
+        """Add a load sample, and its growth within one start, when there are samples to pair.
+        A growth counts once two samples in a row show it: one scrape is noise, not a burst (a pod
+        just ready, a second's worth of fluctuation). The older of the two is paired with the load
+        one start before it, so that the growth is measured over the whole start: paired from
+        this sample, a start of one scrape interval would never show a growth."""
         if self.loads and now <= self.loads[-1][0]:
             return self  # time must move on (a repeated call, a clock step back)
         growth = self.growth
-        then = self._around(now - start_s)
-        if then is not None and self.loads and self.loads[-1][0] >= now - PAIR_SLACK_S:
-            sustained = max(min(load, self.loads[-1][1]), MIN_LOAD_PODS)
-            growth = _highest(growth, now, sustained / max(then, MIN_LOAD_PODS))
+        if self.loads and self.loads[-1][0] >= now - PAIR_SLACK_S:
+            previous_at, previous = self.loads[-1]
+            then = self._around(previous_at - start_s)
+            if then is not None:
+                sustained = max(min(load, previous), MIN_LOAD_PODS)
+                growth = _highest(growth, now, sustained / max(then, MIN_LOAD_PODS))
         keep = bisect.bisect_left(self.loads, now - REFERENCE_S, key=lambda s: s[0])
         loads = (*self.loads[keep:], (now, load))[-MAX_LOAD_SAMPLES:]
         return replace(self, loads=loads, growth=growth)

@@ -101,10 +101,12 @@ def test_growth_from_below_half_a_pod_counts_from_half_a_pod():
 
 
 def test_growth_is_measured_over_the_start_it_was_given():
-    # the load doubles within 60 s: over a 30 s start it grows half as much
+    # the load doubles within 60 s, one pod a scrape: over a 30 s start it grows from 4 to 6 pods
     loads = [4.0] * 20 + [4.0 + 4.0 * min(i * TICK / 60.0, 1.0) for i in range(1, 20)]
     assert learn(loads, start_s=120.0).factor(40 * TICK) == pytest.approx(2.0)
-    assert learn(loads, start_s=30.0).factor(40 * TICK) < 1.6
+    assert learn(loads, start_s=30.0).factor(40 * TICK) == pytest.approx(6.0 / 4.0)
+    # a start as short as the scrape interval still sees the ramp: 4 to 5 pods within it
+    assert learn(loads, start_s=TICK).factor(40 * TICK) == pytest.approx(5.0 / 4.0)
 
 
 def test_the_growth_counts_from_the_load_before_a_burst_not_its_peak():
