@@ -88,16 +88,36 @@ def build_core(
     # the start-up's kv_cache phase, part by part
     log.info("KV cache allocated in %.2f s; scheduler and runner (step buffers) in %.2f s",
              allocated - start, time.perf_counter() - allocated)
-    seconds = runner.capture_graphs()  # at start-up, before the server reports SERVING
+    parts = runner.capture_graphs()  # at start-up, before the server reports SERVING
     if runner.offload is not None:  # no capture from here on: another thread may allocate
         runner.offload.allocate(background=host_pool_in_background)
     core = EngineCore(runner, scheduler, config, eos_token_ids, step_observer)
+    parts["prefill_shapes"] = 0.0
     if config.compile_prefill:
         start = time.perf_counter()
         compile_prefill_shapes(core)
-        seconds["compile"] += time.perf_counter() - start
-    core.start_up_seconds = seconds
+        parts["prefill_shapes"] = time.perf_counter() - start
+    # the start-up's compile phase, part by part
+    compiled = {COMPILE_PARTS[k]: v for k, v in parts.items() if k in COMPILE_PARTS}
+    log.info("compiled in %.2f s: %s", sum(compiled.values()),
+             ", ".join(f"{part} {v:.2f} s" for part, v in compiled.items()))
+    core.start_up_seconds = start_up_phases(parts)
     return core
+
+
+# what the start-up's compile phase holds (ModelRunner.capture_graphs, compile_prefill_shapes)
+COMPILE_PARTS = {
+    "decode_kernel_variants": "mixed steps' decode-kernel variants",
+    "fp8_gemm_variants": "FP8 GEMM variants",
+    "decode_forwards": "decode forwards",
+    "prefill_shapes": "prefill and mixed shapes",
+}
+
+
+def start_up_phases(parts: dict[str, float]) -> dict[str, float]:
+    """The build's parts as the start-up's phases: graph capture, and the compile (all the rest)."""
+    capture = parts.get("graph_capture", 0.0)
+    return {"compile": sum(parts.values()) - capture, "graph_capture": capture}
 
 
 def resolve(config: EngineConfig, model: torch.nn.Module) -> EngineConfig:
