@@ -97,11 +97,10 @@ def build_core(
         start = time.perf_counter()
         compile_prefill_shapes(core)
         parts["prefill_shapes"] = time.perf_counter() - start
-    # the start-up's compile phase, part by part
-    compiled = {COMPILE_PARTS[k]: v for k, v in parts.items() if k in COMPILE_PARTS}
-    log.info("compiled in %.2f s: %s", sum(compiled.values()),
-             ", ".join(f"{part} {v:.2f} s" for part, v in compiled.items()))
     core.start_up_seconds = start_up_phases(parts)
+    # the start-up's compile phase, part by part
+    log.info("compiled in %.2f s: %s", core.start_up_seconds["compile"],
+             ", ".join(f"{COMPILE_PARTS[k]} {v:.2f} s" for k, v in parts.items() if k in COMPILE_PARTS))
     return core
 
 
